@@ -1,0 +1,319 @@
+"""The backend protocol: what an attention backend must provide.
+
+A backend owns the layout of the KV cache and the attention computation over it. One decode step is
+split into host-side planning and per-layer work (the FlashInfer ``plan()``/``run()`` split)::
+
+    cache = backend.create_cache(workload, config=config, num_layers=L, max_seq_len=S)
+    plan = backend.plan(cache, num_new=[T] * B)             # host work, once per step; may allocate
+    for layer in range(L):
+        out = backend.prefill(cache, plan, layer=layer, q=q, k=k, v=v)   # q: [B, T, Hq, Dk]
+    cache.commit(plan)
+    plan = backend.plan(cache, num_new=[1] * B)             # every decode step
+    for layer in range(L):
+        out = backend.decode(cache, plan, layer=layer, q=q, k=k, v=v)    # q: [B, Hq, Dk] -> [B, Hq, Dv]
+    cache.commit(plan)
+
+``plan()`` builds everything a step needs that is shared by all layers (lengths, block tables, split
+plans) and may allocate; ``decode()`` and ``append()`` do no host-side planning, so on CUDA a decode
+step (all layers) can be captured in a graph once its plan exists.
+
+Tensor conventions (``B`` batch, ``T`` new tokens, ``S`` cached tokens):
+
+- ``q``: ``[B, Hq, Dk]`` in decode, ``[B, T, Hq, Dk]`` in prefill (right-padded to ``max(num_new)``)
+- ``k``: ``[B, Hkv, Dk]`` / ``[B, T, Hkv, Dk]``; ``v``: ``[B, Hkv, Dv]`` / ``[B, T, Hkv, Dv]``
+- for the MLA latent form (``kv_form = "latent"``) ``Hkv = 1``, ``k`` is ``[latent | rope]`` and ``v``
+  is the latent, i.e. ``v == k[..., :Dv]``; a latent cache stores ``k`` once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from attnbench.shapes import AttentionGeometry
+from attnbench.workload import Workload
+
+__all__ = [
+    "PLUGIN_API_VERSION",
+    "Backend",
+    "ConfigError",
+    "KVCache",
+    "StepPlan",
+    "Tolerance",
+    "Tunable",
+    "causal_attention",
+]
+
+#: Version of the backend/plugin contract. Bumped on incompatible changes to this module.
+PLUGIN_API_VERSION = 1
+
+
+class ConfigError(ValueError):
+    """A backend config names an unknown tunable or a value outside its choices."""
+
+
+@dataclass(frozen=True)
+class Tunable:
+    """One tunable parameter of a backend, declared as data (like a ``triton.Config`` list)."""
+
+    name: str
+    choices: tuple[Any, ...]
+    default: Any
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if self.default not in self.choices:
+            raise ValueError(f"tunable {self.name!r}: default {self.default!r} not in choices {self.choices}")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest error a backend declares against the float64 reference."""
+
+    max_abs: float
+    rel_l2: float
+    min_cosine: float
+
+
+#: Default tolerances by compute dtype (random N(0, 1) inputs; outputs are O(1)).
+DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(max_abs=2e-5, rel_l2=1e-5, min_cosine=0.999_999),
+    torch.float16: Tolerance(max_abs=2e-3, rel_l2=3e-3, min_cosine=0.999_9),
+    torch.bfloat16: Tolerance(max_abs=2e-2, rel_l2=2e-2, min_cosine=0.999),
+}
+
+
+@dataclass
+class StepPlan:
+    """Per-step metadata shared by every layer. Backends subclass it to add their own fields.
+
+    ``positions[i]`` is where sequence ``i``'s new tokens start; ``seq_lens_after[i]`` its length
+    once the step is committed.
+    """
+
+    num_new: tuple[int, ...]
+    positions: tuple[int, ...]
+    seq_lens_after: tuple[int, ...]
+    device_lens: torch.Tensor  # [B] int32, == seq_lens_after, on the cache's device
+    device_positions: torch.Tensor  # [B] int64, == positions, on the cache's device
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_new(self) -> int:
+        return max(self.num_new)
+
+
+class KVCache:
+    """Base of every cache: knows its geometry, lengths and config; subclasses own the buffers."""
+
+    def __init__(
+        self,
+        *,
+        workload: Workload,
+        geometry: AttentionGeometry,
+        config: Mapping[str, Any],
+        num_layers: int,
+        max_seq_len: int,
+    ) -> None:
+        if num_layers <= 0:
+            raise ValueError(f"num_layers = {num_layers} must be > 0")
+        self.workload = workload
+        self.geometry = geometry
+        self.config = dict(config)
+        self.num_layers = num_layers
+        self.max_seq_len = max_seq_len
+        self.batch = workload.batch
+        self.dtype = workload.dtype
+        self.device = torch.device(workload.device)
+        self.seq_lens: tuple[int, ...] = (0,) * workload.batch
+
+    def commit(self, plan: StepPlan) -> None:
+        """Make the tokens written under ``plan`` part of every sequence (after the last layer)."""
+        self.seq_lens = plan.seq_lens_after
+
+    def reset(self) -> None:
+        self.seq_lens = (0,) * self.batch
+
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token occupies over all layers of this cache (including any scales)."""
+        g = self.geometry
+        per_layer = g.num_kv_heads * (g.qk_head_dim + g.v_head_dim) * self.dtype.itemsize
+        return per_layer * self.num_layers
+
+    def nbytes(self) -> int:
+        """Bytes of device memory the cache holds (0 if unknown)."""
+        return 0
+
+
+class Backend(ABC):
+    """An attention backend. Subclass it, declare the class attributes, implement the methods.
+
+    Class attributes:
+        name: registry name (lowercase, ``[a-z0-9_]``).
+        description: one line for ``attnbench backends``.
+        tunables: the search space, as data; ``default_config()`` takes each default.
+        kv_form: ``"expanded"`` (per-head K/V) or ``"latent"`` (MLA absorbed, one shared KV head).
+        plugin_api: the ``PLUGIN_API_VERSION`` the backend was written for.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    tunables: ClassVar[tuple[Tunable, ...]] = ()
+    kv_form: ClassVar[str] = "expanded"
+    plugin_api: ClassVar[int] = PLUGIN_API_VERSION
+
+    # -- what it can do --------------------------------------------------------------------------
+    def supports(self, workload: Workload) -> list[str]:
+        """Reasons this backend cannot run ``workload``; an empty list means it can."""
+        return []
+
+    def implementation(self, workload: Workload) -> str:
+        """The implementation that would actually run (e.g. ``"torch.sdpa[flash]"``)."""
+        return type(self).__qualname__
+
+    def interpreted(self, workload: Workload) -> bool:
+        """True when the kernels would run in an interpreter: checked for correctness, never timed."""
+        return False
+
+    def tolerance(self, dtype: torch.dtype) -> Tolerance:
+        """Declared error bound against the exact float64 reference for compute dtype ``dtype``."""
+        return DEFAULT_TOLERANCES[dtype]
+
+    def reference_kv(self, k: torch.Tensor, v: torch.Tensor, *, config: Mapping[str, Any]) -> tuple | None:
+        """K/V as this backend stores them (e.g. quantised then dequantised), or ``None`` if exact.
+
+        When not ``None`` the gate also compares against a reference built from these, with
+        :meth:`stored_tolerance`.
+        """
+        return None
+
+    def stored_tolerance(self, dtype: torch.dtype) -> Tolerance:
+        return DEFAULT_TOLERANCES[dtype]
+
+    def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
+        """The tunables that matter for ``workload`` (default: all); the tuner searches only these."""
+        return self.tunables
+
+    # -- configs ---------------------------------------------------------------------------------
+    @classmethod
+    def default_config(cls) -> dict[str, Any]:
+        return {t.name: t.default for t in cls.tunables}
+
+    @classmethod
+    def resolve_config(cls, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Fill defaults and validate; an error names the tunable, the value and the choices."""
+        resolved = cls.default_config()
+        by_name = {t.name: t for t in cls.tunables}
+        for key, value in (config or {}).items():
+            if key not in by_name:
+                accepted = ", ".join(by_name) or "none"
+                raise ConfigError(f"backend {cls.name!r} has no tunable {key!r}; tunables: {accepted}")
+            if value not in by_name[key].choices:
+                raise ConfigError(
+                    f"backend {cls.name!r}: {key} = {value!r} not in {tuple(by_name[key].choices)}"
+                )
+            resolved[key] = value
+        return resolved
+
+    @classmethod
+    def all_configs(cls) -> list[dict[str, Any]]:
+        """Every combination of tunable choices (the full grid)."""
+        names = [t.name for t in cls.tunables]
+        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(t.choices for t in cls.tunables))]
+
+    # -- the cache and the step ------------------------------------------------------------------
+    @abstractmethod
+    def create_cache(
+        self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
+    ) -> KVCache:
+        """Allocate an empty cache for ``workload.batch`` sequences of up to ``max_seq_len`` tokens."""
+
+    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:
+        """Build the step's shared metadata (host work; may allocate). Override to add fields."""
+        return base_plan(cache, num_new)
+
+    @abstractmethod
+    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the step's new K/V of ``layer`` (``[B, T, Hkv, D]``, right-padded) at ``plan.positions``."""
+
+    @abstractmethod
+    def decode(
+        self,
+        cache: KVCache,
+        plan: StepPlan,
+        *,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """Append one token per sequence to ``layer`` and attend: ``q [B, Hq, Dk]`` → ``[B, Hq, Dv]``.
+
+        Capturable: no host-side planning, no host-device sync.
+        """
+
+    def prefill(
+        self,
+        cache: KVCache,
+        plan: StepPlan,
+        *,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write a prompt into an empty cache and return causal attention over it.
+
+        ``q [B, T, Hq, Dk]`` → ``[B, T, Hq, Dv]``; rows past ``plan.num_new[i]`` are zero. The default
+        appends, then runs torch SDPA on the given K/V (they are the whole history).
+        """
+        if any(plan.positions):
+            raise ValueError(f"backend {self.name!r}: prefill needs an empty cache; lengths are {plan.positions}")
+        self.append(cache, plan, layer=layer, k=k, v=v)
+        return causal_attention(q, k, v, plan.num_new, scale=cache.geometry.scale)
+
+
+def base_plan(cache: KVCache, num_new: Sequence[int]) -> StepPlan:
+    num_new = tuple(int(n) for n in num_new)
+    if len(num_new) != cache.batch:
+        raise ValueError(f"plan: num_new has {len(num_new)} entries; the cache holds {cache.batch} sequences")
+    after = tuple(p + n for p, n in zip(cache.seq_lens, num_new, strict=True))
+    if max(after) > cache.max_seq_len:
+        raise ValueError(f"plan: a sequence would reach {max(after)} tokens; cache max_seq_len is {cache.max_seq_len}")
+    return StepPlan(
+        num_new=num_new,
+        positions=cache.seq_lens,
+        seq_lens_after=after,
+        device_lens=torch.tensor(after, dtype=torch.int32, device=cache.device),
+        device_positions=torch.tensor(cache.seq_lens, dtype=torch.int64, device=cache.device),
+    )
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], *, scale: float
+) -> torch.Tensor:
+    """Causal attention of right-padded prompts in the inputs' dtype (fp32 softmax).
+
+    ``q [B, T, Hq, Dk]``, ``k [B, T, Hkv, Dk]``, ``v [B, T, Hkv, Dv]`` → ``[B, T, Hq, Dv]``; rows past
+    ``lengths[i]`` are zero. GQA is handled by grouping query heads, without repeating K/V.
+    """
+    b, t, hq, _ = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    qg = q.view(b, t, hkv, g, -1).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dk]
+    kt = k.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, Dk, T]
+    scores = torch.matmul(qg, kt).float() * scale  # [B, Hkv, G, T, T]
+    idx = torch.arange(t, device=q.device)
+    lens = torch.as_tensor(list(lengths), device=q.device)
+    valid = (idx[None, :, None] >= idx[None, None, :]) & (idx[None, None, :] < lens[:, None, None])  # [B, T, T]
+    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hkv, G, T, Dv]
+    out = out.permute(0, 3, 1, 2, 4).reshape(b, t, hq, -1)
+    row_valid = idx[None, :] < lens[:, None]  # [B, T]
+    return out * row_valid[:, :, None, None].to(out.dtype)

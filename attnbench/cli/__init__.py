@@ -1,0 +1,53 @@
+"""The ``attnbench`` command line. Each subcommand lives in its own module of this package.
+
+A subcommand module defines ``register(subparsers)``, which adds its parser and sets
+``func=run`` with ``run(args) -> int``. Add new modules to ``COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from attnbench import __version__
+
+#: Subcommand modules, in the order ``--help`` lists them.
+COMMANDS = ["backends"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnbench",
+        description=(
+            "Pick the fastest correct attention backend for LLM decoding by measuring it: every "
+            "candidate is checked against a float64 reference, then timed, and reported against the "
+            "device's measured memory bandwidth."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"attnbench {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"attnbench.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, LookupError) as err:  # bad input: one clear line, no traceback
+        print(f"attnbench {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

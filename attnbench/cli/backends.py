@@ -1,0 +1,79 @@
+"""``attnbench backends`` — every registered backend, where it comes from, and whether it can run."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from attnbench.cli.common import add_model_option, add_workload_options, console, emit_json, workloads_from_args
+from attnbench.registry import load_registry
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "backends",
+        help="list registered backends and whether each can run a workload",
+        description=(
+            "List every registered backend (built-in and plugins), where it comes from, the "
+            "implementation it would use, and — with --model — whether it can run that workload or why "
+            "not. Plugins that failed to load are listed with their error."
+        ),
+    )
+    add_model_option(p)
+    add_workload_options(p, batch="1", context="4096")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    reg = load_registry()
+    workload = workloads_from_args(args)[0] if args.model else None
+    rows = []
+    for entry in reg:
+        backend = entry.create()
+        row = {
+            "name": entry.name,
+            "source": str(entry.source),
+            "distribution": entry.source.distribution,
+            "version": entry.source.version,
+            "description": entry.cls.description,
+            "tunables": {t.name: list(t.choices) for t in entry.cls.tunables},
+        }
+        if workload is not None:
+            reasons = backend.supports(workload)
+            row |= {
+                "workload": workload.describe(),
+                "runnable": not reasons,
+                "reasons": reasons,
+                "implementation": backend.implementation(workload),
+                "interpreted": bool(not reasons and backend.interpreted(workload)),
+            }
+        rows.append(row)
+    failures = [
+        {"plugin": f.plugin, "distribution": f.distribution, "version": f.version, "stage": f.stage, "error": f.error}
+        for f in reg.failures
+    ]
+    if args.json:
+        emit_json({"backends": rows, "broken_plugins": failures, "skipped_plugins": reg.skipped})
+        return 0
+    out = console()
+    title = f"backends for {workload.describe()}" if workload else "registered backends"
+    table = Table(title=title)
+    for col in ("name", "source", "implementation" if workload else "description", "status"):
+        table.add_column(col)
+    for row in rows:
+        if workload is None:
+            status = ", ".join(f"{k}∈{v}" for k, v in row["tunables"].items()) or "-"
+            table.add_row(row["name"], row["source"], row["description"], status)
+        else:
+            status = "runnable" + (" (interpreted: checked, never timed)" if row["interpreted"] else "")
+            if not row["runnable"]:
+                status = "cannot run: " + "; ".join(row["reasons"])
+            table.add_row(row["name"], row["source"], row["implementation"], status)
+    out.print(table)
+    for f in reg.failures:
+        out.print(f"[red]broken plugin[/red] {f}")
+    if reg.skipped:
+        out.print(f"skipped (not in ATTNBENCH_PLUGINS): {', '.join(reg.skipped)}")
+    return 0

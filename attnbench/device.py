@@ -1,0 +1,156 @@
+"""Device profile: a fingerprint of the machine and its measured memory bandwidth (the roofline).
+
+The bandwidth is measured once per fingerprint with a large copy (bytes read + bytes written over the
+median time) and a large read (a sum), and cached as JSON under ``$ATTNBENCH_CACHE_DIR`` (default
+``~/.cache/attnbench``). ``load_profile(remeasure=True)`` measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnbench.timing import measure
+
+__all__ = ["DeviceProfile", "cache_dir", "fingerprint", "load_profile", "measure_bandwidth"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ATTNBENCH_CACHE_DIR") or Path.home() / ".cache" / "attnbench")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:  # triton missing or broken: the fingerprint says so
+        return "unavailable"
+
+
+def fingerprint(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """What identifies this device for tuning: name, capability or CPU, threads, library versions."""
+    dev = torch.device(device)
+    fp: dict[str, Any] = {
+        "kind": dev.type,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "python": platform.python_version(),
+    }
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        fp |= {
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "sm_count": props.multi_processor_count,
+            "cuda": torch.version.cuda,
+            "driver": _driver_version(),
+        }
+    else:
+        fp |= {
+            "name": _cpu_name(),
+            "arch": platform.machine(),
+            "threads": torch.get_num_threads(),
+            "isa": torch.backends.cpu.get_cpu_capability(),
+        }
+    return fp
+
+
+def _driver_version() -> str:
+    try:
+        import subprocess
+
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, IndexError, Exception):
+        return "unknown"
+
+
+def fingerprint_id(fp: dict[str, Any]) -> str:
+    """Short stable id of a fingerprint (hardware + versions)."""
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """The device's fingerprint and measured bandwidths in bytes/s."""
+
+    fingerprint: dict[str, Any]
+    copy_bandwidth: float  # (read + write) bytes / s of a large copy
+    read_bandwidth: float  # bytes / s of a large reduction
+    buffer_bytes: int
+    measured_at: str
+
+    @property
+    def id(self) -> str:
+        return fingerprint_id(self.fingerprint)
+
+    @property
+    def name(self) -> str:
+        return str(self.fingerprint.get("name", "unknown"))
+
+    @property
+    def bandwidth(self) -> float:
+        """The roofline every figure is reported against: the measured copy bandwidth."""
+        return self.copy_bandwidth
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"id": self.id}
+
+
+def measure_bandwidth(device: str | torch.device = "cpu", *, nbytes: int | None = None) -> tuple[float, float, int]:
+    """(copy bytes/s, read bytes/s, buffer bytes) from a buffer far larger than any cache."""
+    dev = torch.device(device)
+    if nbytes is None:
+        nbytes = 2 * 2**30 if dev.type == "cuda" else 512 * 2**20
+    n = nbytes // 4
+    src = torch.randn(n, device=dev)
+    dst = torch.empty_like(src)
+    copy = measure(lambda i: dst.copy_(src), device=dev, warmup=3, repeats=15 if dev.type == "cuda" else 9)
+    read = measure(lambda i: src.sum(), device=dev, warmup=3, repeats=15 if dev.type == "cuda" else 9)
+    return 2 * n * 4 / copy.median_s, n * 4 / read.median_s, n * 4
+
+
+def load_profile(device: str | torch.device = "cpu", *, remeasure: bool = False) -> DeviceProfile:
+    """The cached profile for this device's fingerprint, measuring it first if needed."""
+    from datetime import datetime, timezone
+
+    fp = fingerprint(device)
+    path = cache_dir() / "device" / f"{fingerprint_id(fp)}.json"
+    if path.exists() and not remeasure:
+        try:
+            data = json.loads(path.read_text())
+            return DeviceProfile(**{k: v for k, v in data.items() if k != "id"})
+        except (ValueError, TypeError):
+            pass  # unreadable cache entry: measure again and overwrite it
+    copy_bw, read_bw, size = measure_bandwidth(device)
+    profile = DeviceProfile(fp, copy_bw, read_bw, size, datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        json.dump(profile.as_dict(), tmp, indent=2)
+    os.replace(tmp.name, path)
+    return profile

@@ -1,0 +1,88 @@
+"""Timing a callable honestly: warm-up first, device sync, median over repeats, rotated inputs.
+
+On CUDA each call is timed with CUDA events; on CPU with ``perf_counter``. The callable takes the
+index of the input set to use, so that callers can rotate among several copies of their inputs and
+caches do not flatter small cases. Compile and autotune time belong in the warm-up, never in a sample.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["Timing", "measure", "synchronize"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call: median, 10th and 90th percentile over ``repeats`` samples."""
+
+    median_s: float
+    p10_s: float
+    p90_s: float
+    repeats: int
+    warmup: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _quantile(sorted_samples: list[float], q: float) -> float:
+    if len(sorted_samples) == 1:
+        return sorted_samples[0]
+    return statistics.quantiles(sorted_samples, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def measure(
+    fn: Callable[[int], object],
+    *,
+    device: torch.device | str = "cpu",
+    warmup: int = 3,
+    repeats: int = 15,
+    rotate: int = 1,
+    max_seconds: float | None = None,
+) -> Timing:
+    """Time ``fn(i)`` where ``i`` cycles over ``range(rotate)``.
+
+    ``warmup`` untimed calls run first (one per input set at least). ``max_seconds`` caps the timed
+    phase: sampling stops early once it is exceeded, keeping at least 3 samples.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats = {repeats} must be ≥ 1")
+    dev = torch.device(device)
+    for i in range(max(warmup, rotate)):
+        fn(i % rotate)
+    synchronize(dev)
+    samples: list[float] = []
+    start_all = time.perf_counter()
+    for i in range(repeats):
+        if dev.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn(i % rotate)
+            end.record()
+            end.synchronize()
+            samples.append(begin.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn(i % rotate)
+            samples.append(time.perf_counter() - t0)
+        if max_seconds is not None and len(samples) >= 3 and time.perf_counter() - start_all > max_seconds:
+            break
+    samples.sort()
+    return Timing(
+        median_s=statistics.median(samples),
+        p10_s=_quantile(samples, 0.10),
+        p90_s=_quantile(samples, 0.90),
+        repeats=len(samples),
+        warmup=max(warmup, rotate),
+    )

@@ -1,0 +1,148 @@
+"""``flash`` — FlashAttention.
+
+Two implementations, and it reports which one runs:
+
+- ``flash_attn.flash_attn_with_kvcache`` (the flash-attn package) on CUDA with fp16/bf16: appends the
+  new token and attends in one kernel over a ``[B, S, Hkv, D]`` cache, with split-KV (``num_splits``,
+  0 = flash-attn's heuristic) as a tunable;
+- otherwise PyTorch's SDPA restricted to its flash kernel (``SDPBackend.FLASH_ATTENTION``) where the
+  platform has one — CPU included — over a ``[B, Hkv, S, D]`` cache with native GQA.
+
+Where neither exists, ``supports()`` says why. Both need ``Dk == Dv`` (so not MLA's expanded form).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from attnbench.backend import Backend, KVCache, StepPlan, Tunable, base_plan
+from attnbench.kvcache import ContiguousKVCache
+from attnbench.workload import Workload
+
+FLASH_ATTN = "flash_attn.flash_attn_with_kvcache"
+SDPA_FLASH = "torch.sdpa[flash]"
+
+
+@functools.cache
+def _flash_attn_import_error() -> str | None:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception as err:  # ImportError, or a broken CUDA extension
+        return f"flash-attn not importable ({type(err).__name__}: {err})"
+    return None
+
+
+@functools.cache
+def _sdpa_flash_error(device_type: str, dtype: torch.dtype) -> str | None:
+    """Run SDPA's flash kernel once on a tiny input; the error if the platform has none."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        q = torch.randn(1, 2, 1, 64, device=device_type).to(dtype)
+        k = torch.randn(1, 1, 8, 64, device=device_type).to(dtype)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    except (RuntimeError, AssertionError) as err:
+        return f"torch SDPA has no flash kernel for {device_type}/{dtype}: {str(err).splitlines()[0]}"
+    return None
+
+
+class FlashBackend(Backend):
+    name = "flash"
+    description = "FlashAttention: flash-attn on CUDA, else torch SDPA's flash kernel"
+    tunables = (Tunable("num_splits", (0, 1, 2, 4, 8, 16), 0, "flash-attn split-KV count; 0 = heuristic"),)
+
+    def _impl(self, workload: Workload) -> tuple[str | None, list[str]]:
+        reasons: list[str] = []
+        g = workload.geometry(self.kv_form)
+        if g.qk_head_dim != g.v_head_dim:
+            return None, [f"key head_dim {g.qk_head_dim} != value head_dim {g.v_head_dim} (MLA expanded form)"]
+        dev = torch.device(workload.device).type
+        if dev == "cuda" and workload.dtype in (torch.float16, torch.bfloat16) and g.qk_head_dim <= 256:
+            err = _flash_attn_import_error()
+            if err is None:
+                return FLASH_ATTN, []
+            reasons.append(err)
+        err = _sdpa_flash_error(dev, workload.dtype)
+        if err is None:
+            return SDPA_FLASH, []
+        return None, [*reasons, err]
+
+    def supports(self, workload: Workload) -> list[str]:
+        return self._impl(workload)[1]
+
+    def implementation(self, workload: Workload) -> str:
+        impl, reasons = self._impl(workload)
+        return impl or "unavailable: " + "; ".join(reasons)
+
+    def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
+        return self.tunables if self._impl(workload)[0] == FLASH_ATTN else ()
+
+    def create_cache(
+        self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
+    ) -> ContiguousKVCache:
+        impl = self._impl(workload)[0]
+        if impl is None:
+            raise ValueError(f"backend 'flash' cannot run {workload.describe()}: {'; '.join(self.supports(workload))}")
+        cache = ContiguousKVCache(
+            workload=workload,
+            geometry=workload.geometry(self.kv_form),
+            config=config,
+            num_layers=num_layers,
+            max_seq_len=max_seq_len,
+            heads_first=impl == SDPA_FLASH,
+        )
+        cache.config["implementation"] = impl
+        return cache
+
+    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:
+        plan = base_plan(cache, num_new)
+        if cache.config["implementation"] == FLASH_ATTN:
+            plan.extra["cache_seqlens"] = plan.device_positions.to(torch.int32)
+        elif len(set(plan.seq_lens_after)) > 1:
+            cols = torch.arange(max(plan.seq_lens_after), device=cache.device)
+            plan.extra["keep"] = (cols[None, :] < plan.device_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        return plan
+
+    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert isinstance(cache, ContiguousKVCache)
+        cache.write(plan, layer=layer, k=k, v=v)
+
+    def decode(
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        assert isinstance(cache, ContiguousKVCache)
+        scale = cache.geometry.scale
+        if cache.config["implementation"] == FLASH_ATTN:
+            from flash_attn import flash_attn_with_kvcache
+
+            out = flash_attn_with_kvcache(
+                q[:, None],
+                cache.k[layer],
+                cache.v[layer],
+                k=k[:, None],
+                v=v[:, None],
+                cache_seqlens=plan.extra["cache_seqlens"],
+                softmax_scale=scale,
+                causal=True,
+                num_splits=cache.config.get("num_splits", 0),
+            )
+            return out[:, 0]
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
+        s = max(plan.seq_lens_after)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, None],  # [B, Hq, 1, D]
+                cache.k[layer, :, :, :s],  # [B, Hkv, S, D]
+                cache.v[layer, :, :, :s],
+                attn_mask=plan.extra.get("keep"),
+                scale=scale,
+                enable_gqa=True,
+            )
+        return out[:, :, 0]

@@ -1,0 +1,75 @@
+"""``naive`` — plain PyTorch attention over a contiguous cache.
+
+The baseline every other backend is measured against. GQA groups the query heads of one KV head
+(``q: [B, Hkv, G, D]``) and multiplies against that head's keys, so repeated K/V are never
+materialised. Scores and softmax are float32; the matmuls run in the cache dtype. Handles any head
+dims (MLA's expanded form with ``Dk != Dv`` included) on any device torch supports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from attnbench.backend import Backend, KVCache, StepPlan, base_plan
+from attnbench.kvcache import ContiguousKVCache
+from attnbench.workload import Workload
+
+
+class NaiveBackend(Backend):
+    name = "naive"
+    description = "plain torch matmul + softmax over a contiguous cache (the baseline)"
+    tunables = ()
+
+    def implementation(self, workload: Workload) -> str:
+        return "torch.matmul"
+
+    def supports(self, workload: Workload) -> list[str]:
+        if workload.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return [f"dtype {workload.dtype_name} not in (fp32, fp16, bf16)"]
+        return []
+
+    def create_cache(
+        self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
+    ) -> ContiguousKVCache:
+        return ContiguousKVCache(
+            workload=workload,
+            geometry=workload.geometry(self.kv_form),
+            config=config,
+            num_layers=num_layers,
+            max_seq_len=max_seq_len,
+            heads_first=True,
+        )
+
+    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:
+        plan = base_plan(cache, num_new)
+        s = max(plan.seq_lens_after)
+        if len(set(plan.seq_lens_after)) > 1:  # ragged: mask the tail of shorter sequences, once per step
+            cols = torch.arange(s, device=cache.device)
+            plan.extra["mask"] = (cols[None, :] >= plan.device_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        return plan
+
+    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert isinstance(cache, ContiguousKVCache)
+        cache.write(plan, layer=layer, k=k, v=v)
+
+    def decode(
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        assert isinstance(cache, ContiguousKVCache)
+        cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
+        g = cache.geometry
+        b = q.shape[0]
+        s = max(plan.seq_lens_after)
+        keys = cache.k[layer, :, :, :s]  # [B, Hkv, S, Dk]
+        values = cache.v[layer, :, :, :s]  # [B, Hkv, S, Dv]
+        qg = q.view(b, g.num_kv_heads, g.group_size, g.qk_head_dim)  # [B, Hkv, G, Dk]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * g.scale  # [B, Hkv, G, S]
+        mask = plan.extra.get("mask")
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)  # [B, Hkv, G, Dv]
+        return out.view(b, g.num_q_heads, g.v_head_dim)

@@ -1,0 +1,1 @@
+"""The autotuner (Optuna studies per tuning key) and the per-device results tables."""
