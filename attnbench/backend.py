@@ -224,7 +224,10 @@ class Backend(ABC):
     def all_configs(cls) -> list[dict[str, Any]]:
         """Every combination of tunable choices (the full grid)."""
         names = [t.name for t in cls.tunables]
-        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(t.choices for t in cls.tunables))]
+        return [
+            dict(zip(names, combo, strict=True))
+            for combo in itertools.product(*(t.choices for t in cls.tunables))
+        ]
 
     # -- the cache and the step ------------------------------------------------------------------
     @abstractmethod
@@ -273,7 +276,9 @@ class Backend(ABC):
         appends, then runs torch SDPA on the given K/V (they are the whole history).
         """
         if any(plan.positions):
-            raise ValueError(f"backend {self.name!r}: prefill needs an empty cache; lengths are {plan.positions}")
+            raise ValueError(
+                f"backend {self.name!r}: prefill needs an empty cache; lengths are {plan.positions}"
+            )
         self.append(cache, plan, layer=layer, k=k, v=v)
         return causal_attention(q, k, v, plan.num_new, scale=cache.geometry.scale)
 
@@ -284,7 +289,9 @@ def base_plan(cache: KVCache, num_new: Sequence[int]) -> StepPlan:
         raise ValueError(f"plan: num_new has {len(num_new)} entries; the cache holds {cache.batch} sequences")
     after = tuple(p + n for p, n in zip(cache.seq_lens, num_new, strict=True))
     if max(after) > cache.max_seq_len:
-        raise ValueError(f"plan: a sequence would reach {max(after)} tokens; cache max_seq_len is {cache.max_seq_len}")
+        raise ValueError(
+            f"plan: a sequence would reach {max(after)} tokens; cache max_seq_len is {cache.max_seq_len}"
+        )
     return StepPlan(
         num_new=num_new,
         positions=cache.seq_lens,
@@ -310,7 +317,9 @@ def causal_attention(
     scores = torch.matmul(qg, kt).float() * scale  # [B, Hkv, G, T, T]
     idx = torch.arange(t, device=q.device)
     lens = torch.as_tensor(list(lengths), device=q.device)
-    valid = (idx[None, :, None] >= idx[None, None, :]) & (idx[None, None, :] < lens[:, None, None])  # [B, T, T]
+    valid = (idx[None, :, None] >= idx[None, None, :]) & (
+        idx[None, None, :] < lens[:, None, None]
+    )  # [B, T, T]
     scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)
     out = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hkv, G, T, Dv]

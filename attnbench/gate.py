@@ -149,7 +149,9 @@ def check(
     for _ in range(decode_steps):
         plan = backend.plan(cache, num_new=[1] * b)
         for layer in range(num_layers):
-            q, k, v = random_step_inputs(geom, form, batch=b, tokens=1, dtype=dtype, device=device, generator=gen)
+            q, k, v = random_step_inputs(
+                geom, form, batch=b, tokens=1, dtype=dtype, device=device, generator=gen
+            )
             out = backend.decode(cache, plan, layer=layer, q=q[:, 0], k=k[:, 0], v=v[:, 0])
             hk, hv = history[layer]
             hk, hv = _scatter_new(hk, hv, k, v, plan.positions)
@@ -161,7 +163,9 @@ def check(
             if stored is not None:
                 sref = reference_decode(q[:, 0], stored[0], stored[1], plan.seq_lens_after, scale=geom.scale)
                 s_stats = compare(out, sref)
-                worst_stored = s_stats if worst_stored is None or _worse(s_stats, worst_stored) else worst_stored
+                worst_stored = (
+                    s_stats if worst_stored is None or _worse(s_stats, worst_stored) else worst_stored
+                )
         cache.commit(plan)
 
     assert worst is not None

@@ -32,7 +32,11 @@ class ContiguousKVCache(KVCache):
         heads_first: bool = True,
     ) -> None:
         super().__init__(
-            workload=workload, geometry=geometry, config=config, num_layers=num_layers, max_seq_len=max_seq_len
+            workload=workload,
+            geometry=geometry,
+            config=config,
+            num_layers=num_layers,
+            max_seq_len=max_seq_len,
         )
         g, b = geometry, workload.batch
         self.heads_first = heads_first

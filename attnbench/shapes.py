@@ -153,7 +153,9 @@ class ModelShape:
             want = self.qk_nope_head_dim + self.qk_rope_head_dim  # type: ignore[operator]
             if self.head_dim != want:
                 raise self._fail(
-                    "head_dim", self.head_dim, f"for MLA must equal qk_nope_head_dim + qk_rope_head_dim ({want})"
+                    "head_dim",
+                    self.head_dim,
+                    f"for MLA must equal qk_nope_head_dim + qk_rope_head_dim ({want})",
                 )
         if self.active_params is not None and self.active_params > self.num_params:
             raise self._fail("active_params", self.active_params, f"must be ≤ num_params ({self.num_params})")
@@ -219,7 +221,11 @@ class ModelShape:
         return self.params_read_per_token * dtype_bytes(dtype)
 
     def fields(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
 
     def fingerprint(self) -> str:
         """Short hash of every field but the name and source (tuning keys use name + this)."""
@@ -231,14 +237,18 @@ class ModelShape:
     def from_dict(cls, data: dict[str, Any], *, name: str, origin: str = "") -> ModelShape:
         where = f" ({origin})" if origin else ""
         if not isinstance(data, dict):
-            raise ShapeError(f"model shape {name!r}{where}: expected a mapping of fields, got {type(data).__name__}")
+            raise ShapeError(
+                f"model shape {name!r}{where}: expected a mapping of fields, got {type(data).__name__}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         for key in data:
             if key not in known:
                 raise ShapeError(
                     f"model shape {name!r}{where}: unknown field {key!r}; accepted: {', '.join(sorted(known))}"
                 )
-        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name != "name"]
+        required = [
+            f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name != "name"
+        ]
         for key in required:
             if key not in data:
                 raise ShapeError(f"model shape {name!r}{where}: field '{key}' is missing (required)")
@@ -274,7 +284,9 @@ class ModelShape:
                 data["q_lora_rank"] = config["q_lora_rank"]
             data["head_dim"] = data["qk_nope_head_dim"] + data["qk_rope_head_dim"]
         else:
-            data["head_dim"] = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) else hidden)
+            data["head_dim"] = config.get("head_dim") or (
+                hidden // heads if isinstance(hidden, int) else hidden
+            )
         total, active = _estimate_params(config, data)
         data["num_params"] = total
         if active != total:
@@ -293,7 +305,9 @@ def _estimate_params(config: dict[str, Any], d: dict[str, Any]) -> tuple[int, in
         kv += d["kv_lora_rank"] * d["num_heads"] * (d["qk_nope_head_dim"] + d["v_head_dim"])
         attn = q_proj + kv + d["num_heads"] * d["v_head_dim"] * h
     else:
-        attn = h * d["head_dim"] * (d["num_heads"] + 2 * d["num_kv_heads"]) + d["num_heads"] * d["head_dim"] * h
+        attn = (
+            h * d["head_dim"] * (d["num_heads"] + 2 * d["num_kv_heads"]) + d["num_heads"] * d["head_dim"] * h
+        )
     dense_mlp = 3 * h * d["intermediate_size"]
     experts = config.get("n_routed_experts")
     if experts:
@@ -303,7 +317,9 @@ def _estimate_params(config: dict[str, Any], d: dict[str, Any]) -> tuple[int, in
         per_expert = 3 * h * moe_i
         moe_layers = layers - first_dense
         total_mlp = first_dense * dense_mlp + moe_layers * per_expert * (experts + shared)
-        active_mlp = first_dense * dense_mlp + moe_layers * per_expert * (config.get("num_experts_per_tok", 1) + shared)
+        active_mlp = first_dense * dense_mlp + moe_layers * per_expert * (
+            config.get("num_experts_per_tok", 1) + shared
+        )
     else:
         total_mlp = active_mlp = layers * dense_mlp
     embed = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
@@ -349,6 +365,6 @@ def load_shape(model: str | Path | ModelShape) -> ModelShape:
     except yaml.YAMLError as err:
         raise ShapeError(f"{path.name}: not valid YAML ({str(err).splitlines()[0]})") from None
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), dict):
-        (name, fields), = data.items()
+        ((name, fields),) = data.items()
         return ModelShape.from_dict(fields, name=str(name), origin=path.name)
     return ModelShape.from_dict(data, name=path.stem, origin=path.name)

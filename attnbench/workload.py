@@ -23,7 +23,9 @@ def parse_tokens(text: str | int, *, field: str = "context") -> int:
     else:
         m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
         if not m:
-            raise ValueError(f"{field} {text!r} is not a token count; accepted: an integer, optionally with k or m")
+            raise ValueError(
+                f"{field} {text!r} is not a token count; accepted: an integer, optionally with k or m"
+            )
         value = int(m.group(1)) * _SUFFIX[m.group(2).lower()]
     if value <= 0:
         raise ValueError(f"{field} {text!r} must be > 0")

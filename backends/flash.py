@@ -60,7 +60,9 @@ class FlashBackend(Backend):
         reasons: list[str] = []
         g = workload.geometry(self.kv_form)
         if g.qk_head_dim != g.v_head_dim:
-            return None, [f"key head_dim {g.qk_head_dim} != value head_dim {g.v_head_dim} (MLA expanded form)"]
+            return None, [
+                f"key head_dim {g.qk_head_dim} != value head_dim {g.v_head_dim} (MLA expanded form)"
+            ]
         dev = torch.device(workload.device).type
         if dev == "cuda" and workload.dtype in (torch.float16, torch.bfloat16) and g.qk_head_dim <= 256:
             err = _flash_attn_import_error()
@@ -87,7 +89,9 @@ class FlashBackend(Backend):
     ) -> ContiguousKVCache:
         impl = self._impl(workload)[0]
         if impl is None:
-            raise ValueError(f"backend 'flash' cannot run {workload.describe()}: {'; '.join(self.supports(workload))}")
+            raise ValueError(
+                f"backend 'flash' cannot run {workload.describe()}: {'; '.join(self.supports(workload))}"
+            )
         cache = ContiguousKVCache(
             workload=workload,
             geometry=workload.geometry(self.kv_form),

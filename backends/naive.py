@@ -48,7 +48,9 @@ class NaiveBackend(Backend):
         s = max(plan.seq_lens_after)
         if len(set(plan.seq_lens_after)) > 1:  # ragged: mask the tail of shorter sequences, once per step
             cols = torch.arange(s, device=cache.device)
-            plan.extra["mask"] = (cols[None, :] >= plan.device_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+            plan.extra["mask"] = (cols[None, :] >= plan.device_lens[:, None])[
+                :, None, None, :
+            ]  # [B, 1, 1, S]
         return plan
 
     def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

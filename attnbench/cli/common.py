@@ -20,7 +20,9 @@ def console() -> Console:
     return Console(highlight=False, soft_wrap=True)
 
 
-def add_model_option(parser: argparse.ArgumentParser, *, required: bool = False, default: str | None = None) -> None:
+def add_model_option(
+    parser: argparse.ArgumentParser, *, required: bool = False, default: str | None = None
+) -> None:
     parser.add_argument(
         "--model",
         "-m",
@@ -30,12 +32,23 @@ def add_model_option(parser: argparse.ArgumentParser, *, required: bool = False,
     )
 
 
-def add_workload_options(parser: argparse.ArgumentParser, *, batch: str, context: str, dtype: str = "bf16") -> None:
-    parser.add_argument("--batch", "-b", default=batch, help=f"batch sizes, comma-separated (default {batch})")
+def add_workload_options(
+    parser: argparse.ArgumentParser, *, batch: str, context: str, dtype: str = "bf16"
+) -> None:
     parser.add_argument(
-        "--context", "-c", default=context, help=f"context lengths, comma-separated, k/m suffixes (default {context})"
+        "--batch", "-b", default=batch, help=f"batch sizes, comma-separated (default {batch})"
     )
-    parser.add_argument("--dtype", default=dtype, help=f"compute/KV dtypes, comma-separated: bf16, fp16, fp32 (default {dtype})")
+    parser.add_argument(
+        "--context",
+        "-c",
+        default=context,
+        help=f"context lengths, comma-separated, k/m suffixes (default {context})",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=dtype,
+        help=f"compute/KV dtypes, comma-separated: bf16, fp16, fp32 (default {dtype})",
+    )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
 
 

@@ -1,0 +1,289 @@
+"""The conformance suite every backend must pass, built-in or plugin (like ``optuna.testing``).
+
+In a plugin's own tests::
+
+    from attnbench.testing import BackendConformance
+    from my_plugin import MyBackend
+
+    class TestMyBackend(BackendConformance):
+        backend = MyBackend          # the class
+        # optional: dtypes = ("fp32", "bf16"); device = "cuda"; configs = [{"block": 64}]
+
+pytest then runs, for every case shape (MHA, GQA, MQA, and MLA for MLA-capable backends) × dtype ×
+config: a ragged prefill followed by several decode steps against the float64 reference, the
+correctness gate at a longer ragged context, and contract checks. Every run draws fresh random
+inputs (the seed is printed on failure). A case the backend's ``supports()`` refuses is skipped with
+that reason; at least one case must be supported.
+
+Outside pytest, :func:`run_case` runs one case and raises ``AssertionError`` on a mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from attnbench.backend import Backend, ConfigError
+from attnbench.gate import check, random_step_inputs, within
+from attnbench.reference import compare, reference_decode, reference_prefill
+from attnbench.shapes import ModelShape, load_shape, parse_dtype
+from attnbench.workload import Workload
+
+__all__ = ["CASES", "BackendConformance", "ConformanceCase", "conformance_configs", "run_case"]
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    """One shape with a ragged batch: prompt lengths, then decode steps; ``gate_lens`` for check()."""
+
+    id: str
+    shape: ModelShape
+    prompt_lens: tuple[int, ...]
+    gate_lens: tuple[int, ...]
+    decode_steps: int = 3
+
+
+def _shape(name: str, heads: int, kv_heads: int, head_dim: int) -> ModelShape:
+    return ModelShape(
+        name=name,
+        num_layers=2,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=heads * head_dim,
+        intermediate_size=4 * heads * head_dim,
+        vocab_size=256,
+        num_params=1_000_000,
+        source="attnbench conformance shape",
+    )
+
+
+CASES: tuple[ConformanceCase, ...] = (
+    ConformanceCase("mha", _shape("conf-mha", 4, 4, 32), (7, 19, 1, 33), (70, 5, 129)),
+    ConformanceCase("gqa", _shape("conf-gqa", 8, 2, 64), (16, 3, 40), (100, 257)),
+    ConformanceCase("mqa", _shape("conf-mqa", 4, 1, 64), (1, 24), (33, 190, 2)),
+    ConformanceCase("mla", load_shape("tiny-mla"), (9, 21, 2), (64, 131)),
+)
+
+
+def conformance_configs(backend: type[Backend]) -> list[dict[str, Any]]:
+    """The default config, then each tunable's other choices one at a time (others at default)."""
+    base = backend.default_config()
+    configs = [base]
+    for t in backend.tunables:
+        configs += [{**base, t.name: c} for c in t.choices if c != t.default]
+    return configs
+
+
+def _fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def run_case(
+    backend: Backend,
+    case: ConformanceCase,
+    *,
+    dtype: str | torch.dtype,
+    config: Mapping[str, Any] | None = None,
+    device: str = "cpu",
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """Ragged prefill then ``case.decode_steps`` decode steps on 2 layers, each against float64.
+
+    Raises ``AssertionError`` naming the step, layer and error numbers on any mismatch. Returns the
+    worst errors seen (for reporting).
+    """
+    seed = _fresh_seed() if seed is None else seed
+    gen = torch.Generator().manual_seed(seed)
+    workload = Workload(case.shape, case.prompt_lens, parse_dtype(dtype), device)
+    reasons = backend.supports(workload)
+    if reasons:
+        raise ValueError(f"backend {backend.name!r} does not support case {case.id}: {'; '.join(reasons)}")
+    cfg = backend.resolve_config(config)
+    form = backend.kv_form
+    geom = workload.geometry(form)
+    tol = backend.tolerance(workload.dtype)
+    b, layers = workload.batch, 2
+    cache = backend.create_cache(
+        workload, config=cfg, num_layers=layers, max_seq_len=max(case.prompt_lens) + case.decode_steps
+    )
+    where = f"backend {backend.name!r} case {case.id} {dtype} config {cfg} seed {seed}"
+    worst: dict[str, Any] = {"prefill_rel_l2": 0.0, "decode_rel_l2": 0.0}
+
+    plan = backend.plan(cache, num_new=case.prompt_lens)
+    history = []
+    for layer in range(layers):
+        q, k, v = random_step_inputs(
+            geom,
+            form,
+            batch=b,
+            tokens=max(case.prompt_lens),
+            dtype=workload.dtype,
+            device=device,
+            generator=gen,
+        )
+        out = backend.prefill(cache, plan, layer=layer, q=q, k=k, v=v)
+        ref = reference_prefill(q, k, v, case.prompt_lens, scale=geom.scale)
+        stats = compare(out, ref)
+        failures = within(stats, tol)
+        assert not failures, f"{where}: prefill layer {layer}: {'; '.join(failures)}"
+        worst["prefill_rel_l2"] = max(worst["prefill_rel_l2"], stats.rel_l2)
+        history.append([k, v])
+    cache.commit(plan)
+
+    for step in range(case.decode_steps):
+        plan = backend.plan(cache, num_new=[1] * b)
+        assert plan.positions == tuple(p + step for p in case.prompt_lens), f"{where}: plan positions wrong"
+        for layer in range(layers):
+            q, k, v = random_step_inputs(
+                geom, form, batch=b, tokens=1, dtype=workload.dtype, device=device, generator=gen
+            )
+            out = backend.decode(cache, plan, layer=layer, q=q[:, 0], k=k[:, 0], v=v[:, 0])
+            assert out.shape == (b, geom.num_q_heads, geom.v_head_dim), (
+                f"{where}: decode output shape {tuple(out.shape)}, expected {(b, geom.num_q_heads, geom.v_head_dim)}"
+            )
+            assert out.dtype == workload.dtype, (
+                f"{where}: decode output dtype {out.dtype} != {workload.dtype}"
+            )
+            hk, hv = history[layer]
+            hk = _insert(hk, k, plan.positions)
+            hv = hk[..., : geom.v_head_dim] if form == "latent" else _insert(hv, v, plan.positions)
+            history[layer] = [hk, hv]
+            ref = reference_decode(q[:, 0], hk, hv, plan.seq_lens_after, scale=geom.scale)
+            stats = compare(out, ref)
+            failures = within(stats, tol)
+            stored = backend.reference_kv(hk, hv, config=cfg)
+            if stored is not None:
+                sref = reference_decode(q[:, 0], stored[0], stored[1], plan.seq_lens_after, scale=geom.scale)
+                failures += [
+                    f"vs stored K/V: {f}"
+                    for f in within(compare(out, sref), backend.stored_tolerance(workload.dtype))
+                ]
+            assert not failures, f"{where}: decode step {step} layer {layer}: {'; '.join(failures)}"
+            worst["decode_rel_l2"] = max(worst["decode_rel_l2"], stats.rel_l2)
+        cache.commit(plan)
+    assert cache.seq_lens == tuple(p + case.decode_steps for p in case.prompt_lens), (
+        f"{where}: lengths not committed"
+    )
+    return worst
+
+
+def _insert(hist: torch.Tensor, new: torch.Tensor, positions: tuple[int, ...]) -> torch.Tensor:
+    """``hist [B, S, H, D]`` with ``new [B, 1, H, D]`` written at each sequence's position."""
+    need = max(positions) + 1
+    if hist.shape[1] < need:
+        hist = torch.cat([hist, hist.new_zeros(hist.shape[0], need - hist.shape[1], *hist.shape[2:])], dim=1)
+    hist = hist.clone()
+    for i, p in enumerate(positions):
+        hist[i, p] = new[i, 0]
+    return hist
+
+
+def _config_id(cfg: Mapping[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
+
+
+class BackendConformance:
+    """Subclass with ``backend = YourBackendClass``; pytest collects the conformance tests."""
+
+    backend: ClassVar[type[Backend]]
+    dtypes: ClassVar[tuple[str, ...]] = ("fp32", "bf16")
+    device: ClassVar[str] = "cpu"
+    configs: ClassVar[list[dict[str, Any]] | None] = None
+    cases: ClassVar[tuple[ConformanceCase, ...]] = CASES
+
+    @classmethod
+    def _cases(cls) -> list[ConformanceCase]:
+        if cls.backend.kv_form == "latent":
+            return [c for c in cls.cases if c.shape.is_mla]
+        return list(cls.cases)
+
+    @classmethod
+    def _configs(cls) -> list[dict[str, Any]]:
+        return cls.configs if cls.configs is not None else conformance_configs(cls.backend)
+
+    def pytest_generate_tests(self, metafunc: Any) -> None:
+        cls = metafunc.cls
+        if "case" in metafunc.fixturenames:
+            cases = cls._cases()
+            metafunc.parametrize("case", cases, ids=[c.id for c in cases])
+        if "dtype" in metafunc.fixturenames:
+            metafunc.parametrize("dtype", list(cls.dtypes))
+        if "config" in metafunc.fixturenames:
+            configs = cls._configs()
+            metafunc.parametrize("config", configs, ids=[_config_id(c) for c in configs])
+
+    def _instance_for(self, case: ConformanceCase, dtype: str, lens: tuple[int, ...]) -> Backend:
+        import pytest
+
+        backend = self.backend()
+        reasons = backend.supports(Workload(case.shape, lens, parse_dtype(dtype), self.device))
+        if reasons:
+            pytest.skip(f"{backend.name} does not support {case.id}/{dtype}: {'; '.join(reasons)}")
+        return backend
+
+    # -- contract --------------------------------------------------------------------------------
+    def test_declares_contract(self) -> None:
+        cls = self.backend
+        assert isinstance(cls.name, str) and re.fullmatch(r"[a-z][a-z0-9_]*", cls.name), cls.name
+        assert cls.kv_form in ("expanded", "latent")
+        for t in cls.tunables:
+            assert t.default in t.choices and len(set(t.choices)) == len(t.choices), t
+        backend = cls()
+        w = Workload(self._cases()[0].shape, (4,), torch.float32, self.device)
+        reasons = backend.supports(w)
+        assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), reasons
+        assert isinstance(backend.implementation(w), str)
+        for dt in (torch.float32, torch.bfloat16):
+            tol = backend.tolerance(dt)
+            assert all(math.isfinite(x) and x > 0 for x in (tol.max_abs, tol.rel_l2, tol.min_cosine))
+            assert tol.min_cosine <= 1.0
+
+    def test_supports_some_case(self) -> None:
+        backend = self.backend()
+        supported = [
+            (c.id, d)
+            for c in self._cases()
+            for d in self.dtypes
+            if not backend.supports(Workload(c.shape, c.prompt_lens, parse_dtype(d), self.device))
+        ]
+        assert supported, f"{backend.name} supports none of the conformance cases on {self.device}"
+
+    def test_rejects_unknown_config(self) -> None:
+        import pytest
+
+        with pytest.raises(ConfigError, match="no tunable"):
+            self.backend.resolve_config({"no_such_tunable_xyz": 1})
+        for t in self.backend.tunables:
+            with pytest.raises(ConfigError, match=t.name):
+                self.backend.resolve_config({t.name: object()})
+
+    # -- numerics --------------------------------------------------------------------------------
+    def test_prefill_then_decode(self, case: ConformanceCase, dtype: str, config: dict[str, Any]) -> None:
+        backend = self._instance_for(case, dtype, case.prompt_lens)
+        run_case(backend, case, dtype=dtype, config=config, device=self.device)
+
+    def test_gate_at_ragged_context(self, case: ConformanceCase, dtype: str, config: dict[str, Any]) -> None:
+        backend = self._instance_for(case, dtype, case.gate_lens)
+        workload = Workload(case.shape, case.gate_lens, parse_dtype(dtype), self.device)
+        result = check(backend, workload, config=config)
+        assert result.passed, (
+            f"{backend.name} {case.id} {dtype} {config} seed {result.seed}: {result.summary()}"
+        )
+
+    def test_fresh_inputs_each_run(self, case: ConformanceCase) -> None:
+        """Two runs draw different inputs (guards against a suite that tests one fixed draw)."""
+        dtype = self.dtypes[0]
+        backend = self._instance_for(case, dtype, case.gate_lens)
+        workload = Workload(case.shape, case.gate_lens, parse_dtype(dtype), self.device)
+        a, b = (
+            check(backend, workload, decode_steps=1, num_layers=1),
+            check(backend, workload, decode_steps=1, num_layers=1),
+        )
+        assert a.seed != b.seed and a.passed and b.passed

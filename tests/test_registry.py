@@ -1,0 +1,91 @@
+"""Registry behaviour at the unit level (entry points faked); tests/test_plugins.py installs real ones."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+
+import pytest
+
+import attnbench.registry as registry_mod
+from attnbench.registry import RegistryError, load_registry
+
+NO_PLUGINS = {"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
+def test_builtins_registered_through_the_hook() -> None:
+    reg = load_registry(env=NO_PLUGINS)
+    assert {"naive", "flash"} <= set(reg.names())
+    assert reg.entry("naive").source.kind == "builtin"
+    impls = reg.manager.hook.attnbench_backends.get_hookimpls()
+    assert [i.plugin_name for i in impls] == ["builtin"]
+
+
+def test_unknown_name_lists_registered() -> None:
+    reg = load_registry(env=NO_PLUGINS)
+    with pytest.raises(RegistryError, match=r"unknown backend 'flsh'; registered: naive, flash"):
+        reg.get("flsh")
+
+
+def _fake_plugins(monkeypatch, tmp_path, modules: dict[str, str]) -> None:
+    for name, text in modules.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eps = [EntryPoint(name, name, registry_mod.ENTRY_POINT_GROUP) for name in modules]
+    monkeypatch.setattr(
+        registry_mod, "entry_points", lambda group: eps if group == registry_mod.ENTRY_POINT_GROUP else []
+    )
+
+
+GOOD = """
+import attnbench
+from attnbench.backends.naive import NaiveBackend
+ATTNBENCH_PLUGIN_API = 1
+class Good(NaiveBackend):
+    name = "good_plugin"
+@attnbench.hookimpl
+def attnbench_backends():
+    return [Good]
+"""
+
+
+def test_plugin_raising_on_import_is_listed_broken(monkeypatch, tmp_path) -> None:
+    _fake_plugins(
+        monkeypatch, tmp_path, {"ab_broken_import": "raise RuntimeError('boom at import')", "ab_good": GOOD}
+    )
+    reg = load_registry(env={})
+    assert {"naive", "flash", "good_plugin"} <= set(reg.names())
+    (failure,) = reg.failures
+    assert failure.plugin == "ab_broken_import" and failure.stage == "import"
+    assert "RuntimeError: boom at import" in failure.error
+    reg.get("naive")  # the built-ins still work
+
+
+def test_duplicate_name_names_both_sources(monkeypatch, tmp_path) -> None:
+    dup = GOOD.replace('name = "good_plugin"', 'name = "naive"')
+    _fake_plugins(monkeypatch, tmp_path, {"ab_dup": dup})
+    reg = load_registry(env={})
+    (failure,) = reg.failures
+    assert "'naive'" in failure.error and "plugin 'ab_dup'" in failure.error and "built-in" in failure.error
+    assert reg.entry("naive").source.kind == "builtin"
+
+
+def test_unsupported_api_version(monkeypatch, tmp_path) -> None:
+    _fake_plugins(
+        monkeypatch,
+        tmp_path,
+        {"ab_future": GOOD.replace("ATTNBENCH_PLUGIN_API = 1", "ATTNBENCH_PLUGIN_API = 99")},
+    )
+    reg = load_registry(env={})
+    (failure,) = reg.failures
+    assert failure.stage == "api-version" and "99" in failure.error and "supports 1..1" in failure.error
+    assert "good_plugin" not in reg
+
+
+def test_env_switches(monkeypatch, tmp_path) -> None:
+    _fake_plugins(
+        monkeypatch, tmp_path, {"ab_good": GOOD, "ab_other": GOOD.replace("good_plugin", "other_plugin")}
+    )
+    assert "good_plugin" not in load_registry(env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    reg = load_registry(env={"ATTNBENCH_PLUGINS": "ab_other"})
+    assert "other_plugin" in reg and "good_plugin" not in reg and reg.skipped == ["ab_good"]
+    assert {"good_plugin", "other_plugin"} <= set(load_registry(env={}).names())
