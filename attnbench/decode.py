@@ -32,12 +32,12 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from attnbench.backend import Backend, KVCache
+from attnbench.device import last_level_cache_bytes
 from attnbench.gate import random_step_inputs
 from attnbench.timing import Timing, synchronize
 from attnbench.workload import Workload
@@ -47,7 +47,6 @@ __all__ = [
     "GenerationResult",
     "SyntheticModel",
     "generate",
-    "last_level_cache_bytes",
     "materialised_layers",
 ]
 
@@ -91,22 +90,6 @@ class DecodeModel(Protocol):
 # ---------------------------------------------------------------------------------------------------
 # how many layer caches to materialise
 # ---------------------------------------------------------------------------------------------------
-def last_level_cache_bytes(device: torch.device | str = "cpu") -> int:
-    """Size of the device's last-level cache (CPU L3 from sysfs, GPU L2); 32 MiB if unknown."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 32 * 2**20)
-    best = 0
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            size = (index / "size").read_text().strip()
-            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:].upper(), 1)
-            best = max(best, int(size.rstrip("KMGkmg")) * mult)
-        except (OSError, ValueError):
-            continue
-    return best or 32 * 2**20
-
-
 def materialised_layers(
     *,
     per_layer_bytes: int,

@@ -2,11 +2,15 @@
 
 The bandwidth is measured once per fingerprint with a large copy (bytes read + bytes written over the
 median time) and a large read (a sum), and cached as JSON under ``$ATTNBENCH_CACHE_DIR`` (default
-``~/.cache/attnbench``). ``load_profile(remeasure=True)`` measures again.
+``~/.cache/attnbench``). ``load_profile(remeasure=True)`` (``--remeasure`` on the command line)
+measures again. The buffer is far larger than the last-level cache (on CPU: twice the LLC, 512 MiB to
+1 GiB; on CUDA 2 GiB), so the figure is DRAM/HBM bandwidth, not cache bandwidth. The load average at
+measurement time is recorded too: on a shared machine the figure is only as good as the quiet it got.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,11 +24,35 @@ import torch
 
 from attnbench.timing import measure
 
-__all__ = ["DeviceProfile", "cache_dir", "fingerprint", "load_profile", "measure_bandwidth"]
+__all__ = [
+    "DeviceProfile",
+    "cache_dir",
+    "fingerprint",
+    "last_level_cache_bytes",
+    "load_profile",
+    "measure_bandwidth",
+]
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("ATTNBENCH_CACHE_DIR") or Path.home() / ".cache" / "attnbench")
+
+
+def last_level_cache_bytes(device: str | torch.device = "cpu") -> int:
+    """Size of the device's last-level cache (CPU: the largest cache sysfs lists; CUDA: L2); 32 MiB if
+    unknown."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 32 * 2**20)
+    best = 0
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            size = (index / "size").read_text().strip()
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:].upper(), 1)
+            best = max(best, int(size.rstrip("KMGkmg")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or 32 * 2**20
 
 
 def _cpu_name() -> str:
@@ -104,6 +132,16 @@ class DeviceProfile:
     read_bandwidth: float  # bytes / s of a large reduction
     buffer_bytes: int
     measured_at: str
+    load_avg: tuple[float, float, float] | None = None  # os.getloadavg() when measured (CPU noise)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceProfile:
+        """Inverse of :meth:`as_dict` (ignores ``id`` and keys it does not know)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in known}
+        if fields.get("load_avg") is not None:
+            fields["load_avg"] = tuple(fields["load_avg"])
+        return cls(**fields)
 
     @property
     def id(self) -> str:
@@ -122,11 +160,14 @@ class DeviceProfile:
         return asdict(self) | {"id": self.id}
 
 
-def measure_bandwidth(device: str | torch.device = "cpu", *, nbytes: int | None = None) -> tuple[float, float, int]:
+def measure_bandwidth(
+    device: str | torch.device = "cpu", *, nbytes: int | None = None
+) -> tuple[float, float, int]:
     """(copy bytes/s, read bytes/s, buffer bytes) from a buffer far larger than any cache."""
     dev = torch.device(device)
     if nbytes is None:
-        nbytes = 2 * 2**30 if dev.type == "cuda" else 512 * 2**20
+        llc = last_level_cache_bytes(dev)
+        nbytes = 2 * 2**30 if dev.type == "cuda" else min(max(512 * 2**20, 2 * llc), 2**30)
     n = nbytes // 4
     src = torch.randn(n, device=dev)
     dst = torch.empty_like(src)
@@ -135,20 +176,26 @@ def measure_bandwidth(device: str | torch.device = "cpu", *, nbytes: int | None 
     return 2 * n * 4 / copy.median_s, n * 4 / read.median_s, n * 4
 
 
-def load_profile(device: str | torch.device = "cpu", *, remeasure: bool = False) -> DeviceProfile:
-    """The cached profile for this device's fingerprint, measuring it first if needed."""
+def load_profile(
+    device: str | torch.device = "cpu", *, remeasure: bool = False, nbytes: int | None = None
+) -> DeviceProfile:
+    """The cached profile for this device's fingerprint, measuring it first if needed.
+
+    ``remeasure=True`` measures again and overwrites the cache entry; ``nbytes`` sets the buffer size
+    of a measurement (default: see :func:`measure_bandwidth`; tests use a small one).
+    """
     from datetime import datetime, timezone
 
     fp = fingerprint(device)
     path = cache_dir() / "device" / f"{fingerprint_id(fp)}.json"
     if path.exists() and not remeasure:
         try:
-            data = json.loads(path.read_text())
-            return DeviceProfile(**{k: v for k, v in data.items() if k != "id"})
-        except (ValueError, TypeError):
+            return DeviceProfile.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, AttributeError):
             pass  # unreadable cache entry: measure again and overwrite it
-    copy_bw, read_bw, size = measure_bandwidth(device)
-    profile = DeviceProfile(fp, copy_bw, read_bw, size, datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    copy_bw, read_bw, size = measure_bandwidth(device, nbytes=nbytes)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    profile = DeviceProfile(fp, copy_bw, read_bw, size, now, tuple(os.getloadavg()))
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
         json.dump(profile.as_dict(), tmp, indent=2)
