@@ -6,8 +6,24 @@ fails to import, declares an unsupported plugin-API version, or breaks the contr
 :attr:`Registry.failures` with its error, and the others still work.
 
 Environment:
-    ``ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD=1`` — load no entry-point plugins (built-ins only).
-    ``ATTNBENCH_PLUGINS=a,b`` — load only these plugins (entry-point or distribution names).
+    ``ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD=1`` — load no entry-point plugins (built-ins only). Any value
+    other than empty, ``0``, ``false``, ``no`` or ``off`` (any case) disables autoloading, and it wins
+    over ``ATTNBENCH_PLUGINS``.
+    ``ATTNBENCH_PLUGINS=a,b`` — load only these plugins, each named by its entry-point name or its
+    distribution name (``attnbench-flex`` and ``attnbench_flex`` are the same name). Plugins left out
+    are listed in :attr:`Registry.skipped`; names that match no installed plugin are listed in
+    :attr:`Registry.unmatched`, so a typo is visible rather than silently giving fewer backends. An
+    empty value is the same as unset.
+
+The plugin contract (checked per plugin, in this order; the first breach stops that plugin only):
+
+1. ``import`` — the entry point loads (its module imports without raising);
+2. ``api-version`` — the module declares ``ATTNBENCH_PLUGIN_API`` (an int) within
+   :data:`SUPPORTED_PLUGIN_API`;
+3. ``register`` — pluggy accepts its hooks, it implements ``attnbench_backends``, which returns a list
+   of :class:`~attnbench.Backend` subclasses that are valid, instantiate without arguments, and whose
+   names are not taken (by a built-in or an earlier plugin; plugins load in entry-point-name order).
+   A plugin is all or nothing: if one of its backends breaks the contract, none is registered.
 """
 
 from __future__ import annotations
@@ -32,6 +48,8 @@ __all__ = [
     "PluginFailure",
     "Registry",
     "RegistryError",
+    "Source",
+    "load_plugin",
     "load_registry",
 ]
 
@@ -83,17 +101,35 @@ class PluginFailure:
     detail: str = ""
 
     def __str__(self) -> str:
-        return f"plugin {self.plugin!r} ({self.distribution} {self.version}) failed at {self.stage}: {self.error}"
+        dist = f"{self.distribution} {self.version}".strip()
+        return f"plugin {self.plugin!r} ({dist}) failed at {self.stage}: {self.error}"
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "plugin": self.plugin,
+            "distribution": self.distribution,
+            "version": self.version,
+            "stage": self.stage,
+            "error": self.error,
+            "traceback": self.detail,
+        }
 
 
 @dataclass
 class Registry:
-    """Registered backends by name, plus plugins that failed and plugins that were skipped."""
+    """Registered backends by name, plus what happened to each entry-point plugin.
+
+    ``failures``: plugins that failed (with stage and error); ``skipped``: plugins left out by
+    ``ATTNBENCH_PLUGINS``; ``unmatched``: names in ``ATTNBENCH_PLUGINS`` that match no installed plugin;
+    ``autoload_disabled``: ``ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD`` was set, so no plugin was looked at.
+    """
 
     manager: pluggy.PluginManager
     entries: dict[str, BackendEntry] = field(default_factory=dict)
     failures: list[PluginFailure] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+    autoload_disabled: bool = False
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -118,11 +154,18 @@ class Registry:
         impls = [
             impl for impl in self.manager.hook.attnbench_backends.get_hookimpls() if impl.plugin is plugin
         ]
+        if not impls:
+            raise TypeError(
+                "implements no attnbench_backends hook (a function named attnbench_backends marked "
+                "with @attnbench.hookimpl in the entry point's module)"
+            )
         new: list[BackendEntry] = []
         for impl in impls:
             result = impl.function()
             if not isinstance(result, (list, tuple)):
-                raise TypeError(f"attnbench_backends() returned {type(result).__name__}; expected a list of classes")
+                raise TypeError(
+                    f"attnbench_backends() returned {type(result).__name__}; expected a list of classes"
+                )
             for cls in result:
                 new.append(_validate_backend(cls, source))
         seen: dict[str, BackendEntry] = {}
@@ -143,23 +186,38 @@ def _validate_backend(cls: Any, source: Source) -> BackendEntry:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"{cls.__qualname__}.name = {name!r}: must match [a-z][a-z0-9_]*")
     lo, hi = SUPPORTED_PLUGIN_API
-    if not lo <= cls.plugin_api <= hi:
+    api = getattr(cls, "plugin_api", None)
+    if isinstance(api, bool) or not isinstance(api, int) or not lo <= api <= hi:
         raise ValueError(
-            f"backend {name!r} declares plugin_api {cls.plugin_api}; this attnbench supports {lo}..{hi}"
+            f"backend {name!r} ({cls.__module__}.{cls.__qualname__}) declares plugin_api {cls.plugin_api!r}; "
+            f"this attnbench {_core_version()} supports plugin API {_range_text()}"
         )
     if cls.kv_form not in ("expanded", "latent"):
         raise ValueError(f"backend {name!r}: kv_form {cls.kv_form!r} not in ('expanded', 'latent')")
     if getattr(cls, "__abstractmethods__", None):
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise TypeError(f"backend {name!r} does not implement {missing}")
+    try:
+        cls()  # the registry and the CLI instantiate backends freely: it must be cheap and never raise
+    except Exception as err:
+        raise TypeError(f"backend {name!r}: {cls.__qualname__}() raised {type(err).__name__}: {err}") from err
     return BackendEntry(name, cls, source)
 
 
-def _allowed(ep: EntryPoint, allow: set[str] | None) -> bool:
-    if allow is None:
-        return True
-    dist = ep.dist.name if ep.dist else ""
-    return ep.name in allow or dist in allow
+def _normalize(name: str) -> str:
+    """Distribution-name normalisation (PEP 503): ``Attnbench_Flex`` == ``attnbench-flex``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _plugin_names(ep: EntryPoint) -> set[str]:
+    names = {_normalize(ep.name)}
+    if ep.dist is not None:
+        names.add(_normalize(ep.dist.name))
+    return names
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def load_registry(*, env: Mapping[str, str] | None = None, builtins: bool = True) -> Registry:
@@ -177,12 +235,16 @@ def load_registry(*, env: Mapping[str, str] | None = None, builtins: bool = True
 
         pm.register(builtin_backends, name="builtin")
         reg._add_from(builtin_backends, Source("builtin", "builtin"))  # a broken built-in is a bug: raise
-    if env.get("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("", "0", "false", "no"):
+    if _flag(env.get("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD")):
+        reg.autoload_disabled = True
         return reg
-    allow_text = env.get("ATTNBENCH_PLUGINS")
-    allow = {s.strip() for s in allow_text.split(",") if s.strip()} if allow_text is not None else None
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        if not _allowed(ep, allow):
+    allow = [s.strip() for s in env.get("ATTNBENCH_PLUGINS", "").split(",") if s.strip()]
+    eps = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+    if allow:
+        wanted = {_normalize(a) for a in allow}
+        reg.unmatched = [a for a in allow if not any(_normalize(a) in _plugin_names(ep) for ep in eps)]
+    for ep in eps:
+        if allow and not wanted & _plugin_names(ep):
             reg.skipped.append(ep.name)
             continue
         load_plugin(reg, ep)
@@ -198,6 +260,8 @@ def load_plugin(reg: Registry, ep: EntryPoint) -> None:
     def fail(stage: str, err: BaseException | str) -> None:
         detail = traceback.format_exc() if isinstance(err, BaseException) else ""
         msg = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else err
+        if stage == "import":
+            msg = f"importing {ep.value!r} raised {msg}"
         reg.failures.append(PluginFailure(ep.name, dist, version, stage, msg, detail))
 
     try:
@@ -209,10 +273,17 @@ def load_plugin(reg: Registry, ep: EntryPoint) -> None:
         return
     api = getattr(plugin, "ATTNBENCH_PLUGIN_API", None)
     lo, hi = SUPPORTED_PLUGIN_API
-    if not isinstance(api, int) or not lo <= api <= hi:
+    if api is None or isinstance(api, bool) or not isinstance(api, int) or not lo <= api <= hi:
+        what = (
+            "does not declare ATTNBENCH_PLUGIN_API"
+            if api is None
+            else f"declares ATTNBENCH_PLUGIN_API = {api!r}"
+        )
         fail(
             "api-version",
-            f"declares ATTNBENCH_PLUGIN_API = {api!r}; this attnbench {_core_version()} supports {lo}..{hi}",
+            f"{dist} {version} (entry point {ep.name!r}) {what}; this attnbench {_core_version()} supports "
+            f"plugin API {_range_text()}: install a release of {dist} written for that API, or an attnbench "
+            "that supports its API",
         )
         return
     try:
@@ -229,6 +300,11 @@ def load_plugin(reg: Registry, ep: EntryPoint) -> None:
             raise
         reg.manager.unregister(plugin)
         fail("register", err)
+
+
+def _range_text() -> str:
+    lo, hi = SUPPORTED_PLUGIN_API
+    return str(lo) if lo == hi else f"{lo}..{hi}"
 
 
 def _core_version() -> str:

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
-from attnbench.cli.common import add_model_option, add_workload_options, console, emit_json, workloads_from_args
+from attnbench.backend import Backend
+from attnbench.cli.common import (
+    add_model_option,
+    add_workload_options,
+    console,
+    emit_json,
+    workloads_from_args,
+)
 from attnbench.registry import load_registry
+from attnbench.workload import Workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,36 +41,40 @@ def run(args: argparse.Namespace) -> int:
     workload = workloads_from_args(args)[0] if args.model else None
     rows = []
     for entry in reg:
-        backend = entry.create()
         row = {
             "name": entry.name,
             "source": str(entry.source),
+            "kind": entry.source.kind,
+            "plugin": entry.source.plugin,
             "distribution": entry.source.distribution,
             "version": entry.source.version,
             "description": entry.cls.description,
             "tunables": {t.name: list(t.choices) for t in entry.cls.tunables},
         }
         if workload is not None:
-            reasons = backend.supports(workload)
-            row |= {
-                "workload": workload.describe(),
-                "runnable": not reasons,
-                "reasons": reasons,
-                "implementation": backend.implementation(workload),
-                "interpreted": bool(not reasons and backend.interpreted(workload)),
-            }
+            row |= {"workload": workload.describe(), **_status(entry.create(), workload)}
         rows.append(row)
-    failures = [
-        {"plugin": f.plugin, "distribution": f.distribution, "version": f.version, "stage": f.stage, "error": f.error}
-        for f in reg.failures
-    ]
+    failures = [f.as_dict() for f in reg.failures]
     if args.json:
-        emit_json({"backends": rows, "broken_plugins": failures, "skipped_plugins": reg.skipped})
+        emit_json(
+            {
+                "backends": rows,
+                "broken_plugins": failures,
+                "skipped_plugins": reg.skipped,
+                "unmatched_allow_list": reg.unmatched,
+                "plugin_autoload_disabled": reg.autoload_disabled,
+            }
+        )
         return 0
     out = console()
     title = f"backends for {workload.describe()}" if workload else "registered backends"
     table = Table(title=title)
-    for col in ("name", "source", "implementation" if workload else "description", "status"):
+    columns = (
+        ("name", "source", "implementation", "status")
+        if workload
+        else ("name", "source", "description", "tunables")
+    )
+    for col in columns:
         table.add_column(col)
     for row in rows:
         if workload is None:
@@ -73,7 +87,26 @@ def run(args: argparse.Namespace) -> int:
             table.add_row(row["name"], row["source"], row["implementation"], status)
     out.print(table)
     for f in reg.failures:
-        out.print(f"[red]broken plugin[/red] {f}")
+        out.print(f"[red]broken plugin[/red] {escape(str(f))}")
+    if reg.autoload_disabled:
+        out.print("plugins not loaded: ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD is set (built-in backends only)")
     if reg.skipped:
         out.print(f"skipped (not in ATTNBENCH_PLUGINS): {', '.join(reg.skipped)}")
+    if reg.unmatched:
+        out.print(f"[yellow]ATTNBENCH_PLUGINS names no installed plugin:[/yellow] {', '.join(reg.unmatched)}")
     return 0
+
+
+def _status(backend: Backend, workload: Workload) -> dict[str, Any]:
+    """Whether ``backend`` can run ``workload``; a backend that raises here is reported, not fatal."""
+    try:
+        reasons = backend.supports(workload)
+        return {
+            "runnable": not reasons,
+            "reasons": reasons,
+            "implementation": backend.implementation(workload),
+            "interpreted": bool(not reasons and backend.interpreted(workload)),
+        }
+    except Exception as err:
+        msg = f"{type(err).__name__} raised while asking {backend.name!r} about this workload: {err}"
+        return {"runnable": False, "reasons": [msg], "implementation": "error", "interpreted": False}
