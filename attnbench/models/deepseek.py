@@ -1,0 +1,247 @@
+"""A DeepSeek-V3-style MLA decoder (all-dense layers) with attention through an attnbench backend.
+
+Multi-head latent attention, as transformers' ``DeepseekV3Attention`` computes it: the query comes
+from ``q_proj`` (or the low-rank ``q_a_proj → RMSNorm → q_b_proj``), split into ``q_nope`` and
+``q_pe``; the hidden state is compressed to a latent ``c = RMSNorm(kv_a_proj[:kv_lora_rank])`` plus one
+shared RoPE key ``k_pe``. RoPE is interleaved or not (``rope_interleave``). Two cache forms, chosen by
+the backend's ``kv_form``:
+
+- ``"expanded"`` — per head ``K = [c @ W_UK^T | k_pe]`` and ``V = c @ W_UV^T`` (what transformers
+  attends over): ``Dk = qk_nope + qk_rope``, ``Dv = v_head_dim``;
+- ``"latent"`` — absorbed: ``q = [q_nope @ W_UK | q_pe]`` per head, one shared KV head
+  ``k = [c | k_pe]``, ``v = c``; the output latent is projected by ``W_UV`` per head, then ``o_proj``.
+
+Both use the model's softmax scale ``1 / sqrt(qk_nope + qk_rope)``. Refused with
+:class:`UnsupportedModelError`: MoE layers (``first_k_dense_replace < num_hidden_layers``), yarn and
+other rope scalings, an mscale that changes the softmax scale, ``num_key_value_heads != num_attention_heads``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attnbench.backend import Backend, StepPlan
+from attnbench.models.base import (
+    Decoder,
+    RopeSpec,
+    UnsupportedModelError,
+    Weights,
+    activation,
+    apply_rope,
+    rms_norm,
+)
+from attnbench.shapes import ModelShape
+
+__all__ = ["DEEPSEEK_FAMILY", "DeepseekDecoder"]
+
+#: ``model_type`` values this decoder implements.
+DEEPSEEK_FAMILY = ("deepseek_v3",)
+
+
+def _need(config: Mapping[str, Any], key: str, model: str) -> Any:
+    if config.get(key) is None:
+        raise UnsupportedModelError(f"{model}: config field {key!r} is missing (required)")
+    return config[key]
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class DeepseekDecoder(Decoder):
+    """DeepSeek-V3 MLA decoder with dense MLPs only; see the module docstring."""
+
+    family = "deepseek"
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: Mapping[str, Any],
+        weights: Mapping[str, torch.Tensor],
+        *,
+        backend: Backend,
+        backend_config: Mapping[str, Any] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        batch: int = 1,
+        name: str | None = None,
+    ) -> DeepseekDecoder:
+        """Build from a Hugging Face config dict and a transformers-named state dict."""
+        model_type = config.get("model_type", "")
+        model = name or f"{model_type or 'model'} checkpoint"
+        if model_type not in DEEPSEEK_FAMILY:
+            raise UnsupportedModelError(
+                f"{model}: model_type {model_type!r} is not supported by the MLA decoder; "
+                f"supported: {', '.join(DEEPSEEK_FAMILY)}"
+            )
+        if config.get("quantization_config"):
+            raise UnsupportedModelError(
+                f"{model}: quantized checkpoints (quantization_config) are not supported"
+            )
+        layers = int(_need(config, "num_hidden_layers", model))
+        dense = config.get("first_k_dense_replace")
+        if config.get("n_routed_experts") and (dense is None or int(dense) < layers):
+            raise UnsupportedModelError(
+                f"{model}: MoE layers are not supported: layers {dense or 0}..{layers - 1} of {layers} are "
+                f"mixture-of-experts (first_k_dense_replace = {dense}); only all-dense models "
+                "(first_k_dense_replace = num_hidden_layers) run"
+            )
+        rope = RopeSpec.from_config(config, model=model)
+        nope = int(_need(config, "qk_nope_head_dim", model))
+        rope_dim = int(_need(config, "qk_rope_head_dim", model))
+        qk_dim = nope + rope_dim
+        model_scale = qk_dim**-0.5
+        if rope.kind != "default" and rope.mscale_all_dim:
+            model_scale *= _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+        if not math.isclose(model_scale, qk_dim**-0.5, rel_tol=1e-12):
+            raise UnsupportedModelError(
+                f"{model}: rope scaling mscale (mscale_all_dim = {rope.mscale_all_dim}, factor = {rope.factor}) "
+                f"makes the softmax scale {model_scale:.6g}; attnbench's geometry uses 1/sqrt({qk_dim}) = "
+                f"{qk_dim**-0.5:.6g}"
+            )
+        heads = int(_need(config, "num_attention_heads", model))
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        if kv_heads != heads:
+            raise UnsupportedModelError(
+                f"{model}: num_key_value_heads = {kv_heads} != num_attention_heads = {heads}; MLA expands the "
+                "latent to one K/V per query head"
+            )
+        emb = weights.get("model.embed_tokens.weight")
+        if emb is None:
+            raise UnsupportedModelError(
+                f"{model}: weight 'model.embed_tokens.weight' is missing from the checkpoint"
+            )
+        dtype = dtype or emb.dtype
+        w = Weights(weights, model=model, dtype=dtype, device=torch.device(device))
+
+        hidden = int(_need(config, "hidden_size", model))
+        inter = int(_need(config, "intermediate_size", model))
+        vocab = int(_need(config, "vocab_size", model))
+        rank = int(_need(config, "kv_lora_rank", model))
+        v_dim = int(_need(config, "v_head_dim", model))
+        q_rank = config.get("q_lora_rank")
+        shape = ModelShape(
+            name=model,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=qk_dim,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            vocab_size=vocab,
+            num_params=sum(t.numel() for t in weights.values()),
+            kv_lora_rank=rank,
+            q_lora_rank=int(q_rank) if q_rank else None,
+            qk_rope_head_dim=rope_dim,
+            qk_nope_head_dim=nope,
+            v_head_dim=v_dim,
+            source=f"weights ({model_type})",
+        )
+
+        self = cls(
+            backend=backend,
+            backend_config=backend_config,
+            dtype=dtype,
+            device=torch.device(device),
+            batch=batch,
+        )
+        self.shape = shape
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        self.rope = rope
+        self.rope_dim = rope_dim
+        self.interleaved = bool(config.get("rope_interleave", True))
+        act = activation(config.get("hidden_act", "silu"), model=model)
+
+        self.embed = w.get("model.embed_tokens.weight", shape=(vocab, hidden))
+        self.final_norm = w.get("model.norm.weight", shape=(hidden,))
+        if "lm_head.weight" in w:
+            self.lm_head = w.get("lm_head.weight", shape=(vocab, hidden))
+        elif config.get("tie_word_embeddings", False):
+            self.lm_head = self.embed
+        else:
+            raise UnsupportedModelError(
+                f"{model}: weight 'lm_head.weight' is missing and tie_word_embeddings is false"
+            )
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            layer: dict[str, Any] = {"act": act}
+            layer["input_norm"] = w.get(p + "input_layernorm.weight", shape=(hidden,))
+            layer["post_norm"] = w.get(p + "post_attention_layernorm.weight", shape=(hidden,))
+            if q_rank:
+                layer["q_a_proj"] = w.get(a + "q_a_proj.weight", shape=(q_rank, hidden))
+                layer["q_a_proj_bias"] = w.optional(a + "q_a_proj.bias", shape=(q_rank,))
+                layer["q_a_norm"] = w.get(a + "q_a_layernorm.weight", shape=(q_rank,))
+                layer["q_b_proj"] = w.get(a + "q_b_proj.weight", shape=(heads * qk_dim, q_rank))
+            else:
+                layer["q_proj"] = w.get(a + "q_proj.weight", shape=(heads * qk_dim, hidden))
+            layer["kv_a_proj"] = w.get(a + "kv_a_proj_with_mqa.weight", shape=(rank + rope_dim, hidden))
+            layer["kv_a_proj_bias"] = w.optional(a + "kv_a_proj_with_mqa.bias", shape=(rank + rope_dim,))
+            layer["kv_a_norm"] = w.get(a + "kv_a_layernorm.weight", shape=(rank,))
+            kv_b = w.get(a + "kv_b_proj.weight", shape=(heads * (nope + v_dim), rank)).view(
+                heads, nope + v_dim, rank
+            )
+            layer["kv_b_proj"] = kv_b.reshape(heads * (nope + v_dim), rank)  # expanded form
+            layer["w_uk"] = kv_b[:, :nope].contiguous()  # [H, nope, rank]: absorbed into the query
+            layer["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v_dim, rank]: applied to the output latent
+            layer["o_proj"] = w.get(a + "o_proj.weight", shape=(hidden, heads * v_dim))
+            layer["o_proj_bias"] = w.optional(a + "o_proj.bias", shape=(hidden,))
+            for proj, dims in (
+                ("gate_proj", (inter, hidden)),
+                ("up_proj", (inter, hidden)),
+                ("down_proj", (hidden, inter)),
+            ):
+                layer[proj] = w.get(f"{p}mlp.{proj}.weight", shape=dims)
+            self.layers.append(layer)
+        # multi-token-prediction modules are stored as extra layers past num_hidden_layers; plain decoding skips them
+        w.ignore(lambda n: n.startswith("model.layers.") and int(n.split(".")[2]) >= layers)
+        w.ignore(lambda n: n.endswith("rotary_emb.inv_freq"))
+        w.check_all_used()
+        return self
+
+    def _attention(
+        self,
+        layer: dict[str, Any],
+        index: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: StepPlan,
+        *,
+        decode: bool,
+    ) -> torch.Tensor:
+        b, t, _ = h.shape
+        s = self.shape
+        heads, nope, rank = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
+        assert nope is not None and rank is not None and s.v_head_dim is not None
+        if "q_proj" in layer:
+            q = F.linear(h, layer["q_proj"])
+        else:
+            qa = F.linear(h, layer["q_a_proj"], layer["q_a_proj_bias"])
+            q = F.linear(rms_norm(qa, layer["q_a_norm"], self.eps), layer["q_b_proj"])
+        q = q.view(b, t, heads, s.head_dim)
+        q_nope, q_pe = q[..., :nope], q[..., nope:]
+        ckv = F.linear(h, layer["kv_a_proj"], layer["kv_a_proj_bias"])  # [B, T, rank + rope]
+        c = rms_norm(ckv[..., :rank], layer["kv_a_norm"], self.eps)  # [B, T, rank]
+        k_pe = ckv[..., rank:].view(b, t, 1, self.rope_dim)
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=self.interleaved)
+        k_pe = apply_rope(k_pe, cos, sin, interleaved=self.interleaved)
+
+        if self.backend.kv_form == "latent":
+            q_lat = torch.einsum("bthn,hnc->bthc", q_nope, layer["w_uk"])  # [B, T, H, rank]
+            q = torch.cat((q_lat, q_pe), dim=-1)  # [B, T, H, rank + rope]
+            k = torch.cat((c[:, :, None], k_pe), dim=-1)  # [B, T, 1, rank + rope]
+            out_lat = self._attend(index, q, k, k[..., :rank], plan, decode=decode)  # [B, T, H, rank]
+            out = torch.einsum("bthc,hvc->bthv", out_lat, layer["w_uv"])  # [B, T, H, v_dim]
+        else:
+            kv = F.linear(c, layer["kv_b_proj"]).view(b, t, heads, nope + s.v_head_dim)
+            k = torch.cat((kv[..., :nope], k_pe.expand(b, t, heads, self.rope_dim)), dim=-1)
+            v = kv[..., nope:].contiguous()
+            q = torch.cat((q_nope, q_pe), dim=-1)
+            out = self._attend(index, q, k, v, plan, decode=decode)  # [B, T, H, v_dim]
+        return F.linear(out.reshape(b, t, -1), layer["o_proj"], layer["o_proj_bias"])
