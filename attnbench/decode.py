@@ -194,7 +194,17 @@ class SyntheticModel:
         if prompt_len < 0 or new_tokens < 0:
             raise ValueError(f"prompt_len = {prompt_len}, new_tokens = {new_tokens}: both must be ≥ 0")
         self._allocate(max(1, prompt_len + new_tokens))
-        self._prefill_inputs = [self._random(prompt_len) for _ in range(self.layers_materialised)]
+        # prompt inputs per layer, cycled like the caches and bounded by the same budget
+        g = self.geometry
+        per_set = (g.num_q_heads + g.num_kv_heads) * g.qk_head_dim + g.num_kv_heads * g.v_head_dim
+        per_set *= self.workload.dtype.itemsize * self.batch * prompt_len
+        sets = materialised_layers(
+            per_layer_bytes=per_set,
+            num_layers=self.layers_materialised,
+            device=self.device,
+            budget_bytes=self.materialise_bytes,
+        )
+        self._prefill_inputs = [self._random(prompt_len) for _ in range(sets)]
 
     def fill(self, *, extra_tokens: int) -> None:
         """Allocate and fill the cache to the workload's context lengths with random K/V (untimed).
@@ -261,7 +271,7 @@ class SyntheticModel:
         out = None
         for layer in range(self.num_layers):
             slot = layer % self.layers_materialised
-            q, k, v = self._prefill_inputs[slot]
+            q, k, v = self._prefill_inputs[layer % len(self._prefill_inputs)]
             out = self.backend.prefill(cache, plan, layer=slot, q=q, k=k, v=v)
         cache.commit(plan)
         assert out is not None

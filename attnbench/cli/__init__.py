@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from attnbench import __version__
 
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ["backends"]
+COMMANDS = ["backends", "bench", "decode", "tune", "select"]
 
 
 def build_parser() -> argparse.ArgumentParser:

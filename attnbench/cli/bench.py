@@ -1,0 +1,300 @@
+"""``attnbench bench`` — check, then time, every runnable backend's decode step on each workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from attnbench.bench import CheckFailed, measure_decode
+from attnbench.cli.common import (
+    add_model_option,
+    add_workload_options,
+    console,
+    emit_json,
+    workloads_from_args,
+)
+from attnbench.device import DeviceProfile, load_profile
+from attnbench.registry import load_registry
+
+BASELINE = "naive"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="check and time each backend's decode step; report GB/s against measured bandwidth",
+        description=(
+            "For every workload (model × batch × context × dtype) and every runnable backend in its "
+            "default config: run the correctness gate against float64 attention, then time whole decode "
+            "steps (all layers) of the synthetic attention-only model. Reports the error numbers, step "
+            "time (median, p90), KV bytes read per step, achieved GB/s, the share of the device's "
+            "measured memory bandwidth, and the speedup over 'naive'. Backends that would run in an "
+            "interpreter are checked but never timed."
+        ),
+        epilog="example: attnbench bench --model llama-3.1-8b --batch 1,8 --context 1k,8k,32k --dtype bf16,fp32",
+    )
+    add_model_option(p, required=True)
+    add_workload_options(p, batch="1", context="1k")
+    p.add_argument("--backends", help="comma-separated backend names (default: every registered backend)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps before timing (default 2)")
+    p.add_argument("--repeats", type=int, default=10, help="timed decode steps (default 10)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop sampling a backend after this long (≥ 3 samples)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="layers per step (default: the model's)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's choice); part of the device fingerprint",
+    )
+    p.add_argument("--remeasure", action="store_true", help="measure the device's bandwidth again")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument(
+        "--save",
+        metavar="PREFIX",
+        help="also write PREFIX.json and PREFIX.md (table with command, device, date, load average)",
+    )
+    p.set_defaults(func=run)
+
+
+def _positive(value: int | None, field: str) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{field} = {value} must be ≥ 1")
+
+
+def run(args: argparse.Namespace) -> int:
+    _positive(args.repeats, "--repeats")
+    _positive(args.layers, "--layers")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup = {args.warmup} must be ≥ 0")
+    _positive(args.threads, "--threads")
+    workloads = workloads_from_args(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reg = load_registry()
+    names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else reg.names()
+    backends = [reg.get(n) for n in names]  # an unknown name raises, listing the registered ones
+    err = Console(stderr=True)
+    device = workloads[0].device
+    with err.status("measuring device bandwidth…" if args.remeasure else "loading device profile…"):
+        profile = load_profile(device, remeasure=args.remeasure)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    load_start = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("bench", total=len(workloads) * len(backends))
+        for workload in workloads:
+            for backend in backends:
+                progress.update(task, description=f"{workload.describe()} · {backend.name}")
+                rows.append(_measure_row(backend, workload, args, profile))
+                progress.advance(task)
+    _add_speedups(rows)
+    report = {
+        "command": _reconstruct(args),
+        "date": started,
+        "device": profile.as_dict(),
+        "host": {"platform": platform.platform(terse=True), "cpu_count": os.cpu_count()},
+        "load_avg_start": list(load_start),
+        "load_avg_end": list(os.getloadavg()),
+        "results": rows,
+    }
+    if args.save:
+        _save(Path(args.save), report)
+    if args.json:
+        emit_json(report)
+        return 0
+    out = console()
+    if not out.is_terminal:
+        out.width = 180  # a file or a pipe: keep the wide table on one line per row
+    out.print(_table(report))
+    _print_notes(out, report)
+    return 0
+
+
+def _reconstruct(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (from the parsed options, so no local paths)."""
+    parts = ["attnbench bench", f"--model {args.model}", f"--batch {args.batch}", f"--context {args.context}"]
+    parts.append(f"--dtype {args.dtype}")
+    if args.device != "cpu":
+        parts.append(f"--device {args.device}")
+    if args.backends:
+        parts.append(f"--backends {args.backends}")
+    for flag, value, default in [
+        ("--warmup", args.warmup, 2),
+        ("--repeats", args.repeats, 10),
+        ("--max-seconds", args.max_seconds, None),
+        ("--layers", args.layers, None),
+        ("--threads", args.threads, None),
+    ]:
+        if value != default:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def _measure_row(
+    backend: Any, workload: Any, args: argparse.Namespace, profile: DeviceProfile
+) -> dict[str, Any]:
+    base = {
+        "workload": workload.describe(),
+        "dtype": workload.dtype_name,
+        "batch": workload.batch,
+        "context": workload.context,
+        "backend": backend.name,
+        "implementation": backend.implementation(workload),
+    }
+    reasons = backend.supports(workload)
+    if reasons:
+        return base | {"status": "unsupported", "reasons": reasons}
+    try:
+        m = measure_decode(
+            backend,
+            workload,
+            profile=profile,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            max_seconds=args.max_seconds,
+            num_layers=args.layers,
+        )
+    except CheckFailed as fail:
+        return base | {
+            "status": "failed-check",
+            "check": fail.check.as_dict(),
+            "reasons": fail.check.failures,
+        }
+    except (RuntimeError, MemoryError) as error:  # e.g. out of memory: report it, go on with the rest
+        return base | {
+            "status": "error",
+            "reasons": [f"{type(error).__name__}: {str(error).splitlines()[0]}"],
+        }
+    return base | {"status": "timed" if m.timed else "checked-only"} | m.as_dict()
+
+
+def _add_speedups(rows: list[dict[str, Any]]) -> None:
+    baseline = {
+        r["workload"]: r["step"]["median_s"] for r in rows if r["backend"] == BASELINE and r.get("step")
+    }
+    for r in rows:
+        base = baseline.get(r["workload"])
+        r["speedup_vs_naive"] = base / r["step"]["median_s"] if base and r.get("step") else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return format(value, spec)
+
+
+def _table(report: dict[str, Any]) -> Table:
+    dev = report["device"]
+    model = report["results"][0]["workload"].split(" ")[0] if report["results"] else ""
+    table = Table(
+        title=escape(
+            f"{model}: one decode step, all layers — {dev['fingerprint'].get('name')} "
+            f"(measured copy bandwidth {dev['copy_bandwidth'] / 1e9:.1f} GB/s)"
+        )
+    )
+    columns = ["dtype", "batch", "context", "backend", "rel_l2", "max_abs", "gate", "p50 ms", "p90 ms"]
+    columns += ["KV MB/step", "GB/s", "% BW", "× naive", "layers mat."]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("dtype", "backend", "gate") else "right")
+    for r in report["results"]:
+        check = r.get("check")
+        lead = [r["dtype"], str(r["batch"]), str(r["context"]), escape(r["backend"])]
+        errors = ["—", "—", "—"]
+        if check:
+            e = check["error"]
+            errors = [
+                f"{e['rel_l2']:.1e}",
+                f"{e['max_abs']:.1e}",
+                "pass" if check["passed"] else "[red]FAIL[/red]",
+            ]
+        if r["status"] in ("unsupported", "failed-check", "error"):
+            why = {"unsupported": "cannot run", "failed-check": "failed", "error": "error"}[r["status"]]
+            reason = escape(f"{why}: {'; '.join(r['reasons'])}")
+            table.add_row(
+                *lead, *errors[:2], reason if r["status"] != "failed-check" else errors[2] + " " + reason
+            )
+            continue
+        step = r.get("step") or {}
+        if not r["timed"]:
+            table.add_row(*lead, *errors, escape(r["note"]))
+            continue
+        table.add_row(
+            *lead,
+            *errors,
+            _fmt(step["median_s"] * 1e3, ".2f"),
+            _fmt(step["p90_s"] * 1e3, ".2f"),
+            _fmt(r["kv_bytes"] / 1e6, ".1f"),
+            _fmt(r.get("gbps"), ".2f"),
+            _fmt(r.get("pct_of_bandwidth"), ".0f"),
+            _fmt(r.get("speedup_vs_naive"), ".2f"),
+            f"{r['layers_materialised']}/{r['num_layers']}",
+        )
+    return table
+
+
+def _print_notes(out: Console, report: dict[str, Any]) -> None:
+    out.print(
+        f"device {report['device']['id']}: {report['device']['fingerprint'].get('name')}, "
+        f"{report['device']['fingerprint'].get('threads', '')} threads; load average "
+        f"{report['load_avg_start'][0]:.2f} → {report['load_avg_end'][0]:.2f}"
+    )
+    if any(
+        r.get("layers_materialised") and r["layers_materialised"] < r["num_layers"] for r in report["results"]
+    ):
+        out.print(
+            "layers mat. < layers: the synthetic model cycles its decode calls over that many distinct layer "
+            "caches (together several times the last-level cache), so each call still reads from DRAM."
+        )
+
+
+def _save(prefix: Path, report: dict[str, Any]) -> None:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{prefix}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    rec = Console(record=True, width=180, file=open(os.devnull, "w"))  # noqa: SIM115
+    rec.print(_table(report))
+    _print_notes(rec, report)
+    dev = report["device"]
+    header = [
+        f"# attnbench bench — {report['results'][0]['workload'].split(' ')[0] if report['results'] else ''}",
+        "",
+        f"- command: `{report['command']}`",
+        f"- date: {report['date']}",
+        f"- device: {dev['fingerprint'].get('name')} (fingerprint {dev['id']}: "
+        + ", ".join(f"{k}={v}" for k, v in dev["fingerprint"].items() if k != "name")
+        + ")",
+        f"- measured bandwidth: copy {dev['copy_bandwidth'] / 1e9:.2f} GB/s, read {dev['read_bandwidth'] / 1e9:.2f} GB/s "
+        f"(buffer {dev['buffer_bytes'] >> 20} MiB, measured {dev['measured_at']})",
+        f"- load average at start / end: {', '.join(f'{x:.2f}' for x in report['load_avg_start'])} / "
+        f"{', '.join(f'{x:.2f}' for x in report['load_avg_end'])} (shared machine: figures are noisy)",
+        "",
+        "```",
+        rec.export_text().rstrip(),
+        "```",
+        "",
+    ]
+    Path(f"{prefix}.md").write_text("\n".join(header))
