@@ -1,0 +1,224 @@
+"""measure_decode() and the ``attnbench bench`` / ``attnbench decode`` commands (small shapes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnbench import device as device_mod
+from attnbench.backends.naive import NaiveBackend
+from attnbench.bench import CheckFailed, DecodeMeasurement, check_workload, measure_decode
+from attnbench.cli import main
+from attnbench.device import DeviceProfile, fingerprint
+from attnbench.workload import Workload
+
+SMALL_BUFFER = 4 * 2**20
+
+
+@pytest.fixture
+def small_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private profile cache whose bandwidth measurements use a small buffer (fast)."""
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
+    real = device_mod.measure_bandwidth
+
+    def small(device="cpu", *, nbytes=None):  # type: ignore[no-untyped-def]
+        return real(device, nbytes=SMALL_BUFFER)
+
+    monkeypatch.setattr(device_mod, "measure_bandwidth", small)
+    return tmp_path
+
+
+def _profile(bandwidth: float = 1e10) -> DeviceProfile:
+    return DeviceProfile(fingerprint("cpu"), bandwidth, bandwidth, 1, "now")
+
+
+class NoisyNaive(NaiveBackend):
+    """Naive with an error far beyond the tolerance: must fail the gate and never be timed."""
+
+    name = "noisy"
+    timed_calls = 0
+
+    def decode(self, cache, plan, *, layer, q, k, v):  # type: ignore[override]
+        type(self).timed_calls += 1
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v) + 0.05
+
+
+class InterpretedNaive(NaiveBackend):
+    name = "interp"
+
+    def interpreted(self, workload: Workload) -> bool:
+        return True
+
+
+def test_measure_decode_fields_and_bytes() -> None:
+    workload = Workload.uniform("tiny-gqa", batch=2, context=96, dtype="fp32")
+    m = measure_decode(NaiveBackend(), workload, profile=_profile(), warmup=1, repeats=4)
+    assert isinstance(m, DecodeMeasurement)
+    assert m.timed and m.step is not None and m.step.repeats == 4
+    assert m.check is not None and m.check.passed and m.check.workload == workload.describe()
+    assert m.num_layers == workload.shape.num_layers and 1 <= m.layers_materialised <= m.num_layers
+    # the context grows by one token a step: the timed steps read between these bounds
+    growth = workload.shape.kv_bytes_per_token("fp32") * workload.batch
+    lo = workload.kv_bytes_per_step()
+    assert lo < m.kv_bytes < lo + (1 + 4) * growth
+    assert m.gbps == pytest.approx(m.kv_bytes / m.step.median_s / 1e9)
+    assert m.pct_of_bandwidth == pytest.approx(100 * m.gbps * 1e9 / 1e10)
+    d = json.loads(json.dumps(m.as_dict()))
+    assert d["step"]["median_s"] > 0 and d["check"]["passed"] is True
+    assert d["implementation"] == "torch.matmul" and d["layers_materialised"] == m.layers_materialised
+
+
+def test_measure_decode_without_profile_or_check() -> None:
+    workload = Workload.uniform("tiny-mla", batch=1, context=40, dtype="bf16")
+    m = measure_decode(NaiveBackend(), workload, check=False, repeats=3, num_layers=5)
+    assert m.check is None and m.pct_of_bandwidth is None and m.num_layers == 5
+
+
+def test_failed_check_raises_with_numbers_and_is_never_timed() -> None:
+    workload = Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp32")
+    NoisyNaive.timed_calls = 0
+    with pytest.raises(CheckFailed, match="failed the correctness gate") as info:
+        measure_decode(NoisyNaive(), workload)
+    check = info.value.check
+    assert not check.passed and check.error.max_abs > 1e-2
+    gate_calls = 2 * 2  # two decode steps over two layers in the gate, nothing more
+    assert NoisyNaive.timed_calls == gate_calls
+
+
+def test_interpreted_backend_is_checked_not_timed() -> None:
+    workload = Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp32")
+    m = measure_decode(InterpretedNaive(), workload)
+    assert not m.timed and m.step is None and "never timed" in m.note
+    assert m.check is not None and m.check.passed
+    assert m.as_dict()["gbps"] is None
+
+
+def test_unsupported_workload_names_the_reason() -> None:
+    workload = Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp8")
+    with pytest.raises(ValueError, match=r"backend 'naive' cannot run .*dtype fp8 not in"):
+        measure_decode(NaiveBackend(), workload)
+
+
+def test_check_workload_shrinks_batch_first_then_context() -> None:
+    big = Workload.uniform("llama-3.1-8b", batch=8, context="32k", dtype="fp32")
+    per_seq = big.shape.kv_values_per_token_layer() * 4 * (32768 + 2)
+    smaller = check_workload(big, budget_bytes=per_seq * 10 * 2)  # room for two sequences
+    assert smaller.batch == 2 and smaller.context == 32768
+    tiny = check_workload(big, budget_bytes=per_seq * 10 // 3)
+    assert tiny.batch == 1 and tiny.context == 8192
+    same = Workload.uniform("tiny-gqa", batch=4, context=64)
+    assert check_workload(same) is same
+
+
+# -- the command line ----------------------------------------------------------------------------
+def _bench_json(capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
+    argv = ["bench", "--model", "tiny-gqa", "--batch", "1,2", "--context", "48", "--dtype", "fp32", "--json"]
+    assert main([*argv, "--repeats", "2", "--warmup", "1", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_json_schema(small_profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = _bench_json(capsys, "--backends", "naive,flash")
+    assert set(report) >= {"command", "date", "device", "load_avg_start", "load_avg_end", "results"}
+    assert report["command"].startswith("attnbench bench --model tiny-gqa --batch 1,2")
+    assert report["device"]["fingerprint"]["kind"] == "cpu" and report["device"]["copy_bandwidth"] > 0
+    rows = report["results"]
+    assert [(r["batch"], r["backend"]) for r in rows] == [
+        (1, "naive"),
+        (1, "flash"),
+        (2, "naive"),
+        (2, "flash"),
+    ]
+    for r in rows:
+        assert r["status"] in ("timed", "unsupported"), r
+        if r["status"] == "timed":
+            assert set(r) >= {"check", "step", "kv_bytes", "gbps", "pct_of_bandwidth", "speedup_vs_naive"}
+            assert r["check"]["passed"] and r["step"]["median_s"] > 0 and r["step"]["p90_s"] > 0
+            assert r["pct_of_bandwidth"] == pytest.approx(
+                100 * r["gbps"] * 1e9 / report["device"]["copy_bandwidth"]
+            )
+    naive = [r for r in rows if r["backend"] == "naive"]
+    assert all(r["speedup_vs_naive"] == 1.0 for r in naive)
+
+
+def test_bench_save_writes_table_and_json(small_profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = small_profile / "out" / "bench-cpu-tiny-1.2"
+    _bench_json(capsys, "--backends", "naive", "--save", str(prefix))
+    data = json.loads(Path(f"{prefix}.json").read_text())
+    text = Path(f"{prefix}.md").read_text()
+    assert data["results"][0]["backend"] == "naive"
+    assert "attnbench bench --model tiny-gqa" in text and data["device"]["id"] in text
+    assert "load average" in text and "naive" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backends", "flsh"], "unknown backend 'flsh'; registered: naive"),
+        (["--batch", "0"], "--batch '0' must be > 0"),
+        (["--context", "8q"], "--context '8q' is not a token count"),
+        (["--dtype", "fp64"], "accepted: bf16"),
+        (["--repeats", "0"], "--repeats = 0 must be ≥ 1"),
+        (["--model", "llama-9"], "presets: llama-3.1-8b"),
+    ],
+)
+def test_bench_bad_input(
+    args: list[str], message: str, small_profile: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--model", "tiny-gqa", "--context", "32", *args]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_decode_command_json(small_profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["decode", "--model", "tiny-gqa", "--prompt-len", "64", "--new-tokens", "6", "--batch", "2"]
+    assert main([*argv, "--dtype", "fp32", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["new_tokens"] == 6 and r["decode_steps"] == 5 and r["batch"] == 2
+    assert r["check"]["passed"] and r["ttft_s"] > 0 and r["itl_p50_s"] > 0
+    assert r["e2e_check_s"] == pytest.approx(r["ttft_s"] + 5 * r["itl_mean_s"])
+    assert r["e2e_within_10pct"] == (abs(r["e2e_s"] / r["e2e_check_s"] - 1) <= 0.10)
+
+
+def test_decode_command_table(small_profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["decode", "--model", "tiny-gqa", "--prompt-len", "32", "--new-tokens", "4", "--backend", "flash"]
+    assert main([*argv, "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "ITL p50" in out and "TTFT + 3·ITL mean" in out and "torch.sdpa[flash]" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--new-tokens", "1"], "--new-tokens '1' must be ≥ 2"),
+        (["--prompt-len", "x"], "--prompt-len 'x' is not a token count"),
+        (["--backend", "nope"], "unknown backend 'nope'"),
+        (["--dtype", "fp8"], "cannot run"),
+    ],
+)
+def test_decode_bad_input(
+    args: list[str], message: str, small_profile: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["decode", "--model", "tiny-gqa", "--prompt-len", "8", "--new-tokens", "3", *args]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_remeasure_measures_again(small_profile: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    calls: list[int] = []
+    inner = device_mod.measure_bandwidth
+
+    def counting(device="cpu", *, nbytes=None):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return inner(device, nbytes=nbytes)
+
+    monkeypatch.setattr(device_mod, "measure_bandwidth", counting)
+    first = _bench_json(capsys, "--backends", "naive")
+    second = _bench_json(capsys, "--backends", "naive")
+    assert len(calls) == 1 and first["device"] == second["device"]
+    third = _bench_json(capsys, "--backends", "naive", "--remeasure")
+    assert len(calls) == 2 and third["device"]["id"] == first["device"]["id"]
+    assert torch.get_num_threads() >= 1

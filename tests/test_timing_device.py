@@ -1,0 +1,98 @@
+"""timing.measure() and the device profile (fingerprint, bandwidth cache, remeasure)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from attnbench import device as device_mod
+from attnbench.device import DeviceProfile, fingerprint, last_level_cache_bytes, load_profile
+from attnbench.timing import Timing, measure
+
+SMALL_BUFFER = 4 * 2**20
+
+
+def test_measure_warms_up_then_rotates_inputs() -> None:
+    seen: list[int] = []
+    t = measure(seen.append, warmup=2, repeats=7, rotate=3)
+    # warm-up runs at least one call per input set, then the timed calls cycle over them
+    assert seen == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
+    assert t.repeats == 7 and t.warmup == 3
+    assert 0 <= t.p10_s <= t.median_s <= t.p90_s
+
+
+def test_measure_median_of_known_durations() -> None:
+    t = measure(lambda i: time.sleep(0.002), warmup=1, repeats=5)
+    assert 0.0015 < t.median_s < 0.2
+
+
+def test_measure_max_seconds_keeps_at_least_three_samples() -> None:
+    t = measure(lambda i: time.sleep(0.01), warmup=0, repeats=100, max_seconds=0.001)
+    assert t.repeats == 3
+
+
+def test_measure_bad_repeats() -> None:
+    with pytest.raises(ValueError, match="repeats = 0"):
+        measure(lambda i: None, repeats=0)
+
+
+def test_timing_as_dict_round_trips() -> None:
+    t = Timing(1.0, 0.5, 2.0, 3, 1)
+    assert Timing(**t.as_dict()) == t
+
+
+def test_fingerprint_names_the_cpu_and_versions() -> None:
+    fp = fingerprint("cpu")
+    assert fp["kind"] == "cpu" and fp["threads"] >= 1
+    for key in ("name", "torch", "triton", "python", "isa"):
+        assert fp[key], key
+
+
+def test_last_level_cache_is_positive() -> None:
+    assert last_level_cache_bytes("cpu") >= 2**20
+
+
+@pytest.fixture
+def counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Profile cache under tmp_path; count bandwidth measurements."""
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
+    calls: list[int] = []
+    real = device_mod.measure_bandwidth
+
+    def counting(device="cpu", *, nbytes=None):  # type: ignore[no-untyped-def]
+        calls.append(nbytes)
+        return real(device, nbytes=nbytes)
+
+    monkeypatch.setattr(device_mod, "measure_bandwidth", counting)
+    return calls
+
+
+def test_profile_is_cached_per_fingerprint(counted: list[int], tmp_path: Path) -> None:
+    first = load_profile(nbytes=SMALL_BUFFER)
+    assert counted == [SMALL_BUFFER]
+    assert first.copy_bandwidth > 0 and first.read_bandwidth > 0 and first.buffer_bytes == SMALL_BUFFER
+    assert first.load_avg is not None and len(first.load_avg) == 3
+    path = tmp_path / "device" / f"{first.id}.json"
+    assert path.exists() and json.loads(path.read_text())["id"] == first.id
+    again = load_profile(nbytes=SMALL_BUFFER)
+    assert counted == [SMALL_BUFFER] and again == first
+    fresh = load_profile(remeasure=True, nbytes=SMALL_BUFFER)
+    assert len(counted) == 2 and fresh.id == first.id
+    assert load_profile() == fresh  # the remeasured profile replaced the cached one
+
+
+def test_unreadable_cache_entry_is_measured_again(counted: list[int], tmp_path: Path) -> None:
+    first = load_profile(nbytes=SMALL_BUFFER)
+    (tmp_path / "device" / f"{first.id}.json").write_text("{not json")
+    load_profile(nbytes=SMALL_BUFFER)
+    assert len(counted) == 2
+
+
+def test_profile_from_dict_ignores_id_and_unknown_keys() -> None:
+    p = DeviceProfile(fingerprint("cpu"), 2e10, 1e10, 123, "now", (1.0, 2.0, 3.0))
+    data = json.loads(json.dumps(p.as_dict())) | {"future_field": 1}
+    assert DeviceProfile.from_dict(data) == p
+    assert p.bandwidth == 2e10 and p.name == fingerprint("cpu")["name"]
