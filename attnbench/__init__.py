@@ -6,6 +6,7 @@ from attnbench.backend import PLUGIN_API_VERSION, Backend, ConfigError, KVCache,
 from attnbench.gate import CheckResult, check
 from attnbench.hookspecs import hookimpl
 from attnbench.registry import Registry, RegistryError, load_registry
+from attnbench.select import Choice, select
 from attnbench.shapes import ModelShape, ShapeError, load_shape
 from attnbench.workload import Workload
 
@@ -15,6 +16,7 @@ __all__ = [
     "PLUGIN_API_VERSION",
     "Backend",
     "CheckResult",
+    "Choice",
     "ConfigError",
     "KVCache",
     "ModelShape",
@@ -30,4 +32,5 @@ __all__ = [
     "hookimpl",
     "load_registry",
     "load_shape",
+    "select",
 ]

@@ -1,1 +1,82 @@
-"""The autotuner (Optuna studies per tuning key) and the per-device results tables."""
+"""The autotuner (one Optuna study per tuning key) and the per-device results tables.
+
+Typical use is the command line (``attnbench tune``); in Python::
+
+    from attnbench.tuning import tune
+    report = tune([Workload.uniform("llama-3.1-8b", batch=8, context="8k")])
+    report.entries["llama-3.1-8b@.../bf16/b8/ctx8192"]["winner"]
+
+and, at run time, :func:`attnbench.select` reads the table this writes.
+"""
+
+from __future__ import annotations
+
+from attnbench.tuning.key import TuningKey, bucket_distance
+from attnbench.tuning.space import (
+    DEFAULT_BACKENDS,
+    BackendRef,
+    Candidate,
+    Excluded,
+    SearchSpace,
+    backend_refs,
+    build_space,
+    code_hash,
+    load_backend_class,
+)
+from attnbench.tuning.study import (
+    JOURNAL_NAME,
+    KeyResult,
+    StudyPlan,
+    TrialRecord,
+    TuneOptions,
+    open_storage,
+    plan_studies,
+    run_study,
+)
+from attnbench.tuning.table import (
+    SWITCH_MARGIN,
+    DeviceMismatchError,
+    ResultsTable,
+    TableError,
+    hardware_id,
+    summarize,
+    table_path,
+)
+from attnbench.tuning.tuner import TuneReport, default_results_dir, tune
+from attnbench.tuning.worker import Outcome, Worker, WorkerTask, evaluate
+
+__all__ = [
+    "DEFAULT_BACKENDS",
+    "JOURNAL_NAME",
+    "SWITCH_MARGIN",
+    "BackendRef",
+    "Candidate",
+    "DeviceMismatchError",
+    "Excluded",
+    "KeyResult",
+    "Outcome",
+    "ResultsTable",
+    "SearchSpace",
+    "StudyPlan",
+    "TableError",
+    "TrialRecord",
+    "TuneOptions",
+    "TuneReport",
+    "TuningKey",
+    "Worker",
+    "WorkerTask",
+    "backend_refs",
+    "bucket_distance",
+    "build_space",
+    "code_hash",
+    "default_results_dir",
+    "evaluate",
+    "hardware_id",
+    "load_backend_class",
+    "open_storage",
+    "plan_studies",
+    "run_study",
+    "summarize",
+    "table_path",
+    "tune",
+]

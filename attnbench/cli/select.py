@@ -1,0 +1,73 @@
+"""``attnbench select`` — which backend and config this device should use for a workload, and why."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from attnbench.cli.common import (
+    add_model_option,
+    add_workload_options,
+    console,
+    emit_json,
+    workloads_from_args,
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "select",
+        help="the backend and config to use for a workload (tuned table, else roofline heuristic)",
+        description=(
+            "Answer from this device's tuned results table (the nearest batch/context bucket of the same "
+            "model and dtype), or, when nothing is tuned, from a roofline heuristic: the candidate that reads "
+            "the fewest KV-cache bytes, ties going to the default backend (flash, else naive). A candidate that "
+            "failed the correctness gate is never chosen; a table from another device is refused."
+        ),
+    )
+    add_model_option(p, required=True)
+    add_workload_options(p, batch="1", context="4096")
+    p.add_argument("--results", metavar="DIR", help="where the tuned tables live (default results/)")
+    p.add_argument("--table", metavar="PATH", help="use this table file (refused if tuned on another device)")
+    p.add_argument("--explain", action="store_true", help="say what was chosen, what was rejected and why")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    from attnbench.select import select
+
+    choices = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warnings are printed with the choice below
+        for w in workloads_from_args(args):
+            choices.append(select(w, results_dir=args.results, table=args.table))
+    if args.json:
+        emit_json([c.as_dict() for c in choices])
+        return 0
+    out = console()
+    if args.explain:
+        for c in choices:
+            out.print(c.explain(), markup=False)
+        return 0
+    table = Table(title="selected backends")
+    for col in ("workload", "backend", "config", "source", "from bucket", "step ms"):
+        table.add_column(col)
+    for c in choices:
+        table.add_row(
+            c.workload.describe(),
+            c.backend,
+            ",".join(f"{k}={v}" for k, v in c.config.items()) or "-",
+            c.source,
+            c.tuned_key or "-",
+            f"{c.step_ms:.4g}"
+            if c.step_ms is not None
+            else (f"≥{c.estimate_ms:.3g} (roofline)" if c.estimate_ms else "-"),
+        )
+    out.print(table)
+    for w in dict.fromkeys(w for c in choices for w in c.warnings):
+        out.print(f"[yellow]warning:[/yellow] {w}")
+    return 0

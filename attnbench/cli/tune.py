@@ -1,0 +1,196 @@
+"""``attnbench tune`` — find the fastest correct backend and config per workload bucket, by measuring."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from attnbench.cli.common import (
+    add_model_option,
+    add_workload_options,
+    console,
+    emit_json,
+    workloads_from_args,
+)
+
+DEFAULT_BATCH = "1,8"
+DEFAULT_CONTEXT = "1k,4k"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tune",
+        help="tune backends and configs per workload bucket; write this device's results table",
+        description=(
+            "For every (batch, context, dtype) bucket of the model: build the search space from the "
+            "registered backends' tunables (backends that cannot run it, or would run interpreted, are "
+            "listed and left out), then check each candidate against the float64 reference and time its "
+            "decode step in an isolated worker process. Small spaces are searched exhaustively, large ones "
+            "with a seeded TPE sampler. The winners go to results/tuning-<device>.yaml, which "
+            "`attnbench select` and attnbench.select() read. Interrupt with Ctrl-C at any time: what was "
+            "measured is kept, and running the same command again resumes without repeating it. Defaults "
+            f"(--batch {DEFAULT_BATCH} --context {DEFAULT_CONTEXT}) take a few minutes on a CPU."
+        ),
+    )
+    add_model_option(p, required=True)
+    add_workload_options(p, batch=DEFAULT_BATCH, context=DEFAULT_CONTEXT)
+    p.add_argument("--backends", help="only these registered backends, comma-separated (default: all)")
+    p.add_argument(
+        "--trials",
+        type=int,
+        help="candidates per bucket: at least the space size searches it exhaustively, fewer uses TPE "
+        "(default: exhaustive up to 64 candidates, else 40 TPE trials)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds one candidate (check + timing) may take in its worker before it is killed (default 120)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=10, help="timed decode steps per candidate (median; default 10)"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="TPE sampler seed (default 0)")
+    p.add_argument(
+        "--storage",
+        metavar="URL",
+        help="Optuna RDB URL (e.g. postgresql://user@host/db) so that many machines tune one study; "
+        "default: the journal file results/studies.journal",
+    )
+    p.add_argument("--results", metavar="DIR", help="where the table and the journal live (default results/)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def _split(text: str | None) -> list[str] | None:
+    return [s.strip() for s in text.split(",") if s.strip()] if text else None
+
+
+def run(args: argparse.Namespace) -> int:
+    import optuna
+
+    from attnbench.tuning import TuneOptions, tune
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if args.trials is not None and args.trials < 1:
+        raise ValueError(f"--trials {args.trials} must be ≥ 1")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats {args.repeats} must be ≥ 1")
+    workloads = workloads_from_args(args)
+    options = TuneOptions(
+        trials=args.trials, timeout_s=args.timeout, repeats=args.repeats, warmup=args.warmup, seed=args.seed
+    )
+    out = console()
+    command = (
+        "attnbench " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "attnbench tune"
+    )
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console() if not args.json else None,
+        disable=args.json,
+        transient=False,
+    )
+    state: dict = {}
+
+    def on_plan(plans: list) -> None:
+        for plan in plans:
+            for ex in plan.space.excluded:
+                if not args.json:
+                    out.print(f"[dim]{plan.key.row}: left out {ex.backend}: {'; '.join(ex.reasons)}[/dim]")
+        state["task"] = progress.add_task("tuning", total=sum(p.target for p in plans))
+
+    def on_trial(plan, record, reused) -> None:
+        verdict = f"{record.value * 1e3:.3g} ms" if record.ok else f"failed ({record.kind})"
+        progress.update(
+            state["task"],
+            advance=1,
+            description=f"{plan.workload.describe()}: {record.candidate.label()} {verdict}",
+        )
+
+    with progress:
+        report = tune(
+            workloads,
+            backends=_split(args.backends),
+            results_dir=args.results,
+            storage=args.storage,
+            options=options,
+            command=command,
+            on_plan=on_plan,
+            on_trial=on_trial,
+        )
+    if args.json:
+        emit_json(
+            {
+                "table": str(report.table_path),
+                "storage": report.storage,
+                "interrupted": report.interrupted,
+                "trials_run": report.trials_run,
+                "messages": report.messages,
+                "entries": report.entries,
+            }
+        )
+    else:
+        for msg in report.messages:
+            out.print(f"[yellow]{msg}[/yellow]")
+        out.print(summary_table(report.entries))
+        out.print(
+            f"table: {report.table_path}   studies: {report.storage}   trials run now: {report.trials_run}"
+        )
+    if report.interrupted:
+        print(
+            f"interrupted: measured trials are kept in {report.storage}; run the same command again to resume",
+            file=sys.stderr,
+        )
+        return 130
+    return 0
+
+
+def summary_table(entries: dict) -> Table:
+    table = Table(title="tuned winners (median decode step, all layers)")
+    for col in (
+        "model",
+        "dtype",
+        "batch",
+        "context",
+        "winner",
+        "step ms",
+        "GB/s",
+        "% bw",
+        "runner-up",
+        "default ms",
+        "failed",
+        "trials",
+    ):
+        table.add_column(
+            col, justify="right" if col not in ("model", "dtype", "winner", "runner-up") else "left"
+        )
+    for entry in entries.values():
+        w, r, d = entry.get("winner"), entry.get("runner_up"), entry.get("default") or {}
+        cfg = ",".join(f"{k}={v}" for k, v in (w or {}).get("config", {}).items())
+        failed = [c for c in entry.get("candidates", []) if c.get("failed")]
+        table.add_row(
+            entry["model"],
+            entry["dtype"],
+            str(entry["batch_bucket"]),
+            str(entry["context_bucket"]),
+            f"{w['backend']}{f'[{cfg}]' if cfg else ''}" if w else "[red]none passed[/red]",
+            f"{w['step_ms']:.4g}" if w else "-",
+            f"{w.get('gbps', 0):.3g}" if w else "-",
+            f"{w.get('pct_of_bandwidth', 0):.3g}" if w else "-",
+            f"{r['backend']} (+{entry['margin']:.1%})" if r else "-",
+            f"{d['step_ms']:.4g}" if d.get("step_ms") is not None else "-",
+            ", ".join(f"{c['backend']}:{c['failed']}" for c in failed) or "-",
+            f"{entry['trials']}" + ("" if entry.get("complete", True) else " (partial)"),
+        )
+    return table

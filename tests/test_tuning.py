@@ -1,0 +1,251 @@
+"""The tuner end to end with planted backends in a test registry, each candidate in a worker process.
+
+The planted backends are correct or broken on purpose: one is slow, one crashes its process, one
+segfaults, one hangs, one returns NaN, one returns wrong values, one raises, one runs out of memory,
+one refuses every workload. Workers load them by import path (``test_tuning:FastBackend``), the way
+they load a plugin's backend. Tiny shapes and short timeouts keep this file quick.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+from datetime import datetime, timezone
+
+import optuna
+import pytest
+import torch
+
+from attnbench.backends.naive import NaiveBackend
+from attnbench.device import DeviceProfile, fingerprint
+from attnbench.hookspecs import hookimpl
+from attnbench.registry import Registry, Source, load_registry
+from attnbench.tuning import JOURNAL_NAME, ResultsTable, TuneOptions, open_storage, tune
+from attnbench.workload import Workload
+
+WORKLOAD = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32")
+FAST = TuneOptions(timeout_s=20.0, warmup=1, repeats=3)
+
+
+# -- planted backends (module level: workers import them by path) ----------------------------------
+class FastBackend(NaiveBackend):
+    name = "planted_fast"
+
+
+class SlowBackend(NaiveBackend):
+    """Correct, and 50 ms slower per layer call."""
+
+    name = "planted_slow"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        time.sleep(0.05)
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+class CrashBackend(NaiveBackend):
+    name = "planted_crash"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        os._exit(7)
+
+
+class SegfaultBackend(NaiveBackend):
+    name = "planted_segfault"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+class HangBackend(NaiveBackend):
+    name = "planted_hang"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        time.sleep(3600)
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+class NaNBackend(NaiveBackend):
+    name = "planted_nan"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        out = super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+        return out * float("nan")
+
+
+class WrongBackend(NaiveBackend):
+    """Off by 0.05 everywhere: far outside the fp32 tolerance, yet finite."""
+
+    name = "planted_wrong"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v) + 0.05
+
+
+class RaiseBackend(NaiveBackend):
+    name = "planted_raise"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        raise RuntimeError("planted failure in decode")
+
+
+class OOMBackend(NaiveBackend):
+    name = "planted_oom"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: the allocator refuses
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+class RefuseBackend(NaiveBackend):
+    name = "planted_refuse"
+
+    def supports(self, workload):
+        return ["planted: refuses every workload"]
+
+
+class PacedBackend(NaiveBackend):
+    """Correct, 0.3 s per layer call: slow enough to be interrupted in the middle."""
+
+    name = "planted_paced"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        time.sleep(0.3)
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+class FastTwoBackend(NaiveBackend):
+    name = "planted_fast_two"
+
+
+class _Planted:
+    def __init__(self, classes):
+        self.classes = classes
+
+    @hookimpl
+    def attnbench_backends(self):
+        return list(self.classes)
+
+
+def planted_registry(*classes) -> Registry:
+    """A registry holding only ``classes``, registered through the plugin hook like any backend."""
+    reg = load_registry(builtins=False, env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    plugin = _Planted(classes)
+    reg.manager.register(plugin, name="planted")
+    reg._add_from(plugin, Source("plugin", "planted", "tests"))
+    return reg
+
+
+@pytest.fixture
+def profile() -> DeviceProfile:
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return DeviceProfile(fingerprint("cpu"), 1e10, 1e10, 1, now)  # bandwidth stated, not measured: tests
+
+
+def _candidates(entry):
+    return {c["backend"]: c for c in entry["candidates"]}
+
+
+# -- tests -------------------------------------------------------------------------------------------
+def test_the_faster_backend_wins(tmp_path, profile):
+    reg = planted_registry(SlowBackend, FastBackend)
+    report = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile)
+    (entry,) = report.entries.values()
+    assert entry["default"]["backend"] == "planted_slow"  # no flash/naive here: the first registered
+    assert entry["winner"]["backend"] == "planted_fast"
+    assert entry["runner_up"]["backend"] == "planted_slow"
+    assert entry["margin"] > 0.05
+    assert entry["complete"] and entry["search"] == "grid" and entry["trials"] == 2
+    on_disk = ResultsTable.load(report.table_path, fingerprint=profile.fingerprint)
+    row = f"tiny-gqa@{WORKLOAD.shape.fingerprint()}/fp32/b1/ctx64"
+    assert on_disk.entries[row]["winner"]["backend"] == "planted_fast"
+
+
+def test_broken_backends_fail_their_trials_and_the_study_picks_a_correct_one(tmp_path, profile):
+    reg = planted_registry(
+        CrashBackend,
+        SegfaultBackend,
+        HangBackend,
+        NaNBackend,
+        WrongBackend,
+        RaiseBackend,
+        OOMBackend,
+        RefuseBackend,
+        FastBackend,
+    )
+    options = TuneOptions(timeout_s=6.0, warmup=1, repeats=3)
+    report = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=options, profile=profile)
+    (entry,) = report.entries.values()
+    assert entry["complete"]
+    assert entry["winner"]["backend"] == "planted_fast"
+    assert entry["decision"].endswith("the default failed (crash)")
+    got = _candidates(entry)
+    assert (
+        got["planted_crash"]["failed"] == "crash" and "exited with code 7" in got["planted_crash"]["reason"]
+    )
+    assert got["planted_segfault"]["failed"] == "crash" and "SIGSEGV" in got["planted_segfault"]["reason"]
+    assert got["planted_hang"]["failed"] == "timeout" and "6 s" in got["planted_hang"]["reason"]
+    assert got["planted_nan"]["failed"] == "nan" and got["planted_nan"]["error"]["nonfinite"] > 0
+    assert got["planted_wrong"]["failed"] == "gate"
+    assert got["planted_wrong"]["error"]["max_abs"] == pytest.approx(0.05, rel=0.05)  # the numbers, recorded
+    assert (
+        got["planted_raise"]["failed"] == "exception" and "planted failure" in got["planted_raise"]["reason"]
+    )
+    assert got["planted_oom"]["failed"] == "oom"
+    assert entry["excluded"] == [{"backend": "planted_refuse", "reason": "planted: refuses every workload"}]
+    # every failure is also on its Optuna trial, with the reason
+    study = optuna.load_study(study_name=entry["study"], storage=open_storage(None, results_dir=tmp_path))
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert len(failed) == 7 and all(t.user_attrs["reason"] for t in failed)
+
+
+def test_interrupted_study_resumes_without_repeating_finished_trials(tmp_path, profile):
+    reg = planted_registry(FastBackend, FastTwoBackend, PacedBackend, SlowBackend)
+    seen: list[str] = []
+
+    def interrupt_during_the_third(plan, record, reused):
+        seen.append(record.candidate.backend)
+        if len(seen) == 2:  # the third candidate (paced, ~0.6 s per step) is about to start
+            threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    first = tune(
+        [WORKLOAD],
+        registry=reg,
+        results_dir=tmp_path,
+        options=FAST,
+        profile=profile,
+        on_trial=interrupt_during_the_third,
+    )
+    assert first.interrupted and first.trials_run == 2
+    (entry,) = first.entries.values()
+    assert not entry["complete"]
+    storage = open_storage(None, results_dir=tmp_path)
+    study = optuna.load_study(study_name=entry["study"], storage=storage)
+    states = [
+        (t.user_attrs["backend"], t.state.name, t.user_attrs.get("interrupted", False)) for t in study.trials
+    ]
+    assert states == [
+        ("planted_fast", "COMPLETE", False),
+        ("planted_fast_two", "COMPLETE", False),
+        ("planted_paced", "FAIL", True),
+    ]
+    before = {t.number: t.value for t in study.trials if t.state.name == "COMPLETE"}
+
+    second = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile)
+    assert not second.interrupted and second.trials_run == 2  # the interrupted one and the one never started
+    study = optuna.load_study(study_name=entry["study"], storage=storage)
+    complete = [t for t in study.trials if t.state.name == "COMPLETE"]
+    assert sorted(t.user_attrs["backend"] for t in complete) == sorted(
+        ["planted_fast", "planted_fast_two", "planted_paced", "planted_slow"]
+    )
+    assert {t.number: t.value for t in complete if t.number in before} == before  # not measured again
+    (entry,) = second.entries.values()
+    assert entry["complete"] and entry["trials"] == 4
+    assert entry["winner"]["backend"] in ("planted_fast", "planted_fast_two")
+    assert (tmp_path / JOURNAL_NAME).exists()
+
+    third = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile)
+    assert third.trials_run == 0

@@ -1,0 +1,246 @@
+"""The search space of one tuning key, built from the backends' declared tunables.
+
+The backend is a categorical parameter; each backend's tunables are parameters conditional on it
+(named ``"<backend>.<tunable>"``). Backends whose ``supports()`` refuses the workload, or whose
+kernels would run in an interpreter (checked, never timed), are left out and listed with the reason.
+
+Backends travel to worker processes as import paths (``"package.module:Class"``), so a backend
+registered only in a test's registry, or by a plugin, is found by the worker the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from attnbench.backend import Backend, Tunable
+from attnbench.registry import Registry, load_registry
+from attnbench.workload import Workload
+
+__all__ = [
+    "DEFAULT_BACKENDS",
+    "BackendRef",
+    "Candidate",
+    "Excluded",
+    "SearchSpace",
+    "backend_refs",
+    "build_space",
+    "code_hash",
+    "load_backend_class",
+]
+
+#: What a user gets without tuning: the first of these that can run the workload.
+DEFAULT_BACKENDS = ("flash", "naive")
+
+_PRIMITIVE = (bool, int, float, str, type(None))
+
+
+def load_backend_class(ref: str) -> type[Backend]:
+    """``"pkg.module:Class"`` → the class; a plain name is looked up in the default registry."""
+    if ":" not in ref:
+        return load_registry().entry(ref).cls
+    module_name, _, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Backend)):
+        raise TypeError(f"{ref!r} is not an attnbench.Backend subclass")
+    return obj
+
+
+@dataclass(frozen=True)
+class BackendRef:
+    """A backend by registry name, with the import path a worker process loads it from."""
+
+    name: str
+    ref: str
+    cls: type[Backend]
+
+    @classmethod
+    def of(cls, backend: type[Backend]) -> BackendRef:
+        qual = backend.__qualname__
+        if "<locals>" in qual or backend.__module__ == "__main__":
+            raise ValueError(
+                f"backend {backend.name!r} ({backend.__module__}.{qual}) cannot be loaded by a worker "
+                "process: define it at the top level of an importable module"
+            )
+        return cls(backend.name, f"{backend.__module__}:{qual}", backend)
+
+
+def backend_refs(
+    registry: Registry | None = None,
+    *,
+    only: Sequence[str] | None = None,
+    extra: Iterable[type[Backend]] = (),
+) -> list[BackendRef]:
+    """Backends of ``registry`` (default: the full registry), optionally only the names in ``only``."""
+    registry = registry if registry is not None else load_registry()
+    refs = [BackendRef.of(e.cls) for e in registry] + [BackendRef.of(c) for c in extra]
+    if only is not None:
+        by_name = {r.name: r for r in refs}
+        unknown = [n for n in only if n not in by_name]
+        if unknown:
+            raise ValueError(f"unknown backend {unknown[0]!r}; registered: {', '.join(by_name) or 'none'}")
+        refs = [by_name[n] for n in only]
+    return refs
+
+
+def code_hash(classes: Iterable[type[Backend]]) -> str:
+    """Short hash of the source files that define ``classes`` (a backend's code changed → new hash)."""
+    h = hashlib.sha256()
+    for cls in sorted(set(classes), key=lambda c: c.name):
+        try:
+            source = inspect.getsource(inspect.getmodule(cls))  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            source = f"{cls.__module__}:{cls.__qualname__}"
+        h.update(cls.name.encode() + b"\0" + source.encode() + b"\0")
+    return h.hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the space: a backend and a complete config."""
+
+    backend: str
+    config: Mapping[str, Any]
+
+    def label(self) -> str:
+        cfg = ",".join(f"{k}={v}" for k, v in sorted(self.config.items()))
+        return f"{self.backend}[{cfg}]" if cfg else self.backend
+
+    def ident(self) -> str:
+        return json.dumps([self.backend, sorted(self.config.items())], default=str)
+
+
+@dataclass(frozen=True)
+class Excluded:
+    backend: str
+    reasons: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "reason": "; ".join(self.reasons)}
+
+
+@dataclass
+class SearchSpace:
+    """Runnable backends with their tunables for one workload, plus the backends left out and why."""
+
+    workload: Workload
+    backends: dict[str, BackendRef]
+    tunables: dict[str, tuple[Tunable, ...]]
+    excluded: list[Excluded] = field(default_factory=list)
+    default_backend: str | None = None
+
+    # -- enumeration -----------------------------------------------------------------------------
+    def candidates(self) -> list[Candidate]:
+        """The full grid: the default candidate first, then each backend's default, then the rest."""
+        out: list[Candidate] = []
+        for name in self.backends:
+            cls = self.backends[name].cls
+            base = cls.default_config()
+            tunables = self.tunables[name]
+            grid: list[dict[str, Any]] = [{}]
+            for t in tunables:
+                grid = [{**g, t.name: c} for g in grid for c in t.choices]
+            out += [Candidate(name, {**base, **g}) for g in grid]
+        first = [self.default_candidate()] if self.default_backend else []
+        defaults = [Candidate(n, self.backends[n].cls.default_config()) for n in self.backends]
+        seen: set[str] = set()
+        ordered = []
+        for c in [*first, *defaults, *out]:
+            if c.ident() not in seen:
+                seen.add(c.ident())
+                ordered.append(c)
+        return ordered
+
+    def size(self) -> int:
+        total = 0
+        for name in self.backends:
+            n = 1
+            for t in self.tunables[name]:
+                n *= len(t.choices)
+            total += n
+        return total
+
+    def default_candidate(self) -> Candidate:
+        if self.default_backend is None:
+            raise ValueError(
+                f"no default backend ({', '.join(DEFAULT_BACKENDS)}) can run {self.workload.describe()}"
+            )
+        return Candidate(self.default_backend, self.backends[self.default_backend].cls.default_config())
+
+    def space_id(self, code: str) -> str:
+        """Hash of the space (backends, their tunables' choices) and the backends' code."""
+        body = {
+            n: [[t.name, [repr(c) for c in t.choices]] for t in self.tunables[n]]
+            for n in sorted(self.backends)
+        }
+        return hashlib.sha256(json.dumps([body, code], sort_keys=True).encode()).hexdigest()[:10]
+
+    # -- Optuna ----------------------------------------------------------------------------------
+    def suggest(self, trial: Any) -> Candidate:
+        """Ask ``trial`` (an Optuna trial) for a backend, then for that backend's parameters."""
+        name = trial.suggest_categorical("backend", list(self.backends))
+        config = self.backends[name].cls.default_config()
+        for t in self.tunables[name]:
+            config[t.name] = _suggest_choice(trial, f"{name}.{t.name}", t.choices)
+        return Candidate(name, config)
+
+    def params(self, candidate: Candidate) -> dict[str, Any]:
+        """The Optuna params that make :meth:`suggest` return ``candidate`` (for ``enqueue_trial``)."""
+        params: dict[str, Any] = {"backend": candidate.backend}
+        for t in self.tunables[candidate.backend]:
+            value = candidate.config[t.name]
+            params[f"{candidate.backend}.{t.name}"] = value if _primitive(t.choices) else repr(value)
+        return params
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backends": {n: {t.name: list(t.choices) for t in self.tunables[n]} for n in self.backends},
+            "excluded": [e.as_dict() for e in self.excluded],
+            "default": self.default_candidate().label() if self.default_backend else None,
+            "size": self.size(),
+        }
+
+
+def _primitive(choices: Sequence[Any]) -> bool:
+    return all(isinstance(c, _PRIMITIVE) for c in choices)
+
+
+def _suggest_choice(trial: Any, name: str, choices: Sequence[Any]) -> Any:
+    if _primitive(choices):
+        return trial.suggest_categorical(name, list(choices))
+    by_repr = {repr(c): c for c in choices}  # Optuna stores only primitives: go through repr
+    return by_repr[trial.suggest_categorical(name, list(by_repr))]
+
+
+def build_space(
+    workload: Workload, refs: Sequence[BackendRef], *, allow_interpreted: bool = False
+) -> SearchSpace:
+    """The space for ``workload``: every backend in ``refs`` that can run it and is not interpreted."""
+    backends: dict[str, BackendRef] = {}
+    tunables: dict[str, tuple[Tunable, ...]] = {}
+    excluded: list[Excluded] = []
+    for ref in refs:
+        try:
+            backend = ref.cls()
+            reasons = list(backend.supports(workload))
+            if not reasons and backend.interpreted(workload) and not allow_interpreted:
+                reasons = ["kernels would run in an interpreter here: checked for correctness, never timed"]
+            if not reasons:
+                tunables[ref.name] = tuple(backend.tunables_for(workload))
+        except Exception as err:  # a backend whose supports() itself breaks is left out, with the error
+            reasons = [f"supports() raised {type(err).__name__}: {err}"]
+        if reasons:
+            excluded.append(Excluded(ref.name, tuple(reasons)))
+        else:
+            backends[ref.name] = ref
+    default = next((n for n in DEFAULT_BACKENDS if n in backends), None)
+    if default is None and backends:
+        default = next(iter(backends))
+    return SearchSpace(workload, backends, tunables, excluded, default)

@@ -1,0 +1,339 @@
+"""One Optuna study per tuning key: build the space, run candidates in a worker, keep what was measured.
+
+Small spaces are searched exhaustively (every candidate once, the default first); large ones with a
+seeded TPE sampler, after the default and each backend's default config have been enqueued. The
+loop is Optuna's ask/tell, so that each candidate can run in an isolated worker process
+(:class:`attnbench.tuning.worker.Worker`) and a failure is told as a failed trial with its reason in
+the trial's user attributes, never as an exception that stops the study.
+
+Resuming: a candidate with a finished trial (complete, or failed with a verdict) is never run again;
+trials cut short by Ctrl-C are marked ``interrupted`` and run again on the next call. A trial left
+``RUNNING`` by a process that no longer exists is closed as interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from attnbench.device import DeviceProfile
+from attnbench.tuning.key import TuningKey
+from attnbench.tuning.space import BackendRef, Candidate, SearchSpace, build_space, code_hash
+from attnbench.tuning.worker import Outcome, Worker, WorkerTask, workload_to_dict
+from attnbench.workload import Workload
+
+__all__ = [
+    "JOURNAL_NAME",
+    "KeyResult",
+    "StudyPlan",
+    "TrialRecord",
+    "TuneOptions",
+    "open_storage",
+    "plan_studies",
+    "run_study",
+]
+
+#: File name of the embedded study storage under the results directory.
+JOURNAL_NAME = "studies.journal"
+_MAX_DUPLICATES = 20
+
+
+def open_storage(url: str | None, *, results_dir: Path) -> Any:
+    """``None`` → the embedded journal file under ``results_dir``; otherwise any Optuna RDB URL.
+
+    The journal (Optuna's ``JournalFileBackend``) appends one JSON line per operation under a file
+    lock, so several processes on one machine can share it safely, and an interrupted write loses at
+    most its own line. PostgreSQL/MySQL URLs let many machines tune one study together.
+    """
+    if url is None:
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        results_dir.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(results_dir / JOURNAL_NAME)))
+    if "://" not in url:
+        raise ValueError(
+            f"--storage {url!r} is not a database URL; accepted: e.g. postgresql://user@host/db, sqlite:///f.db"
+        )
+    return optuna.storages.RDBStorage(url)
+
+
+@dataclass
+class TuneOptions:
+    """How to tune. ``timeout_s`` bounds one candidate (check + timing) in its worker."""
+
+    trials: int | None = None  # None: exhaustive up to grid_limit, else TPE with default_trials
+    timeout_s: float = 120.0
+    warmup: int = 2
+    repeats: int = 10
+    max_seconds: float | None = None
+    num_layers: int | None = None
+    materialise_bytes: int | None = None
+    seed: int = 0
+    grid_limit: int = 64
+    default_trials: int = 40
+    memory_limit_bytes: int | None = None
+
+
+@dataclass
+class TrialRecord:
+    """A finished candidate as the table sees it."""
+
+    number: int
+    candidate: Candidate
+    ok: bool
+    value: float | None
+    kind: str
+    reason: str
+    attrs: dict[str, Any]
+
+    @classmethod
+    def from_trial(cls, t: FrozenTrial) -> TrialRecord:
+        a = t.user_attrs
+        return cls(
+            number=t.number,
+            candidate=Candidate(a["backend"], a.get("config", {})),
+            ok=t.state == TrialState.COMPLETE,
+            value=t.value if t.state == TrialState.COMPLETE else None,
+            kind=a.get("kind", ""),
+            reason=a.get("reason", ""),
+            attrs=a.get("measurement", {}) | ({"check": a["check"]} if "check" in a else {}),
+        )
+
+
+@dataclass
+class StudyPlan:
+    """One key about to be tuned: its representative workload, space and study."""
+
+    key: TuningKey
+    workload: Workload
+    space: SearchSpace
+    code_hash: str
+    study_name: str
+    exhaustive: bool
+    target: int  # distinct candidates the study should hold when done
+
+    def load(self, storage: Any, *, seed: int) -> optuna.Study:
+        sampler: optuna.samplers.BaseSampler
+        if self.exhaustive:
+            sampler = optuna.samplers.RandomSampler(seed=seed)  # unused: every trial is enqueued
+        else:
+            sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8)
+        return optuna.create_study(
+            study_name=self.study_name,
+            storage=storage,
+            sampler=sampler,
+            direction="minimize",
+            load_if_exists=True,
+        )
+
+
+@dataclass
+class KeyResult:
+    plan: StudyPlan
+    records: list[TrialRecord] = field(default_factory=list)
+    ran: int = 0
+    interrupted: bool = False
+
+    @property
+    def key(self) -> TuningKey:
+        return self.plan.key
+
+    @property
+    def complete(self) -> bool:
+        return not self.interrupted and len({r.candidate.ident() for r in self.records}) >= min(
+            self.plan.target, self.plan.space.size()
+        )
+
+
+def plan_studies(
+    workloads: Sequence[Workload], refs: Sequence[BackendRef], *, profile: DeviceProfile, options: TuneOptions
+) -> list[StudyPlan]:
+    """One plan per distinct key (workloads in the same buckets share one)."""
+    plans: dict[str, StudyPlan] = {}
+    for w in workloads:
+        key = TuningKey.for_workload(w, device=profile.id)
+        if key.row in plans:
+            continue
+        rep = key.representative(w)
+        space = build_space(rep, refs)
+        code = code_hash(r.cls for r in space.backends.values())
+        size = space.size()
+        exhaustive = size <= options.grid_limit if options.trials is None else options.trials >= size
+        target = size if exhaustive else min(size, options.trials or options.default_trials)
+        plans[key.row] = StudyPlan(
+            key, rep, space, code, key.study_name(space.space_id(code)), exhaustive, target
+        )
+    return list(plans.values())
+
+
+def _finished(t: FrozenTrial) -> bool:
+    """A trial that measured its candidate (duplicates answered from another trial do not count)."""
+    if "duplicate_of" in t.user_attrs:
+        return False
+    if t.state == TrialState.COMPLETE:
+        return True
+    return t.state == TrialState.FAIL and not t.user_attrs.get("interrupted") and "backend" in t.user_attrs
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _close_abandoned(study: optuna.Study, storage: Any, *, timeout_s: float) -> None:
+    """Trials left RUNNING by a dead process on this host (or silent far past the timeout elsewhere)."""
+    host, now = socket.gethostname(), time.time()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        a = t.user_attrs
+        started = t.datetime_start.timestamp() if t.datetime_start else now
+        if a.get("pid") == os.getpid() and a.get("host") == host:
+            continue
+        mine = a.get("host") == host
+        dead = (mine and not _alive(int(a.get("pid", 0)))) or (
+            not mine and now - started > 3 * timeout_s + 600
+        )
+        if dead:
+            storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+            storage.set_trial_user_attr(t._trial_id, "reason", "abandoned: its process is gone")
+            study.tell(t.number, state=TrialState.FAIL)
+
+
+def run_study(
+    plan: StudyPlan,
+    *,
+    storage: Any,
+    worker: Worker,
+    profile: DeviceProfile,
+    options: TuneOptions,
+    on_trial: Callable[[StudyPlan, TrialRecord, bool], None] | None = None,
+) -> KeyResult:
+    """Run ``plan``'s study until it holds ``plan.target`` distinct finished candidates.
+
+    ``on_trial(plan, record, reused)`` is called after each trial (``reused``: a duplicate answered
+    from an earlier trial). ``KeyboardInterrupt`` marks the running trial interrupted and returns
+    what was measured with ``interrupted=True``.
+    """
+    study = plan.load(storage, seed=options.seed)
+    study.set_user_attr("key", plan.key.as_dict())
+    study.set_user_attr("space", plan.space.describe())
+    study.set_user_attr("code_hash", plan.code_hash)
+    _close_abandoned(study, study._storage, timeout_s=options.timeout_s)
+    result = KeyResult(plan)
+    if not plan.space.backends:
+        return result
+    rng = random.Random(options.seed)
+    candidates = plan.space.candidates()
+    enqueued_defaults = False
+    duplicates = 0
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        done = {TrialRecord.from_trial(t).candidate.ident(): t for t in trials if _finished(t)}
+        busy = {
+            Candidate(t.user_attrs["backend"], t.user_attrs.get("config", {})).ident()
+            for t in trials
+            if t.state == TrialState.RUNNING and "backend" in t.user_attrs
+        }
+        todo = [c for c in candidates if c.ident() not in done and c.ident() not in busy]
+        if len(done) >= plan.target or not todo:
+            break
+        if plan.exhaustive or duplicates >= _MAX_DUPLICATES:
+            pick = todo[0] if plan.exhaustive else rng.choice(todo)
+            study.enqueue_trial(plan.space.params(pick))
+            duplicates = 0
+        elif not enqueued_defaults:
+            for c in candidates[: len(plan.space.backends)]:  # the default, then each backend's default
+                if c.ident() not in done:
+                    study.enqueue_trial(plan.space.params(c))
+            enqueued_defaults = True
+        trial = study.ask()
+        cand = plan.space.suggest(trial)
+        trial.set_user_attr("backend", cand.backend)
+        trial.set_user_attr("config", dict(cand.config))
+        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("pid", os.getpid())
+        if cand.ident() in done or cand.ident() in busy:
+            _tell_duplicate(study, trial, done.get(cand.ident()))
+            duplicates += 1
+            continue
+        task = WorkerTask(
+            backend_ref=plan.space.backends[cand.backend].ref,
+            config=dict(cand.config),
+            workload=workload_to_dict(plan.workload),
+            profile={k: v for k, v in profile.as_dict().items() if k != "id"},
+            warmup=options.warmup,
+            repeats=options.repeats,
+            max_seconds=options.max_seconds,
+            num_layers=options.num_layers,
+            materialise_bytes=options.materialise_bytes,
+        )
+        try:
+            outcome = worker.run(task, timeout=options.timeout_s)
+        except KeyboardInterrupt:
+            trial.set_user_attr("interrupted", True)
+            trial.set_user_attr("kind", "interrupted")
+            trial.set_user_attr("reason", "interrupted by the user (Ctrl-C); runs again on resume")
+            study.tell(trial, state=TrialState.FAIL)
+            result.interrupted = True
+            break
+        _record(trial, outcome)
+        if outcome.ok:
+            study.tell(trial, outcome.value)
+        else:
+            study.tell(trial, state=TrialState.FAIL)
+        result.ran += 1
+        if on_trial is not None:
+            on_trial(plan, TrialRecord.from_trial(study.get_trials(deepcopy=False)[trial.number]), False)
+    result.records = [TrialRecord.from_trial(t) for t in study.get_trials(deepcopy=False) if _finished(t)]
+    result.records = _unique(result.records)
+    return result
+
+
+def _unique(records: list[TrialRecord]) -> list[TrialRecord]:
+    """First finished trial per candidate (several processes may have measured one twice)."""
+    seen: dict[str, TrialRecord] = {}
+    for r in sorted(records, key=lambda r: r.number):
+        seen.setdefault(r.candidate.ident(), r)
+    return list(seen.values())
+
+
+def _record(trial: optuna.Trial, outcome: Outcome) -> None:
+    trial.set_user_attr("kind", outcome.kind or "ok")
+    trial.set_user_attr("wall_s", round(outcome.wall_s, 3))
+    if outcome.reason:
+        trial.set_user_attr("reason", outcome.reason)
+    attrs = dict(outcome.attrs)
+    if "check" in attrs:
+        trial.set_user_attr("check", attrs.pop("check"))
+    for extra in ("traceback", "stderr_tail"):
+        if extra in attrs:
+            trial.set_user_attr(extra, attrs.pop(extra))
+    if attrs:
+        trial.set_user_attr("measurement", attrs)
+
+
+def _tell_duplicate(study: optuna.Study, trial: optuna.Trial, earlier: FrozenTrial | None) -> None:
+    """A candidate already measured (or being measured): answer from the earlier trial, run nothing."""
+    if earlier is None:
+        trial.set_user_attr("duplicate_of", "running elsewhere")
+        study.tell(trial, state=TrialState.PRUNED)
+        return
+    trial.set_user_attr("duplicate_of", earlier.number)
+    if earlier.state == TrialState.COMPLETE:
+        study.tell(trial, earlier.value)
+    else:
+        study.tell(trial, state=TrialState.PRUNED)

@@ -1,0 +1,337 @@
+"""Isolated worker processes: each candidate is checked and timed in a child process with a timeout.
+
+The parent (:class:`Worker`) starts ``python -m attnbench.tuning.worker`` in its own session and talks
+to it in JSON lines over a private pipe (the child's ``stdout`` is redirected to its ``stderr``, so a
+backend that prints cannot corrupt the protocol). A worker serves candidates one after another; when a
+candidate crashes the process (``os._exit``, a segfault, the kernel's out-of-memory killer), hangs past
+its timeout, or the pipe breaks, the parent records the reason, kills the worker's process group and
+starts a fresh one for the next candidate. An exception, an out-of-memory error, a failed correctness
+gate or a NaN is reported by the worker itself, which stays alive.
+
+Backends are loaded by import path (``"package.module:Class"``), or by registry name, so a backend
+registered only in a test's registry, or by a plugin, reaches the worker the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Outcome", "Worker", "WorkerTask", "evaluate"]
+
+_OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "outofmemoryerror")
+
+
+@dataclass(frozen=True)
+class WorkerTask:
+    """What a worker needs to check and time one candidate (everything JSON-serialisable)."""
+
+    backend_ref: str
+    config: dict[str, Any]
+    workload: dict[str, Any]  # {"shape": fields, "context_lens": [...], "dtype": "bf16", "device": "cpu"}
+    profile: dict[str, Any] | None = None
+    warmup: int = 2
+    repeats: int = 10
+    max_seconds: float | None = None
+    num_layers: int | None = None
+    materialise_bytes: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass
+class Outcome:
+    """What came of one candidate: ``ok`` with ``value`` (median step seconds), or a failure.
+
+    ``kind`` of a failure: ``gate`` (wrong values), ``nan`` (non-finite output or time), ``exception``,
+    ``oom``, ``crash`` (the process died), ``timeout`` (hang), ``unsupported``, ``not-timed``,
+    ``interrupted`` (Ctrl-C; not a verdict on the candidate).
+    """
+
+    ok: bool
+    value: float | None = None
+    kind: str = ""
+    reason: str = ""
+    attrs: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# child side
+# --------------------------------------------------------------------------------------------------
+def workload_from_dict(data: dict[str, Any]) -> Any:
+    from attnbench.shapes import ModelShape
+    from attnbench.workload import Workload
+
+    fields = dict(data["shape"])
+    shape = ModelShape.from_dict(fields, name=fields.pop("name"))
+    return Workload(shape, tuple(data["context_lens"]), data["dtype"], data.get("device", "cpu"))
+
+
+def workload_to_dict(workload: Any) -> dict[str, Any]:
+    return {
+        "shape": workload.shape.fields(),
+        "context_lens": list(workload.context_lens),
+        "dtype": workload.dtype_name,
+        "device": workload.device,
+    }
+
+
+def _classify(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".lower()
+    if isinstance(err, MemoryError) or any(m in text for m in _OOM_MARKERS):
+        return "oom"
+    return "exception"
+
+
+def evaluate(task: dict[str, Any]) -> dict[str, Any]:
+    """Check, then time, one candidate (runs in the worker). Returns a JSON-able verdict."""
+    from attnbench.bench import CheckFailed, measure_decode
+    from attnbench.device import DeviceProfile
+    from attnbench.tuning.space import load_backend_class
+
+    try:
+        backend = load_backend_class(task["backend_ref"])()
+        workload = workload_from_dict(task["workload"])
+        reasons = backend.supports(workload)
+        if reasons:
+            return {"ok": False, "kind": "unsupported", "reason": "; ".join(reasons)}
+        profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
+        m = measure_decode(
+            backend,
+            workload,
+            config=task["config"],
+            profile=profile,
+            warmup=task["warmup"],
+            repeats=task["repeats"],
+            max_seconds=task["max_seconds"],
+            check=True,
+            num_layers=task["num_layers"],
+            materialise_bytes=task["materialise_bytes"],
+        )
+    except CheckFailed as err:
+        kind = "nan" if err.check.error.nonfinite else "gate"
+        return {"ok": False, "kind": kind, "reason": str(err), "attrs": {"check": err.check.as_dict()}}
+    except Exception as err:  # the candidate's own failure: report it, stay alive for the next one
+        tb = traceback.format_exc().strip().splitlines()
+        return {
+            "ok": False,
+            "kind": _classify(err),
+            "reason": f"{type(err).__name__}: {err}",
+            "attrs": {"traceback": "\n".join(tb[-12:])},
+        }
+    attrs = m.as_dict()
+    if not m.timed or m.step is None:
+        return {"ok": False, "kind": "not-timed", "reason": m.note or "not timed", "attrs": attrs}
+    value = m.step.median_s
+    if not math.isfinite(value) or value <= 0:
+        return {
+            "ok": False,
+            "kind": "nan",
+            "reason": f"step time {value!r} is not a positive number",
+            "attrs": attrs,
+        }
+    return {"ok": True, "value": value, "attrs": attrs}
+
+
+def _watch_parent(parent: int) -> None:
+    while True:  # an orphaned worker (parent killed) must not run on
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(1.0)
+
+
+def main() -> None:
+    """The worker process: read a task per line, answer a verdict per line."""
+    import faulthandler
+
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything a backend prints goes to stderr, never into the protocol
+    faulthandler.enable()  # a segfault leaves its Python traceback in stderr for the parent
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    init = json.loads(sys.stdin.readline())
+    for entry in reversed(init.get("sys_path", [])):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    if init.get("memory_limit_bytes"):
+        import resource
+
+        limit = int(init["memory_limit_bytes"])
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    threading.Thread(target=_watch_parent, args=(init["parent"],), daemon=True).start()
+    import attnbench.bench  # noqa: F401  (import torch and friends before saying ready)
+
+    proto.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        verdict = evaluate(json.loads(line))
+        proto.write(json.dumps(verdict, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# parent side
+# --------------------------------------------------------------------------------------------------
+class WorkerDied(RuntimeError):
+    pass
+
+
+class Worker:
+    """A replaceable child process that evaluates candidates one at a time.
+
+    ``run(task, timeout=...)`` never raises for a candidate's failure: it returns an :class:`Outcome`
+    and, if the process died or hung, replaces it before the next call. ``KeyboardInterrupt`` kills the
+    worker and propagates. Use as a context manager so the process is always reaped.
+    """
+
+    def __init__(self, *, start_timeout: float = 180.0, memory_limit_bytes: int | None = None) -> None:
+        self.start_timeout = start_timeout
+        self.memory_limit_bytes = memory_limit_bytes
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stderr: Any = None
+        self._buffer = b""
+        self.eof = False
+        self.starts = 0
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- process management -----------------------------------------------------------------------
+    def start(self) -> None:
+        self.close()
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115  (lives as long as the worker; closed in close())
+        self._buffer = b""
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "attnbench.tuning.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            start_new_session=True,  # Ctrl-C in the terminal reaches only the parent
+        )
+        self.starts += 1
+        init = {"sys_path": sys.path, "parent": os.getpid(), "memory_limit_bytes": self.memory_limit_bytes}
+        self._send(init)
+        reply = self._receive(self.start_timeout)
+        if reply is None or not reply.get("ready"):
+            tail = self.stderr_tail()
+            self.close()
+            raise WorkerDied(f"the tuning worker did not start: {tail or 'no output'}")
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    stream.close()
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+
+    def stderr_tail(self, lines: int = 15) -> str:
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0)
+        text = self._stderr.read().decode(errors="replace")
+        self._stderr.seek(0, os.SEEK_END)
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(message, default=str) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def _receive(self, timeout: float) -> dict[str, Any] | None:
+        """One JSON line, or ``None`` on EOF or timeout (``self.eof`` tells which)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        self.eof = False
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    return None
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    self.eof = True
+                    return None
+                self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    # -- one candidate ----------------------------------------------------------------------------
+    def run(self, task: WorkerTask, *, timeout: float) -> Outcome:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        t0 = time.monotonic()
+        try:
+            self._send(task.as_dict())
+            reply = self._receive(timeout)
+        except BrokenPipeError:
+            reply, self.eof = None, True
+        except KeyboardInterrupt:
+            self.close()
+            raise
+        wall = time.monotonic() - t0
+        if reply is not None:
+            return Outcome(
+                ok=bool(reply["ok"]),
+                value=reply.get("value"),
+                kind=reply.get("kind", ""),
+                reason=reply.get("reason", ""),
+                attrs=reply.get("attrs", {}),
+                wall_s=wall,
+            )
+        assert self.proc is not None
+        code = self.proc.poll()
+        if code is None:  # still running past the deadline: a hang
+            self.close()
+            kind, reason = (
+                "timeout",
+                f"no result after {timeout:.3g} s (hang or too slow); worker killed and replaced",
+            )
+        else:
+            time.sleep(0.05)  # let faulthandler finish writing
+            kind, reason = "crash", _death_reason(code)
+        tail = self.stderr_tail()
+        self.close()
+        return Outcome(
+            ok=False, kind=kind, reason=reason, attrs={"stderr_tail": tail} if tail else {}, wall_s=wall
+        )
+
+
+def _death_reason(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (the kernel's out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+        return f"worker process killed by {name}{hint}; replaced"
+    return f"worker process exited with code {code} in the middle of the candidate; replaced"
+
+
+if __name__ == "__main__":
+    main()
