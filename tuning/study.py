@@ -17,6 +17,7 @@ import os
 import random
 import socket
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,7 +128,13 @@ class StudyPlan:
         if self.exhaustive:
             sampler = optuna.samplers.RandomSampler(seed=seed)  # unused: every trial is enqueued
         else:
-            sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8)
+            with (
+                warnings.catch_warnings()
+            ):  # multivariate/group are "experimental" but are what conditional spaces need
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                sampler = optuna.samplers.TPESampler(
+                    seed=seed, multivariate=True, group=True, n_startup_trials=8
+                )
         return optuna.create_study(
             study_name=self.study_name,
             storage=storage,
