@@ -85,7 +85,10 @@ def _llama() -> transformers.PreTrainedModel:
 
 
 def _qwen2() -> transformers.PreTrainedModel:
-    cfg = transformers.Qwen2Config(num_attention_heads=4, num_key_value_heads=1, **_COMMON)
+    # MQA, q/k/v biases, tied embeddings (as the small Qwen2.5 models)
+    cfg = transformers.Qwen2Config(
+        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, **_COMMON
+    )
     return transformers.Qwen2ForCausalLM(cfg)
 
 

@@ -84,10 +84,10 @@ class DeepseekDecoder(Decoder):
                 f"{model}: quantized checkpoints (quantization_config) are not supported"
             )
         layers = int(_need(config, "num_hidden_layers", model))
-        dense = config.get("first_k_dense_replace")
-        if config.get("n_routed_experts") and (dense is None or int(dense) < layers):
+        dense = int(config.get("first_k_dense_replace", 3) or 0)  # 3: transformers' default
+        if dense < layers:  # as transformers builds it: layer i >= first_k_dense_replace is MoE
             raise UnsupportedModelError(
-                f"{model}: MoE layers are not supported: layers {dense or 0}..{layers - 1} of {layers} are "
+                f"{model}: MoE layers are not supported: layers {dense}..{layers - 1} of {layers} are "
                 f"mixture-of-experts (first_k_dense_replace = {dense}); only all-dense models "
                 "(first_k_dense_replace = num_hidden_layers) run"
             )
