@@ -363,6 +363,15 @@ def test_checkpoint_directory_gives_same_tokens(model_name: str, tmp_path: Path)
     assert torch.equal(tokens, ref.tokens)
 
 
+def test_sharded_checkpoint_directory(tmp_path: Path) -> None:
+    ref = reference("deepseek-v3-dense")
+    ref.hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    tokens, _ = run_greedy("deepseek-v3-dense", LatentNaiveBackend(), source=tmp_path)
+    assert torch.equal(tokens, ref.tokens)
+
+
 def test_older_config_format_rope_scaling(tmp_path: Path) -> None:
     """A config.json with top-level ``rope_theta`` + ``rope_scaling`` (the pre-v5 form) reads the same."""
     ref = reference("llama-gqa-rope3")
