@@ -190,3 +190,39 @@ def test_storage_takes_rdb_urls_and_names_bad_ones(tmp_path):
         open_storage("results/x.db", results_dir=tmp_path)
     storage = open_storage(f"sqlite:///{tmp_path / 's.db'}", results_dir=tmp_path)
     assert isinstance(storage, optuna.storages.RDBStorage)
+
+
+class _FlakyWorker(_FakeWorker):
+    """Fails every 'pair' candidate with a timeout until told otherwise."""
+
+    def __init__(self, *, flaky: bool):
+        super().__init__()
+        self.flaky = flaky
+
+    def run(self, task: WorkerTask, *, timeout: float) -> Outcome:
+        if self.flaky and "block" in task.config:
+            self.calls.append(task.config)
+            return Outcome(ok=False, kind="timeout", reason="no result after 1 s")
+        return super().run(task, timeout=timeout)
+
+
+def test_failed_trials_are_final_unless_retried(tmp_path):
+    (plan,) = plan_studies([W], _refs(PairBackend, NaiveBackend), profile=_profile(), options=TuneOptions())
+    storage = open_storage(None, results_dir=tmp_path)
+    first = run_study(
+        plan, storage=storage, worker=_FlakyWorker(flaky=True), profile=_profile(), options=TuneOptions()
+    )
+    assert first.ran == 5 and sum(not r.ok for r in first.records) == 4
+    again = run_study(
+        plan, storage=storage, worker=_FlakyWorker(flaky=False), profile=_profile(), options=TuneOptions()
+    )
+    assert again.ran == 0  # a failure is a verdict: not repeated by a plain resume
+    retry = TuneOptions(retry_failed=True)
+    fixed = run_study(
+        plan, storage=storage, worker=_FlakyWorker(flaky=False), profile=_profile(), options=retry
+    )
+    assert fixed.ran == 4 and all(r.ok for r in fixed.records) and len(fixed.records) == 5
+    plain = run_study(
+        plan, storage=storage, worker=_FlakyWorker(flaky=True), profile=_profile(), options=TuneOptions()
+    )
+    assert plain.ran == 0 and all(r.ok for r in plain.records)  # the retry's verdicts supersede the failures

@@ -83,6 +83,7 @@ class TuneOptions:
     grid_limit: int = 64
     default_trials: int = 40
     memory_limit_bytes: int | None = None
+    retry_failed: bool = False  # run failed candidates again (e.g. after a timeout on a busy machine)
 
 
 @dataclass
@@ -183,13 +184,17 @@ def plan_studies(
     return list(plans.values())
 
 
-def _finished(t: FrozenTrial) -> bool:
-    """A trial that measured its candidate (duplicates answered from another trial do not count)."""
+def _finished(t: FrozenTrial, *, retry_failed: bool = False, since: int = -1) -> bool:
+    """A trial that measured its candidate (duplicates answered from another trial do not count).
+
+    With ``retry_failed`` a failed trial counts only if it ran in this call (number > ``since``).
+    """
     if "duplicate_of" in t.user_attrs:
         return False
     if t.state == TrialState.COMPLETE:
         return True
-    return t.state == TrialState.FAIL and not t.user_attrs.get("interrupted") and "backend" in t.user_attrs
+    failed = t.state == TrialState.FAIL and not t.user_attrs.get("interrupted") and "backend" in t.user_attrs
+    return failed and (not retry_failed or t.number > since)
 
 
 def _alive(pid: int) -> bool:
@@ -245,11 +250,16 @@ def run_study(
         return result
     rng = random.Random(options.seed)
     candidates = plan.space.candidates()
+    since = len(study.get_trials(deepcopy=False)) - 1 if options.retry_failed else -1
+
+    def finished(t: FrozenTrial) -> bool:
+        return _finished(t, retry_failed=options.retry_failed, since=since)
+
     enqueued_defaults = False
     duplicates = 0
     while True:
         trials = study.get_trials(deepcopy=False)
-        done = {TrialRecord.from_trial(t).candidate.ident(): t for t in trials if _finished(t)}
+        done = {TrialRecord.from_trial(t).candidate.ident(): t for t in trials if finished(t)}
         busy = {
             Candidate(t.user_attrs["backend"], t.user_attrs.get("config", {})).ident()
             for t in trials
@@ -305,17 +315,18 @@ def run_study(
         result.ran += 1
         if on_trial is not None:
             on_trial(plan, TrialRecord.from_trial(study.get_trials(deepcopy=False)[trial.number]), False)
-    result.records = [TrialRecord.from_trial(t) for t in study.get_trials(deepcopy=False) if _finished(t)]
-    result.records = _unique(result.records)
+    records = [TrialRecord.from_trial(t) for t in study.get_trials(deepcopy=False) if _finished(t)]
+    result.records = _unique(records)
     return result
 
 
 def _unique(records: list[TrialRecord]) -> list[TrialRecord]:
-    """First finished trial per candidate (several processes may have measured one twice)."""
+    """One finished trial per candidate, the latest (a retry supersedes a failure; several processes
+    may also have measured one candidate twice)."""
     seen: dict[str, TrialRecord] = {}
-    for r in sorted(records, key=lambda r: r.number):
+    for r in sorted(records, key=lambda r: r.number, reverse=True):
         seen.setdefault(r.candidate.ident(), r)
-    return list(seen.values())
+    return sorted(seen.values(), key=lambda r: r.number)
 
 
 def _record(trial: optuna.Trial, outcome: Outcome) -> None:

@@ -56,6 +56,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--repeats", type=int, default=10, help="timed decode steps per candidate (median; default 10)"
     )
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (default 2)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        metavar="S",
+        help="stop sampling a candidate's steps after S seconds (at least 3 samples are kept)",
+    )
+    p.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="run candidates whose trials failed (e.g. timed out on a busy machine) again",
+    )
     p.add_argument("--seed", type=int, default=0, help="TPE sampler seed (default 0)")
     p.add_argument(
         "--storage",
@@ -86,7 +97,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats {args.repeats} must be ≥ 1")
     workloads = workloads_from_args(args)
     options = TuneOptions(
-        trials=args.trials, timeout_s=args.timeout, repeats=args.repeats, warmup=args.warmup, seed=args.seed
+        trials=args.trials,
+        timeout_s=args.timeout,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        seed=args.seed,
+        max_seconds=args.max_seconds,
+        retry_failed=args.retry_failed,
     )
     out = console()
     command = (
