@@ -469,6 +469,13 @@ def test_other_rope_scalings_are_refused(rope_type: str) -> None:
         LlamaDecoder.from_weights(config, weights, backend=NaiveBackend())
 
 
+def test_incomplete_llama3_rope_scaling_is_refused() -> None:
+    config, weights = _config_and_weights("llama-gqa-rope3")
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    with pytest.raises(UnsupportedModelError, match=r"llama3 rope scaling needs field 'low_freq_factor'"):
+        LlamaDecoder.from_weights(config, weights, backend=NaiveBackend())
+
+
 def test_unknown_architecture_is_refused() -> None:
     config, weights = _config_and_weights("llama-gqa-rope3")
     config["model_type"] = "gpt2"

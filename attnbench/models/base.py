@@ -96,30 +96,21 @@ class RopeSpec:
             raise UnsupportedModelError(
                 f"{model}: partial_rotary_factor = {partial} is not supported (only 1.0)"
             )
-        spec = cls(theta=float(theta), kind=kind, mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
-        if kind == "linear":
-            spec = cls(
-                theta=spec.theta,
-                kind=kind,
-                factor=float(params["factor"]),
-                mscale_all_dim=spec.mscale_all_dim,
-            )
-        elif kind == "llama3":
-            try:
-                spec = cls(
-                    theta=spec.theta,
-                    kind=kind,
-                    factor=float(params["factor"]),
-                    low_freq_factor=float(params["low_freq_factor"]),
-                    high_freq_factor=float(params["high_freq_factor"]),
-                    original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-                    mscale_all_dim=spec.mscale_all_dim,
-                )
-            except KeyError as err:
-                raise UnsupportedModelError(
-                    f"{model}: llama3 rope scaling needs field {err.args[0]!r}"
-                ) from None
-        return spec
+
+        def field(key: str) -> float:
+            if params.get(key) is None:
+                raise UnsupportedModelError(f"{model}: {kind} rope scaling needs field {key!r}")
+            return float(params[key])
+
+        extra: dict[str, Any] = {}
+        if kind in ("linear", "llama3"):
+            extra["factor"] = field("factor")
+        if kind == "llama3":
+            extra["low_freq_factor"] = field("low_freq_factor")
+            extra["high_freq_factor"] = field("high_freq_factor")
+            extra["original_max_position_embeddings"] = int(field("original_max_position_embeddings"))
+        mscale_all_dim = float(params.get("mscale_all_dim") or 0.0)
+        return cls(theta=float(theta), kind=kind, mscale_all_dim=mscale_all_dim, **extra)
 
     def inv_freq(self, dim: int) -> torch.Tensor:
         """``[dim / 2]`` fp32 inverse frequencies, computed as transformers does."""
