@@ -310,6 +310,11 @@ def _kv_bytes(backend: Backend, workload: Workload) -> int:
     return per_token * (workload.total_tokens + workload.batch)
 
 
+def _stores_lossily(cls: type[Backend]) -> bool:
+    """A backend that overrides ``reference_kv`` stores K/V other than as given (quantised)."""
+    return getattr(cls, "reference_kv", None) is not Backend.reference_kv
+
+
 def _heuristic(
     workload: Workload, registry: Registry, *, failed_gate: dict[str, str], bandwidth: float | None
 ) -> Choice:
@@ -317,10 +322,14 @@ def _heuristic(
 
     rejected: list[Rejected] = []
     scored: list[tuple[int, int, str]] = []
+    lossy: list[str] = []
     for i, entry in enumerate(registry):
         why_not = _runnable(registry, entry.name, workload) or failed_gate.get(entry.name, "")
         if why_not:
             rejected.append(Rejected(entry.name, why_not))
+            continue
+        if _stores_lossily(entry.cls):
+            lossy.append(entry.name)
             continue
         rank = (
             DEFAULT_BACKENDS.index(entry.name)
@@ -328,6 +337,15 @@ def _heuristic(
             else len(DEFAULT_BACKENDS) + i
         )
         scored.append((_kv_bytes(registry.get(entry.name), workload), rank, entry.name))
+    if not scored:  # only lossy caches can run it: then they compete like the others
+        scored = [(_kv_bytes(registry.get(n), workload), i, n) for i, n in enumerate(lossy)]
+        lossy = []
+    rejected += [
+        Rejected(
+            n, "stores K/V lossily (e.g. fp8): chosen only when tuning measured it, never by the heuristic"
+        )
+        for n in lossy
+    ]
     if not scored:
         raise LookupError(
             f"no registered backend can run {workload.describe()}: "

@@ -141,3 +141,29 @@ def test_cli_tune_then_select(tmp_path, capsys):
 def test_cli_names_bad_input(capsys):
     assert main(["tune", "--model", "tiny-gqa", "--trials", "0"]) == 2
     assert "--trials 0 must be ≥ 1" in capsys.readouterr().err
+
+
+def test_the_heuristic_never_picks_a_lossy_cache_untuned(tmp_path):
+    from attnbench.backends.naive import NaiveBackend
+    from attnbench.hookspecs import hookimpl
+    from attnbench.registry import Source, load_registry
+
+    class Halved(NaiveBackend):  # pretends to quantise: fewer bytes per token, lossy K/V
+        name = "halved"
+
+        def reference_kv(self, k, v, *, config):
+            return k, v
+
+    class Plugin:
+        @hookimpl
+        def attnbench_backends(self):
+            return [Halved, NaiveBackend]
+
+    reg = load_registry(builtins=False, env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    reg.manager.register(Plugin(), name="p")
+    reg._add_from(reg.manager.get_plugin("p"), Source("plugin", "p"))
+    choice = attnbench.select(
+        model="tiny-gqa", batch=1, context=64, results_dir=tmp_path, registry=reg, bandwidth=1e10
+    )
+    assert choice.backend == "naive"
+    assert any(r.backend == "halved" and "lossily" in r.reason for r in choice.rejected)
