@@ -17,7 +17,7 @@ from attnbench.cli.common import (
     workloads_from_args,
 )
 
-DEFAULT_BATCH = "1,8"
+DEFAULT_BATCH = "1"
 DEFAULT_CONTEXT = "1k,4k"
 
 
@@ -59,8 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-seconds",
         type=float,
+        default=10.0,
         metavar="S",
-        help="stop sampling a candidate's steps after S seconds (at least 3 samples are kept)",
+        help="stop sampling a candidate's steps after S seconds, keeping at least 3 samples (default 10)",
     )
     p.add_argument(
         "--retry-failed",
