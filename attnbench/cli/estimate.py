@@ -1,0 +1,201 @@
+"""``attnbench estimate`` — where generation time goes: weight reads, KV reads or FLOPs."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from attnbench.cli.common import add_model_option, console, emit_json
+from attnbench.estimate import KV_DTYPES, WEIGHT_DTYPES, Estimate, MoERouting, estimate, list_gpus
+from attnbench.workload import parse_tokens
+
+
+def _tokens(field: str):  # argparse type: "8k" → 8192, with the option's name in the error
+    def parse(text: str) -> int:
+        try:
+            return parse_tokens(text, field=field)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--achievable {text!r} is not a number; accepted: a fraction in (0, 1]"
+        ) from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"--achievable {text!r} must be a fraction in (0, 1]")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "estimate",
+        help="estimate TTFT, ITL and end-to-end latency from the roofline",
+        description=(
+            "Estimate generation latency TTFT + N·ITL for a model on a GPU from the roofline: a decode "
+            "step reads every weight and the whole KV cache once, so ITL ≈ max(bytes / (bandwidth · "
+            "achievable), FLOPs / (peak · achievable)); TTFT comes from the prefill's FLOPs. Shows the "
+            "split into weight reads, KV reads and the FLOP bound, and the batch × context at which the KV "
+            "cache overtakes the weights. All byte and FLOP figures are per GPU of the tensor-parallel "
+            "group. The model is described in docs/latency-model.md."
+        ),
+        epilog=(
+            "example: attnbench estimate --model llama-3.3-70b --gpu h100 --tp 2 --batch 1 --context 8192 "
+            "--new-tokens 250"
+        ),
+    )
+    add_model_option(p, required=True)
+    p.add_argument(
+        "--gpu",
+        required=True,
+        help=f"GPU preset ({', '.join(list_gpus())}; aliases such as h100 work) or 'this' for the "
+        "measured current device",
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    p.add_argument(
+        "--batch", "-b", type=_tokens("--batch"), default=1, help="sequences decoded together (default 1)"
+    )
+    p.add_argument(
+        "--context",
+        "-c",
+        type=_tokens("--context"),
+        required=True,
+        help="tokens cached when decoding starts (8k ok)",
+    )
+    p.add_argument(
+        "--prompt-len",
+        type=_tokens("--prompt-len"),
+        default=None,
+        help="tokens the prefill computes (default: --context; fewer means a cached prefix)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        "-n",
+        type=_tokens("--new-tokens"),
+        required=True,
+        help="tokens generated per sequence",
+    )
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV-cache dtype (default bf16)")
+    p.add_argument(
+        "--weight-dtype", choices=WEIGHT_DTYPES, default="bf16", help="weight dtype (default bf16)"
+    )
+    p.add_argument(
+        "--achievable",
+        type=_fraction,
+        default=None,
+        help="fraction of datasheet bandwidth and FLOP/s reached (default: the preset's, 0.8; 1 for 'this')",
+    )
+    p.add_argument("--moe-experts", type=int, default=None, help="MoE: routed experts per layer (e.g. 256)")
+    p.add_argument("--moe-top-k", type=int, default=None, help="MoE: experts chosen per token (e.g. 8)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f} ms" if seconds < 1 else f"{seconds:,.3f} s"
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.3f} GB"
+
+
+def render(est: Estimate) -> Table:
+    """The breakdown as a table (also used by the docs' worked examples)."""
+    gpu = est.gpu
+    title = (
+        f"{est.model} on {est.tp}× {gpu.label} — batch {est.batch}, context {est.context}, prompt "
+        f"{est.prompt_len}, {est.new_tokens} new tokens, weights {est.weight_dtype}, KV {est.kv_dtype}"
+    )
+    t = Table(title=title, title_justify="left")
+    t.add_column("per GPU")
+    t.add_column("amount", justify="right")
+    t.add_column("time", justify="right")
+    t.add_column("note")
+    bw = gpu.memory_bandwidth * gpu.achievable / 1e12
+    s = est.step
+    t.add_row(
+        "weight reads",
+        _gb(s.weight_bytes),
+        _ms(s.weight_s),
+        f"at {bw:.2f} TB/s ({gpu.achievable:g} of datasheet)",
+    )
+    t.add_row(
+        "KV reads",
+        _gb(s.kv_bytes),
+        _ms(s.kv_s),
+        f"{est.batch} × {est.context + 1} tokens × {est.kv_bytes_per_token:,} B",
+    )
+    t.add_row("memory total", _gb(s.weight_bytes + s.kv_bytes), _ms(s.memory_s), "")
+    t.add_row("FLOP bound", f"{s.flops / 1e12:,.3f} TFLOP", _ms(s.flop_s), "matmuls + attention")
+    t.add_row("[bold]ITL (first step)", "", f"[bold]{_ms(est.itl_s)}", f"{s.bound}-bound")
+    t.add_row(
+        "ITL (mean over N)",
+        "",
+        _ms(est.itl_mean_s),
+        f"contexts {est.context}..{est.context + est.new_tokens - 1}",
+    )
+    p = est.prefill
+    t.add_row(
+        "[bold]TTFT (prefill)",
+        f"{p.flops / 1e12:,.1f} TFLOP",
+        f"[bold]{_ms(est.ttft_s)}",
+        f"{p.bound}-bound; memory {_ms(p.memory_s)}, FLOPs {_ms(p.flop_s)}",
+    )
+    t.add_row("[bold]end-to-end", "", f"[bold]{_ms(est.e2e_s)}", f"TTFT + {est.new_tokens} × mean ITL")
+    t.add_row(
+        "tokens/s",
+        f"{est.tokens_per_s:,.1f}",
+        "",
+        f"decode, whole batch ({est.tokens_per_s_per_sequence:,.1f} per sequence)",
+    )
+    share = s.kv_bytes / (s.kv_bytes + s.weight_bytes)
+    t.add_row(
+        "KV overtakes weights",
+        f"{est.crossover_tokens:,.0f}",
+        "",
+        f"batch × (context+1) tokens; at batch {est.batch}: context > {max(est.crossover_context, 0):,.0f} "
+        f"(now KV is {100 * share:.1f}% of bytes)",
+    )
+    t.add_row(
+        "memory needed",
+        _gb(est.memory_needed_bytes),
+        "",
+        f"weights + KV for {est.context + est.new_tokens} tokens; GPU has {gpu.memory_bytes / 1e9:,.0f} GB",
+    )
+    return t
+
+
+def run(args: argparse.Namespace) -> int:
+    moe = None
+    if (args.moe_experts is None) != (args.moe_top_k is None):
+        raise ValueError("--moe-experts and --moe-top-k go together (e.g. --moe-experts 256 --moe-top-k 8)")
+    if args.moe_experts is not None:
+        moe = MoERouting(num_experts=args.moe_experts, top_k=args.moe_top_k)
+    est = estimate(
+        args.model,
+        gpu=args.gpu,
+        tp=args.tp,
+        batch=args.batch,
+        context=args.context,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        kv_dtype=args.kv_dtype,
+        weight_dtype=args.weight_dtype,
+        achievable=args.achievable,
+        moe=moe,
+    )
+    if args.json:
+        emit_json(est.as_dict())
+        return 0
+    out = console()
+    out.print(render(est))
+    out.print(f"GPU figures: {est.gpu.source}")
+    for note in est.notes:
+        out.print(f"note: {note}")
+    return 0
