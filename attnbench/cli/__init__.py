@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from attnbench import __version__
 
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ["backends", "bench", "decode", "tune", "select"]
+COMMANDS = ["backends", "bench", "decode", "tune", "select", "estimate"]
 
 
 def build_parser() -> argparse.ArgumentParser:
