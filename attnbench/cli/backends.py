@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             table.add_row(row["name"], row["source"], row["implementation"], status)
     out.print(table)
     for f in reg.failures:
-        out.print(f"[red]broken plugin[/red] {escape(str(f))}")
+        out.print(f"[red]broken[/red] {escape(str(f))}")
     if reg.autoload_disabled:
         out.print("plugins not loaded: ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD is set (built-in backends only)")
     if reg.skipped:
