@@ -14,6 +14,7 @@ ATTNBENCH_PLUGIN_API = 1
 @hookimpl
 def attnbench_backends() -> list[type]:
     from attnbench.backends.flash import FlashBackend
+    from attnbench.backends.mla import MLABackend
     from attnbench.backends.naive import NaiveBackend
 
-    return [NaiveBackend, FlashBackend]
+    return [NaiveBackend, FlashBackend, MLABackend]
