@@ -117,13 +117,14 @@ def render(est: Estimate) -> Table:
     t.add_column("amount", justify="right")
     t.add_column("time", justify="right")
     t.add_column("note")
-    bw = gpu.memory_bandwidth * gpu.achievable / 1e12
+    bw = gpu.memory_bandwidth * gpu.achievable
+    rate = f"{bw / 1e12:.2f} TB/s" if bw >= 1e12 else f"{bw / 1e9:.2f} GB/s"
     s = est.step
     t.add_row(
         "weight reads",
         _gb(s.weight_bytes),
         _ms(s.weight_s),
-        f"at {bw:.2f} TB/s ({gpu.achievable:g} of datasheet)",
+        f"at {rate} ({gpu.achievable:g} of {'measured' if gpu.measured else 'datasheet'})",
     )
     t.add_row(
         "KV reads",
