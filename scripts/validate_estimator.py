@@ -10,8 +10,11 @@ step, :func:`attnbench.estimate.attention_only_step` with ``--gpu this``: the mo
 ``measured_bandwidth`` is the device profile's copy bandwidth (``attnbench.device.load_profile``), the
 same number ``attnbench estimate --gpu this`` uses. Because the machine may be shared, the copy
 bandwidth is also re-measured just before each point and a second prediction from it is recorded
-("in-situ"), as a diagnostic of load, not as the criterion. Target: measured within ±25% of the
-prediction for at least 80% of the points.
+("in-situ"), as a diagnostic of load, not as the criterion. A second diagnostic that the load cannot distort much:
+with one torch thread (``--threads 1``) every kernel runs in the calling thread, so its *thread CPU
+time* (``time.thread_time``) per step is the time the step spent running, without the time it waited
+for a core; it is compared with the bytes over a copy bandwidth timed the same way. Target: measured
+(wall clock, the criterion) within ±25% of the prediction for at least 80% of the points.
 
 Writes ``<out>.json`` (every number, the machine's fingerprint, load averages) and ``<out>.md``.
 
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
+import attnbench.bench
 from attnbench.bench import measure_decode
 from attnbench.device import load_profile, measure_bandwidth
 from attnbench.estimate import attention_only_step, measured_gpu
@@ -67,6 +71,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="results/estimator-validation-cpu", help="output path without extension")
     return p.parse_args(argv)
+
+
+def cpu_copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Copy bandwidth (read + write bytes per second) over thread CPU time (see the module docstring)."""
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        dst.copy_(src)
+        samples.append(time.thread_time() - t0)
+    return 2 * nbytes / statistics.median(samples)
+
+
+class ThreadTimes:
+    """Wraps :func:`attnbench.timing.measure` as ``measure_decode`` calls it, to also record the thread
+    CPU time of every call of the timed function (warm-up calls included; the caller drops them)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._measure = attnbench.bench.measure
+
+    def __enter__(self) -> ThreadTimes:
+        def measure(fn, **kw):  # type: ignore[no-untyped-def]
+            def timed(i: int) -> object:
+                t0 = time.thread_time()
+                out = fn(i)
+                self.samples.append(time.thread_time() - t0)
+                return out
+
+            return self._measure(timed, **kw)
+
+        attnbench.bench.measure = measure  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        attnbench.bench.measure = self._measure  # type: ignore[assignment]
 
 
 def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -116,17 +158,20 @@ def run_point(
         }
     load_before = os.getloadavg()
     insitu_copy, insitu_read, _ = measure_bandwidth("cpu")
+    cpu_bw = cpu_copy_bandwidth() if torch.get_num_threads() == 1 else float("nan")
     gc.collect()
-    m = measure_decode(
-        backend,
-        workload,
-        profile=profile,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        max_seconds=args.max_seconds,
-        num_layers=args.layers,
-    )
+    with ThreadTimes() as thread_times:
+        m = measure_decode(
+            backend,
+            workload,
+            profile=profile,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            max_seconds=args.max_seconds,
+            num_layers=args.layers,
+        )
     assert m.step is not None, m.note
+    step_cpu = statistics.median(thread_times.samples[m.step.warmup :])
     # the timed steps' mean context: the cache grows by one token per step during warm-up and timing
     ctx = point["context"] + m.step.warmup + (m.step.repeats - 1) / 2
     pred = attention_only_step(
@@ -163,6 +208,10 @@ def run_point(
         "insitu_read_gbps": insitu_read / 1e9,
         "predicted_insitu_s": max(insitu, pred.flop_s),
         "ratio_insitu": measured / max(insitu, pred.flop_s),
+        "cpu_copy_gbps": cpu_bw / 1e9,
+        "measured_cpu_s": step_cpu,
+        "predicted_cpu_s": max(pred.kv_bytes / cpu_bw, pred.flop_s),
+        "ratio_cpu": step_cpu / max(pred.kv_bytes / cpu_bw, pred.flop_s),
         "check_rel_l2": m.check.error.rel_l2 if m.check else None,
         "load_avg_before": list(load_before),
         "load_avg_after": list(os.getloadavg()),
@@ -182,6 +231,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "share_within": sum(r["within"] for r in sel) / len(sel),
             "median_ratio": statistics.median(r["ratio"] for r in sel),
             "median_ratio_insitu": statistics.median(r["ratio_insitu"] for r in sel),
+            "median_ratio_cpu": statistics.median(r["ratio_cpu"] for r in sel),
+            "within_cpu": sum(abs(r["ratio_cpu"] - 1) <= TOLERANCE for r in sel),
             "min_ratio": min(r["ratio"] for r in sel),
             "max_ratio": max(r["ratio"] for r in sel),
         }
@@ -203,6 +254,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "within": sum(r["within"] for r in done),
         "share_within": sum(r["within"] for r in done) / len(done),
         "median_ratio": statistics.median(r["ratio"] for r in done),
+        "median_ratio_insitu": statistics.median(r["ratio_insitu"] for r in done),
+        "median_ratio_cpu": statistics.median(r["ratio_cpu"] for r in done),
+        "within_cpu": sum(abs(r["ratio_cpu"] - 1) <= TOLERANCE for r in done),
     }
     out["target_met"] = out["all"]["share_within"] >= TARGET_SHARE
     return out
@@ -239,20 +293,21 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += ["", f"**Target met: {'yes' if s['target_met'] else 'no'}.**", ""]
     lines += [
         "| model | dtype | batch | context | backend | KV MB/step | predicted ms | measured ms (p10–p90) | ratio "
-        "| in-situ GB/s | ratio in-situ | achieved GB/s | load |",
-        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| in-situ GB/s | ratio in-situ | CPU-time GB/s | CPU-time predicted / measured ms | ratio CPU-time | load |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in doc["rows"]:
         head = f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['context']} | {r['backend']} "
         if r["status"] != "measured":
-            lines.append(head + f"| {r['status']}: {r.get('reason', '')} |" + " |" * 7)
+            lines.append(head + f"| {r['status']}: {r.get('reason', '')} |" + " |" * 9)
             continue
         mark = "" if r["within"] else " ✗"
         lines.append(
             head
             + f"| {r['kv_bytes_estimator'] / 1e6:.0f} | {1e3 * r['predicted_s']:.1f} | {1e3 * r['measured_s']:.1f} "
             f"({1e3 * r['measured_p10_s']:.0f}–{1e3 * r['measured_p90_s']:.0f}) | {r['ratio']:.2f}{mark} "
-            f"| {r['insitu_copy_gbps']:.2f} | {r['ratio_insitu']:.2f} | {r['achieved_gbps']:.2f} "
+            f"| {r['insitu_copy_gbps']:.2f} | {r['ratio_insitu']:.2f} | {r['cpu_copy_gbps']:.2f} "
+            f"| {1e3 * r['predicted_cpu_s']:.1f} / {1e3 * r['measured_cpu_s']:.1f} | {r['ratio_cpu']:.2f} "
             f"| {r['load_avg_before'][0]:.1f} |"
         )
     return "\n".join(lines) + "\n"
@@ -302,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             if row["status"] == "measured":
                 progress.console.print(
                     f"{point} predicted {1e3 * row['predicted_s']:.1f} ms measured {1e3 * row['measured_s']:.1f} ms "
-                    f"ratio {row['ratio']:.2f} (in-situ {row['ratio_insitu']:.2f}) load {row['load_avg_before'][0]:.1f}"
+                    f"ratio {row['ratio']:.2f} (in-situ {row['ratio_insitu']:.2f}, CPU-time {row['ratio_cpu']:.2f}) "
+                    f"load {row['load_avg_before'][0]:.1f}"
                 )
             else:
                 progress.console.print(f"{point} {row['status']}: {row.get('reason', '')}")
