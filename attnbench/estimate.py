@@ -441,6 +441,10 @@ class Estimate:
 
 
 def _positive_int(value: Any, *, field: str, minimum: int = 1) -> int:
+    if isinstance(value, str):  # "8k" → 8192, as on the command line
+        from attnbench.workload import parse_tokens
+
+        value = parse_tokens(value, field=field)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{field} = {value!r} must be an integer ≥ {minimum}")
     return value
@@ -476,10 +480,10 @@ def estimate(
     *,
     gpu: str | GPUSpec,
     batch: int,
-    context: int,
-    new_tokens: int,
+    context: int | str,
+    new_tokens: int | str,
     tp: int = 1,
-    prompt_len: int | None = None,
+    prompt_len: int | str | None = None,
     kv_dtype: str = "bf16",
     weight_dtype: str = "bf16",
     achievable: float | None = None,

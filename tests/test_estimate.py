@@ -105,6 +105,14 @@ def test_fp8_kv_halves_kv_bytes_and_gqa_saves_its_group_size() -> None:
     assert full.crossover_tokens == pytest.approx(bf16.crossover_tokens / 4)
 
 
+def test_token_counts_accept_suffixes() -> None:
+    a = estimate("llama-3.1-8b", gpu="h100", batch=1, context="8k", new_tokens="1k")
+    b = estimate("llama-3.1-8b", gpu="h100", batch=1, context=8192, new_tokens=1024)
+    assert a.e2e_s == b.e2e_s
+    with pytest.raises(ValueError, match="--context 'eight' is not a token count"):
+        estimate("llama-3.1-8b", gpu="h100", batch=1, context="eight", new_tokens=1)
+
+
 def test_crossover_is_where_kv_equals_weights() -> None:
     est = estimate("llama-3.1-8b", gpu="h100", batch=4, context=1024, new_tokens=1)
     ctx = round(est.crossover_context)
