@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from attnbench.registry import SUPPORTED_PLUGIN_API, Registry
 ROOT = Path(__file__).resolve().parents[1]
 FLEX_SRC = ROOT / "plugins" / "attnbench-flex"
 XFORMERS_SRC = ROOT / "plugins" / "attnbench-xformers"
+GUIDE = ROOT / "docs" / "writing-a-backend.md"
 
 GOOD = """
 import attnbench
@@ -470,3 +472,40 @@ def test_installed_xformers_plugin_is_listed_with_xformers_own_reason(xformers_s
         assert row["runnable"] is False and row["reasons"] == [f"xformers not importable ({last})"], row
     elif not torch.cuda.is_available():
         assert row["runnable"] is False and row["reasons"][0].startswith("xformers refuses"), row
+
+
+def guide_files() -> dict[str, str]:
+    """The files of the guide's example: each block introduced by a line "File `path`:"."""
+    text = GUIDE.read_text()
+    return dict(re.findall(r"^File `([^`]+)`:\n\n```\w*\n(.*?)^```", text, re.MULTILINE | re.DOTALL))
+
+
+def test_writing_a_backend_guide_example(tmp_path: Path) -> None:
+    """docs/writing-a-backend.md, followed literally: install, conformance suite, `attnbench backends`."""
+    files = guide_files()
+    assert set(files) == {
+        "pyproject.toml",
+        "src/attnbench_mysdpa/__init__.py",
+        "src/attnbench_mysdpa/backend.py",
+        "tests/test_mysdpa.py",
+    }, sorted(files)
+    src = tmp_path / "attnbench-mysdpa"
+    for rel, body in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(body)
+    (tmp_path / "install").mkdir()
+    site = pip_install_target(src, tmp_path / "install")
+    env = {**os.environ, "PYTHONPATH": _pythonpath(site)}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "--rootdir", str(src)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=src,
+        timeout=900,
+        check=False,
+    )
+    assert res.returncode == 0 and " passed" in res.stdout and "failed" not in res.stdout, res.stdout[-3000:]
+    res = run_cli("backends", "--model", "tiny-gqa", "--json", env={"PYTHONPATH": env["PYTHONPATH"]})
+    row = {r["name"]: r for r in json.loads(res.stdout)["backends"]}["mysdpa"]
+    assert (row["source"], row["runnable"]) == ("plugin 'mysdpa' (attnbench-mysdpa 0.1.0)", True), row
