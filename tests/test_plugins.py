@@ -8,6 +8,7 @@ installed with pip (see :func:`flex_site` for where and why).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -322,8 +323,25 @@ def test_switches_through_the_real_environment(fake_site: Path) -> None:
 # -- a real plugin distribution, installed with pip ----------------------------------------------------------
 
 
+def _build_tools_missing() -> str | None:
+    """What the running environment lacks to build a wheel without build isolation (offline)."""
+    if importlib.util.find_spec("setuptools") is None:
+        return "setuptools is not installed"
+    import setuptools
+
+    major, minor = (int(x) for x in re.findall(r"\d+", setuptools.__version__)[:2])
+    if (major, minor) < (70, 1) and importlib.util.find_spec("wheel") is None:
+        return f"setuptools {setuptools.__version__} needs the wheel package to build wheels"
+    return None
+
+
 def pip_install_target(src: Path, work: Path) -> Path:
     """Install the plugin distribution at ``src`` with pip into ``work/site`` (see :func:`flex_site`)."""
+    missing = _build_tools_missing()
+    if missing:
+        pytest.fail(
+            f"cannot build a plugin with pip --no-build-isolation: {missing}; install setuptools>=70.1"
+        )
     copy = work / src.name
     shutil.copytree(src, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     site = work / "site"
