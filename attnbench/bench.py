@@ -49,7 +49,7 @@ from attnbench.workload import Workload
 __all__ = ["CheckFailed", "DecodeMeasurement", "check_workload", "measure_decode"]
 
 #: Host memory the gate may use by default (it holds the cache, the history and a float64 copy).
-CHECK_BUDGET_BYTES = 2 * 2**30
+CHECK_BUDGET_BYTES = 3 * 2**30
 
 
 class CheckFailed(RuntimeError):

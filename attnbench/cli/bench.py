@@ -105,23 +105,34 @@ def run(args: argparse.Namespace) -> int:
         console=err,
         transient=True,
     )
+    total = len(workloads) * len(backends)
+
+    def make_report(complete: bool) -> dict[str, Any]:
+        _add_speedups(rows)
+        return {
+            "command": _reconstruct(args),
+            "date": started,
+            "complete": complete,
+            "device": profile.as_dict(),
+            "host": {"platform": platform.platform(terse=True), "cpu_count": os.cpu_count()},
+            "load_avg_start": list(load_start),
+            "load_avg_end": list(os.getloadavg()),
+            "results": rows,
+        }
+
     with progress:
-        task = progress.add_task("bench", total=len(workloads) * len(backends))
+        task = progress.add_task("bench", total=total)
         for workload in workloads:
             for backend in backends:
-                progress.update(task, description=f"{workload.describe()} · {backend.name}")
+                label = f"{workload.describe()} · {backend.name}"
+                progress.update(task, description=label)
                 rows.append(_measure_row(backend, workload, args, profile))
                 progress.advance(task)
-    _add_speedups(rows)
-    report = {
-        "command": _reconstruct(args),
-        "date": started,
-        "device": profile.as_dict(),
-        "host": {"platform": platform.platform(terse=True), "cpu_count": os.cpu_count()},
-        "load_avg_start": list(load_start),
-        "load_avg_end": list(os.getloadavg()),
-        "results": rows,
-    }
+                if not err.is_terminal:  # a log file: one line per measurement instead of a live bar
+                    err.print(f"[{len(rows)}/{total}] {label}: {rows[-1]['status']}")
+                if args.save and len(rows) < total:  # keep what is done if a long run is stopped
+                    _save(Path(args.save), make_report(complete=False))
+    report = make_report(complete=True)
     if args.save:
         _save(Path(args.save), report)
     if args.json:
@@ -282,6 +293,11 @@ def _save(prefix: Path, report: dict[str, Any]) -> None:
     header = [
         f"# attnbench bench — {report['results'][0]['workload'].split(' ')[0] if report['results'] else ''}",
         "",
+        *(
+            []
+            if report.get("complete", True)
+            else ["**Partial: the run was still going when this was written.**", ""]
+        ),
         f"- command: `{report['command']}`",
         f"- date: {report['date']}",
         f"- device: {dev['fingerprint'].get('name')} (fingerprint {dev['id']}: "
