@@ -15,6 +15,9 @@ Decode attends one query per sequence over a contiguous heads-first cache (``k: 
   updates the block mask *in place*, so a decode call never meets a new shape or a new object and
   never compiles (the plugin's tests count compilations to prove it).
 
+Because the block mask lives in the cache, only the most recent ``plan()`` of a cache is valid (as
+in attnbench's step loop: plan, run every layer, commit).
+
 Which call may allocate: ``create_cache`` (buffers, compilation), ``plan`` (the base plan's two small
 tensors). ``decode`` writes the new K/V into the cache and runs the compiled kernel; ``plan``'s
 block-mask update is in-place tensor work with no host-device sync.
