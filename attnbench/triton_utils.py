@@ -3,37 +3,43 @@
 Where a kernel runs (:func:`triton_mode`):
 
 - ``"native"``: the workload is on a CUDA device and Triton has a working CUDA driver;
-- ``"interpreted"``: the workload is on the CPU and ``TRITON_INTERPRET=1`` is set. Results are
-  correct but slow: such candidates are checked against the reference, never timed for tuning;
+- ``"interpreted"``: Triton was loaded in interpreter mode (``TRITON_INTERPRET=1`` set *before*
+  ``triton`` was first imported). Results are correct but slow: such candidates are checked against
+  the reference, never timed for tuning;
 - otherwise ``None``, with the reason (for ``Backend.supports()``).
 
-``TRITON_INTERPRET`` is read by ``@triton.jit`` when a kernel is *defined*, so a kernel module
-imported before the variable was set holds compiled-mode kernels. :func:`kernel_for` sidesteps this:
-it wraps the kernel's Python function in the launcher the mode needs (cached), whatever the
-environment was at import time. Test suites should still set ``TRITON_INTERPRET=1`` before importing
-triton (e.g. ``os.environ.setdefault("TRITON_INTERPRET", "1")`` at the top of ``conftest.py``).
+Interpreter mode is fixed when ``triton`` is imported: ``@triton.jit`` (Triton's own standard library
+included: ``tl.cdiv``, ``tl.sum``...) builds interpreted or compiled functions at definition time, so
+setting the variable later does not help and :func:`triton_mode` says so. Test suites set it at the
+top of ``conftest.py`` (``os.environ.setdefault("TRITON_INTERPRET", "1")``) on machines without CUDA.
 
-Ahead-of-time compilation (:func:`aot_compile`) needs no GPU: ``triton.compile`` of an ``ASTSource``
-for a ``GPUTarget("cuda", 80 | 90, 32)`` yields PTX and a cubin. The GPU compiler rejects programs the
-interpreter accepts (``tl.dot`` with a dimension under 16, non-power-of-two blocks, shared memory
-over the limit...), so every kernel is compiled this way in the tests. When the ``cuobjdump`` shipped
-in the triton wheel is found, the cubin's registers, local memory (spills) and SASS are read too::
+Ahead-of-time compilation (:func:`aot_compile`, :func:`aot_compile_many`) needs no GPU: ``triton.compile``
+of an ``ASTSource`` for a ``GPUTarget("cuda", 80 | 90, 32)`` yields PTX and a cubin. The GPU compiler
+rejects programs the interpreter accepts (``tl.dot`` with a dimension under 16, non-power-of-two
+blocks, too much shared memory...), so every kernel is compiled this way in the tests. In a process
+where Triton runs interpreted, compilation happens in a child process started without the
+interpreter (the kernel is re-imported there from its module or file). When the ``cuobjdump``
+shipped in the triton wheel is found, the cubin's registers, local memory (spills) and SASS are read::
 
     r = aot_compile(my_kernel, signature={"x": "*bf16", "n": "i32", "BLOCK": "constexpr"},
                     constexprs={"BLOCK": 128}, arch=90, num_warps=4, aligned=("x",))
-    r.registers, r.local_bytes, r.sass_count("LDG.E.128")
+    r.registers, r.local_bytes, r.global_loads()   # {"LDG.E.128": 2, ...}
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import os
+import pickle
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -41,11 +47,14 @@ from typing import Any, Literal
 import torch
 
 __all__ = [
+    "AotCompileError",
     "AotResult",
     "TritonMode",
     "aot_compile",
+    "aot_compile_many",
     "interpret_requested",
     "kernel_for",
+    "language_interpreted",
     "nvidia_tool",
     "triton_import_error",
     "triton_mode",
@@ -56,7 +65,7 @@ _TRUE = ("1", "true", "yes", "on")
 
 
 def interpret_requested() -> bool:
-    """True when ``TRITON_INTERPRET`` asks for the interpreter."""
+    """True when ``TRITON_INTERPRET`` asks for the interpreter (now; see :func:`language_interpreted`)."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
@@ -69,6 +78,19 @@ def triton_import_error() -> str | None:
     except Exception as err:  # ImportError, or a broken install
         return f"triton not importable ({type(err).__name__}: {err})"
     return None
+
+
+def language_interpreted() -> bool:
+    """True when ``triton.language`` was loaded in interpreter mode (its ``@jit`` helpers are interpreted).
+
+    If triton is not imported yet, the answer is what importing it now would give.
+    """
+    standard = sys.modules.get("triton.language.standard")
+    if standard is None:
+        return interpret_requested()
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.cdiv, InterpretedFunction)
 
 
 @functools.cache
@@ -87,19 +109,33 @@ def _cuda_driver_error() -> str | None:
 
 
 def triton_mode(device: str | torch.device) -> tuple[TritonMode | None, str]:
-    """How Triton kernels would run on ``device``: ``(mode, "")`` or ``(None, reason)``."""
+    """How Triton kernels would run on ``device``: ``(mode, "")`` or ``(None, reason)``.
+
+    In interpreter mode every device runs interpreted (CUDA tensors are copied to the host and back).
+    """
     err = triton_import_error()
     if err:
         return None, err
     dev = torch.device(device)
+    if dev.type not in ("cuda", "cpu"):
+        return (
+            None,
+            f"Triton kernels need a CUDA device (or the CPU with TRITON_INTERPRET=1); got {dev.type!r}",
+        )
+    if language_interpreted():
+        return "interpreted", ""
     if dev.type == "cuda":
         err = _cuda_driver_error()
         return (None, err) if err else ("native", "")
-    if dev.type == "cpu":
-        if interpret_requested():
-            return "interpreted", ""
-        return None, "Triton kernels run on the CPU only in the interpreter: set TRITON_INTERPRET=1"
-    return None, f"Triton kernels need a CUDA device (or the CPU with TRITON_INTERPRET=1); got {dev.type!r}"
+    if interpret_requested():
+        return None, (
+            "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import "
+            "(e.g. at the top of conftest.py)"
+        )
+    return (
+        None,
+        "Triton kernels run on the CPU only in the interpreter: set TRITON_INTERPRET=1 before importing triton",
+    )
 
 
 def _python_fn(kernel: Any) -> Callable[..., Any]:
@@ -124,9 +160,9 @@ def _wrap(fn: Callable[..., Any], mode: TritonMode) -> Any:
 def kernel_for(kernel: Any, mode: TritonMode) -> Any:
     """``kernel`` as a launchable object for ``mode`` (a ``JITFunction`` or an ``InterpretedFunction``).
 
-    Returns ``kernel`` itself when it already is the right kind; otherwise a cached wrapper of its
-    Python function. Kernels must not call other ``@triton.jit`` functions (those would keep the
-    kind they were defined with).
+    Returns ``kernel`` itself when it already is the right kind, else a cached wrapper of its Python
+    function. ``mode`` should be what :func:`triton_mode` reports: a kernel that calls Triton's
+    standard library only runs in the mode ``triton.language`` was loaded in.
     """
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
@@ -180,11 +216,12 @@ class AotResult:
         return len(re.findall(rf"\b{re.escape(opcode)}\b", self.sass))
 
     def global_loads(self) -> dict[str, int]:
-        """Global-load instructions in the SASS by width (``LDG.E.128``, ``LDG.E.64``, ``LDG.E.U16``...)."""
+        """Global-load instructions in the SASS by kind and width: ``LDG.E.128`` (16-byte load to
+        registers), ``LDGSTS.E.BYPASS.128`` (16-byte ``cp.async`` to shared memory), ``LDG.E.U16``..."""
         if self.sass is None:
             return {}
         counts: dict[str, int] = {}
-        for op in re.findall(r"\b(LDG\.E[.\w]*)", self.sass):
+        for op in re.findall(r"\b(LDGSTS\.[.\w]*|LDG\.E[.\w]*)", self.sass):
             counts[op] = counts.get(op, 0) + 1
         return counts
 
@@ -202,6 +239,10 @@ class AotResult:
         }
 
 
+class AotCompileError(RuntimeError):
+    """The Triton/PTX compiler rejected a kernel for an NVIDIA target (the message is the compiler's)."""
+
+
 def aot_compile(
     kernel: Any,
     *,
@@ -213,7 +254,7 @@ def aot_compile(
     aligned: Iterable[str] = (),
     read_sass: bool = True,
 ) -> AotResult:
-    """Compile ``kernel`` for ``sm_{arch}`` without a GPU; raise the compiler's error if it fails.
+    """Compile ``kernel`` for ``sm_{arch}`` without a GPU; raise :class:`AotCompileError` if it fails.
 
     ``signature`` maps every argument name to its type (``"*bf16"``, ``"i32"``, ``"fp32"``,
     ``"constexpr"``); ``constexprs`` gives the values of the constexpr ones. ``aligned`` names the
@@ -221,21 +262,152 @@ def aot_compile(
     torch are 16-byte aligned; strides that are multiples of 16): without that hint the compiler
     cannot emit 16-byte loads. Constexpr names in ``aligned`` are ignored.
     """
+    request = {
+        "kernel": kernel,
+        "signature": signature,
+        "constexprs": constexprs,
+        "arch": arch,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+        "aligned": tuple(aligned),
+        "read_sass": read_sass,
+    }
+    (result,) = aot_compile_many([request])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def aot_compile_many(requests: Sequence[Mapping[str, Any]]) -> list[AotResult | Exception]:
+    """:func:`aot_compile` for each request (a dict of its keyword arguments plus ``kernel``).
+
+    Returns, in order, each result or the exception that stopped it (bad arguments: ``ValueError``;
+    rejected by the compiler: :class:`AotCompileError`). In an interpreted process all requests are
+    compiled in one child process (the kernels are re-imported there by module, else by file).
+    """
+    full = [{**_DEFAULTS, **r} for r in requests]
+    checked: list[AotResult | Exception | None] = [_check_request(r) for r in full]
+    todo = [i for i, c in enumerate(checked) if c is None]
+    if not todo:
+        return checked  # type: ignore[return-value]
+    if not language_interpreted():
+        for i in todo:
+            checked[i] = _try_compile_here(full[i])
+        return checked  # type: ignore[return-value]
+    refs = [{**full[i], "kernel": _kernel_ref(full[i]["kernel"])} for i in todo]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "requests.pkl", Path(tmp) / "results.pkl"
+        src.write_bytes(pickle.dumps(refs))
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        proc = subprocess.run(
+            [sys.executable, "-c", _WORKER, str(src), str(dst)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        if proc.returncode or not dst.exists():
+            raise RuntimeError(
+                f"AOT compile worker failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
+            )
+        for i, result in zip(todo, pickle.loads(dst.read_bytes()), strict=True):
+            checked[i] = result
+        return checked  # type: ignore[return-value]
+
+
+_DEFAULTS: dict[str, Any] = {"arch": 90, "num_warps": 4, "num_stages": 2, "aligned": (), "read_sass": True}
+
+
+def _check_request(request: Mapping[str, Any]) -> ValueError | None:
+    """The error in a request's arguments, found without compiling anything (``None``: fine)."""
+    import inspect
+
+    fn = _python_fn(request["kernel"])
+    names = list(inspect.signature(fn).parameters)
+    signature, constexprs = request["signature"], request["constexprs"]
+    unknown = [n for n in [*signature, *constexprs, *request["aligned"]] if n not in names]
+    if unknown:
+        return ValueError(f"aot_compile: {fn.__name__} has no argument(s) {unknown}; arguments: {names}")
+    missing = [n for n in names if n not in signature]
+    if missing:
+        return ValueError(f"aot_compile: signature of {fn.__name__} lacks {missing}")
+    return None
+
+
+# run as a script so that results pickle as attnbench.triton_utils classes, not __main__ ones
+_WORKER = "import sys; from attnbench.triton_utils import _worker_main; _worker_main(sys.argv[1:])"
+
+
+def _kernel_ref(kernel: Any) -> dict[str, str]:
+    fn = _python_fn(kernel)
+    return {
+        "module": fn.__module__,
+        "name": fn.__qualname__,
+        "file": str(Path(fn.__code__.co_filename).resolve()),
+    }
+
+
+def _load_kernel(ref: Mapping[str, str]) -> Any:
+    module = None
+    if ref["module"] not in ("__main__", None):
+        try:
+            module = importlib.import_module(ref["module"])
+        except ImportError:
+            module = None
+    if module is None or not hasattr(module, ref["name"]):
+        spec = importlib.util.spec_from_file_location(f"_aot_kernels_{abs(hash(ref['file']))}", ref["file"])
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load kernel {ref['name']} from {ref['file']}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return getattr(module, ref["name"])
+
+
+def _worker_main(args: list[str]) -> None:
+    src, dst = Path(args[0]), Path(args[1])
+    requests = pickle.loads(src.read_bytes())
+    results = []
+    for r in requests:
+        try:
+            kernel = _load_kernel(r["kernel"])
+        except Exception as err:  # reported per request
+            results.append(AotCompileError(f"could not import the kernel: {type(err).__name__}: {err}"))
+            continue
+        results.append(_try_compile_here({**r, "kernel": kernel}))
+    dst.write_bytes(pickle.dumps(results))
+
+
+def _try_compile_here(request: dict[str, Any]) -> AotResult | Exception:
+    try:
+        return _compile_here(**request)
+    except ValueError as err:
+        return err
+    except Exception as err:  # the compiler's own exception types vary; keep the message
+        return AotCompileError(f"{type(err).__name__}: {err}")
+
+
+def _compile_here(
+    kernel: Any,
+    *,
+    signature: Mapping[str, str],
+    constexprs: Mapping[str, Any],
+    arch: int,
+    num_warps: int,
+    num_stages: int,
+    aligned: Iterable[str],
+    read_sass: bool,
+) -> AotResult:
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = kernel_for(kernel, "native")
     names = list(fn.arg_names)
-    unknown = [n for n in [*signature, *constexprs, *aligned] if n not in names]
-    if unknown:
-        raise ValueError(f"aot_compile: {fn.__name__} has no argument(s) {unknown}; arguments: {names}")
-    missing = [n for n in names if n not in signature]
-    if missing:
-        raise ValueError(f"aot_compile: signature of {fn.__name__} lacks {missing}")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if signature[n] != "constexpr"}
     src = ASTSource(fn=fn, signature=dict(signature), constexprs=dict(constexprs), attrs=attrs)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), knobs.runtime.scope():
+        knobs.runtime.interpret = False
         warnings.simplefilter("ignore", UserWarning)  # triton's FP-fusion default notice
         compiled = triton.compile(
             src,

@@ -7,6 +7,8 @@ is also compiled here for sm_80 and sm_90, for each tile configuration it declar
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -15,7 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from attnbench.triton_utils import aot_compile, kernel_for, triton_mode
+from attnbench.backends.triton_paged import BLOCK_N, PAGE_SIZES, aot_specializations
+from attnbench.triton_utils import (
+    AotCompileError,
+    aot_compile,
+    aot_compile_many,
+    kernel_for,
+    language_interpreted,
+    triton_mode,
+)
 
 ARCHS = (80, 90)
 
@@ -34,17 +44,33 @@ def _small_dot_kernel(a_ptr, b_ptr, c_ptr, N: tl.constexpr):
     tl.store(c_ptr + idx[:, None] * N + idx[None, :], tl.dot(a, b))
 
 
-def test_triton_mode_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_triton_mode_here() -> None:
+    # this process loaded triton in interpreter mode (conftest / the top of this file)
+    assert language_interpreted()
     assert triton_mode("cpu") == ("interpreted", "")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    mode, reason = triton_mode("cpu")
-    assert mode is None and "TRITON_INTERPRET=1" in reason
     mode, reason = triton_mode("meta")
     assert mode is None and "'meta'" in reason
-    if not torch.cuda.is_available():
-        mode, reason = triton_mode("cuda")
-        assert mode is None and "CUDA" in reason
+
+
+_MODE_PROBE = """
+import os, sys
+from attnbench.triton_utils import triton_mode
+print(repr(triton_mode("cpu")))
+import triton.language
+os.environ["TRITON_INTERPRET"] = "1"
+print(repr(triton_mode("cpu")))
+"""
+
+
+def test_triton_mode_reasons_without_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", _MODE_PROBE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    before, after = (eval(line) for line in out.stdout.strip().splitlines())
+    assert before[0] is None and "set TRITON_INTERPRET=1" in before[1]
+    assert after[0] is None and "after triton was imported" in after[1]
 
 
 def test_kernel_for_runs_interpreted_whatever_the_import_mode() -> None:
@@ -54,19 +80,23 @@ def test_kernel_for_runs_interpreted_whatever_the_import_mode() -> None:
     torch.testing.assert_close(y, 2 * x)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_aot_compile_reads_registers_and_sass(arch: int) -> None:
+def test_aot_compile_reads_registers_and_sass() -> None:
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr"}
-    r = aot_compile(
-        _scale_kernel, signature=sig, constexprs={"BLOCK": 1024}, arch=arch, aligned=("x_ptr", "y_ptr", "n")
-    )
-    assert r.cubin and ".target sm_" in r.ptx
-    if r.sass is None:
-        pytest.skip(f"SASS not read: {r.tool_note}")
-    assert r.registers is not None and 0 < r.registers < 255
-    assert r.local_bytes == 0
-    # n is a multiple of 16 (hinted), so the masked loads still vectorise to 16 bytes
-    assert r.global_loads().get("LDG.E.128", 0) >= 1, r.global_loads()
+    spec = {
+        "kernel": _scale_kernel,
+        "signature": sig,
+        "constexprs": {"BLOCK": 1024},
+        "aligned": ("x_ptr", "y_ptr", "n"),
+    }
+    for arch, r in zip(ARCHS, aot_compile_many([{**spec, "arch": a} for a in ARCHS]), strict=True):
+        assert not isinstance(r, Exception), r
+        assert r.cubin and f".target sm_{arch}" in r.ptx
+        if r.sass is None:
+            pytest.skip(f"SASS not read: {r.tool_note}")
+        assert r.registers is not None and 0 < r.registers < 255
+        assert r.local_bytes == 0
+        # n is a multiple of 16 (hinted), so the masked loads still vectorise to 16 bytes
+        assert r.global_loads().get("LDG.E.128", 0) >= 1, r.global_loads()
 
 
 def test_aot_rejects_what_the_interpreter_accepts() -> None:
@@ -74,7 +104,7 @@ def test_aot_rejects_what_the_interpreter_accepts() -> None:
     kernel_for(_small_dot_kernel, "interpreted")[(1,)](a, b, c, N=8)
     torch.testing.assert_close(c, a @ b, rtol=1e-4, atol=1e-4)
     sig = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "N": "constexpr"}
-    with pytest.raises(Exception, match="16"):  # tl.dot needs every dimension ≥ 16
+    with pytest.raises(AotCompileError, match="16"):  # tl.dot needs every dimension ≥ 16
         aot_compile(_small_dot_kernel, signature=sig, constexprs={"N": 8}, arch=90)
 
 
@@ -83,3 +113,50 @@ def test_aot_compile_names_bad_arguments() -> None:
         aot_compile(_scale_kernel, signature={"z": "i32"}, constexprs={})
     with pytest.raises(ValueError, match="lacks"):
         aot_compile(_scale_kernel, signature={"x_ptr": "*fp32"}, constexprs={})
+
+
+# -- triton_paged: every kernel specialisation its tunables can launch --------------------------------------
+_SPECS = list(aot_specializations())
+
+
+def _spec_id(spec: dict) -> str:
+    c = spec["constexprs"]
+    if "PAGE_SIZE" in c:
+        return f"decode-page{c['PAGE_SIZE']}-block{c['BLOCK_N']}"
+    return f"reduce-s{c['BLOCK_S']}"
+
+
+def test_aot_specializations_cover_every_tile_config() -> None:
+    decode = {
+        (s["constexprs"]["PAGE_SIZE"], s["constexprs"]["BLOCK_N"])
+        for s in _SPECS
+        if "PAGE_SIZE" in s["constexprs"]
+    }
+    assert decode == {(p, n) for p in PAGE_SIZES for n in BLOCK_N}
+    assert any("BLOCK_S" in s["constexprs"] for s in _SPECS)
+
+
+@pytest.fixture(scope="module")
+def paged_aot() -> dict:
+    """Every specialisation for every arch, compiled in one batch (one child process when interpreted)."""
+    keys = [(_spec_id(spec), arch) for arch in ARCHS for spec in _SPECS]
+    results = aot_compile_many([{**spec, "arch": arch} for arch in ARCHS for spec in _SPECS])
+    return dict(zip(keys, results, strict=True))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", _SPECS, ids=[_spec_id(s) for s in _SPECS])
+def test_aot_compiles_for_nvidia(paged_aot: dict, spec: dict, arch: int) -> None:
+    r = paged_aot[_spec_id(spec), arch]
+    if isinstance(r, Exception):
+        raise r
+    assert r.cubin, "no cubin"
+    if r.sass is None:
+        pytest.skip(f"compiled; SASS not read: {r.tool_note}")
+    assert r.local_bytes == 0, f"{_spec_id(spec)} sm_{arch}: {r.local_bytes} bytes of local memory (spills)"
+    assert r.registers is not None and r.registers <= 255
+    loads = r.global_loads()
+    wide = sum(n for op, n in loads.items() if op.endswith(".128"))
+    assert wide >= 1, f"{_spec_id(spec)} sm_{arch}: no 16-byte global loads: {loads}"
+    if "PAGE_SIZE" in spec["constexprs"]:  # K/V tiles stream through cp.async, 16 bytes at a time
+        assert loads.get("LDGSTS.E.BYPASS.128", 0) >= 2, loads
