@@ -22,7 +22,10 @@ Order of work:
    workload's context (untimed), then whole decode steps — ``plan()``, every layer's ``decode()``,
    ``commit()`` — are timed with :func:`attnbench.timing.measure`. The model materialises
    ``layers_materialised`` distinct layer caches and cycles the ``num_layers`` calls over them (see
-   :mod:`attnbench.decode`), so every call reads its cache from DRAM.
+   :mod:`attnbench.decode`), so every call reads its cache from DRAM. When all materialised caches
+   together are smaller than 4 × the last-level cache (short contexts, small batches), a buffer of
+   twice the LLC is written before each timed step, outside the timer (``llc_flushed``), because in
+   a real model the weights read between two steps would have evicted the cache.
 
 Each step appends a token, so the context grows by one per step during the run (``warmup + repeats``
 tokens at most, e.g. 12 on a 1024-token context); ``kv_bytes`` is the mean of what the timed steps
@@ -34,13 +37,15 @@ from __future__ import annotations
 import gc
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from attnbench.backend import Backend
 from attnbench.decode import SyntheticModel
-from attnbench.device import DeviceProfile
+from attnbench.device import DeviceProfile, last_level_cache_bytes
 from attnbench.gate import CheckResult
 from attnbench.gate import check as gate_check
 from attnbench.timing import Timing, measure
@@ -89,6 +94,7 @@ class DecodeMeasurement:
     dtype: str = ""
     batch: int = 0
     context: int = 0
+    llc_flushed: bool = False  # the last-level cache was evicted before each timed step (small caches)
     load_avg: tuple[float, float, float] = field(default_factory=lambda: os.getloadavg())
 
     @property
@@ -107,6 +113,7 @@ class DecodeMeasurement:
             "context": self.context,
             "num_layers": self.num_layers,
             "layers_materialised": self.layers_materialised,
+            "llc_flushed": self.llc_flushed,
             "timed": self.timed,
             "note": self.note,
             "step": self.step.as_dict() if self.step else None,
@@ -116,6 +123,21 @@ class DecodeMeasurement:
             "check": self.check.as_dict() if self.check else None,
             "load_avg": list(self.load_avg),
         }
+
+
+def _llc_evictor(model: SyntheticModel) -> Callable[[int], object] | None:
+    """When every materialised cache together is under 4 × the last-level cache, a step could find
+    them still cached from the previous step (a real model's weights would have evicted them): return
+    an untimed pass over a buffer of 2 × the LLC to run before each timed step. ``None`` otherwise."""
+    llc = last_level_cache_bytes(model.device)
+    cache = model.cache
+    total = cache.nbytes() if cache is not None else 0
+    if not total:
+        total = model.per_layer_bytes(model._last_max_seq_len) * model.layers_materialised
+    if total >= 4 * llc:
+        return None
+    scratch = torch.empty(min(2 * llc, 2**30) // 4, dtype=torch.float32, device=model.device).fill_(1.0)
+    return lambda i: scratch.add_(1.0)
 
 
 def check_workload(
@@ -216,6 +238,8 @@ def measure_decode(
         model.fill(extra_tokens=max(warmup, 1) + repeats + 1)
         start_bytes = model.kv_bytes_per_step()
         growth = model.kv_bytes_per_step_growth()
+        evict = _llc_evictor(model)
+        timed_with_flush = evict is not None
         timing = measure(
             lambda i: model.decode_step(),
             device=workload.device,
@@ -223,10 +247,12 @@ def measure_decode(
             repeats=repeats,
             rotate=1,
             max_seconds=max_seconds,
+            before=evict,
         )
         materialised = model.layers_materialised
     finally:
         model.release()
+        evict = None
         gc.collect()
     # step j of the run reads start_bytes + j · growth; the timed ones follow the warm-up
     kv_bytes = int(start_bytes + (timing.warmup + (timing.repeats - 1) / 2) * growth)
@@ -239,4 +265,5 @@ def measure_decode(
         pct_of_bandwidth=100 * bytes_per_s / profile.bandwidth if profile else None,
         check=result,
         layers_materialised=materialised,
+        llc_flushed=timed_with_flush,
     )

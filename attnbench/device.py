@@ -40,7 +40,9 @@ def cache_dir() -> Path:
 
 def last_level_cache_bytes(device: str | torch.device = "cpu") -> int:
     """Size of the device's last-level cache (CPU: the largest cache sysfs lists; CUDA: L2); 32 MiB if
-    unknown."""
+    unknown. ``ATTNBENCH_LLC_BYTES`` overrides it (tests use a small value)."""
+    if os.environ.get("ATTNBENCH_LLC_BYTES"):
+        return int(os.environ["ATTNBENCH_LLC_BYTES"])
     dev = torch.device(device)
     if dev.type == "cuda":
         return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 32 * 2**20)

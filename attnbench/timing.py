@@ -50,11 +50,14 @@ def measure(
     repeats: int = 15,
     rotate: int = 1,
     max_seconds: float | None = None,
+    before: Callable[[int], object] | None = None,
 ) -> Timing:
     """Time ``fn(i)`` where ``i`` cycles over ``range(rotate)``.
 
     ``warmup`` untimed calls run first (one per input set at least). ``max_seconds`` caps the timed
-    phase: sampling stops early once it is exceeded, keeping at least 3 samples.
+    phase: sampling stops early once it is exceeded, keeping at least 3 samples. ``before(i)``, if
+    given, runs before every timed call, outside the timer (then a device sync): e.g. evicting the
+    last-level cache when the data is too small to do so itself.
     """
     if repeats < 1:
         raise ValueError(f"repeats = {repeats} must be ≥ 1")
@@ -65,6 +68,9 @@ def measure(
     samples: list[float] = []
     start_all = time.perf_counter()
     for i in range(repeats):
+        if before is not None:
+            before(i % rotate)
+            synchronize(dev)
         if dev.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()

@@ -22,6 +22,7 @@ SMALL_BUFFER = 4 * 2**20
 def small_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A private profile cache whose bandwidth measurements use a small buffer (fast)."""
     monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ATTNBENCH_LLC_BYTES", str(2**20))  # small eviction buffers
     real = device_mod.measure_bandwidth
 
     def small(device="cpu", *, nbytes=None):  # type: ignore[no-untyped-def]
@@ -53,6 +54,11 @@ class InterpretedNaive(NaiveBackend):
         return True
 
 
+@pytest.fixture(autouse=True)
+def small_llc(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNBENCH_LLC_BYTES", str(2**20))
+
+
 def test_measure_decode_fields_and_bytes() -> None:
     workload = Workload.uniform("tiny-gqa", batch=2, context=96, dtype="fp32")
     m = measure_decode(NaiveBackend(), workload, profile=_profile(), warmup=1, repeats=4)
@@ -69,6 +75,14 @@ def test_measure_decode_fields_and_bytes() -> None:
     d = json.loads(json.dumps(m.as_dict()))
     assert d["step"]["median_s"] > 0 and d["check"]["passed"] is True
     assert d["implementation"] == "torch.matmul" and d["layers_materialised"] == m.layers_materialised
+    assert m.llc_flushed  # the tiny cache is far under 4 × the (1 MiB) last-level cache
+
+
+def test_large_cache_is_not_flushed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNBENCH_LLC_BYTES", "1024")
+    workload = Workload.uniform("tiny-gqa", batch=2, context=96, dtype="fp32")
+    m = measure_decode(NaiveBackend(), workload, check=False, repeats=3)
+    assert not m.llc_flushed
 
 
 def test_measure_decode_without_profile_or_check() -> None:

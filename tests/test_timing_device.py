@@ -24,6 +24,19 @@ def test_measure_warms_up_then_rotates_inputs() -> None:
     assert 0 <= t.p10_s <= t.median_s <= t.p90_s
 
 
+def test_measure_before_runs_untimed_before_each_sample() -> None:
+    order: list[str] = []
+    t = measure(
+        lambda i: order.append(f"fn{i}"),
+        warmup=1,
+        repeats=4,
+        rotate=2,
+        before=lambda i: (order.append(f"before{i}"), time.sleep(0.02)),
+    )
+    assert order == ["fn0", "fn1", "before0", "fn0", "before1", "fn1", "before0", "fn0", "before1", "fn1"]
+    assert t.median_s < 0.02  # the sleep in before() is not inside any sample
+
+
 def test_measure_median_of_known_durations() -> None:
     t = measure(lambda i: time.sleep(0.002), warmup=1, repeats=5)
     assert 0.0015 < t.median_s < 0.2
@@ -51,8 +64,11 @@ def test_fingerprint_names_the_cpu_and_versions() -> None:
         assert fp[key], key
 
 
-def test_last_level_cache_is_positive() -> None:
+def test_last_level_cache_is_positive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ATTNBENCH_LLC_BYTES", raising=False)
     assert last_level_cache_bytes("cpu") >= 2**20
+    monkeypatch.setenv("ATTNBENCH_LLC_BYTES", "12345")
+    assert last_level_cache_bytes("cpu") == 12345
 
 
 @pytest.fixture
