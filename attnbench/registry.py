@@ -23,6 +23,7 @@ The plugin contract (checked per plugin, in this order; the first breach stops t
 3. ``register`` — pluggy accepts its hooks, it implements ``attnbench_backends``, which returns a list
    of :class:`~attnbench.Backend` subclasses that are valid, instantiate without arguments, and whose
    names are not taken (by a built-in or an earlier plugin; plugins load in entry-point-name order).
+   A backend class whose own ``plugin_api`` is outside the range is reported at stage ``api-version``.
    A plugin is all or nothing: if one of its backends breaks the contract, none is registered.
 """
 
@@ -45,6 +46,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "SUPPORTED_PLUGIN_API",
     "BackendEntry",
+    "PluginAPIError",
     "PluginFailure",
     "Registry",
     "RegistryError",
@@ -61,6 +63,10 @@ _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 class RegistryError(LookupError):
     """Unknown backend name, or a contract broken by a built-in."""
+
+
+class PluginAPIError(ValueError):
+    """A backend class declares a ``plugin_api`` this attnbench does not support."""
 
 
 @dataclass(frozen=True)
@@ -188,9 +194,9 @@ def _validate_backend(cls: Any, source: Source) -> BackendEntry:
     lo, hi = SUPPORTED_PLUGIN_API
     api = getattr(cls, "plugin_api", None)
     if isinstance(api, bool) or not isinstance(api, int) or not lo <= api <= hi:
-        raise ValueError(
+        raise PluginAPIError(
             f"backend {name!r} ({cls.__module__}.{cls.__qualname__}) declares plugin_api {cls.plugin_api!r}; "
-            f"this attnbench {_core_version()} supports plugin API {_range_text()}"
+            f"this attnbench {_core_version()} supports {_range_text()}"
         )
     if cls.kv_form not in ("expanded", "latent"):
         raise ValueError(f"backend {name!r}: kv_form {cls.kv_form!r} not in ('expanded', 'latent')")
@@ -281,9 +287,8 @@ def load_plugin(reg: Registry, ep: EntryPoint) -> None:
         )
         fail(
             "api-version",
-            f"{dist} {version} (entry point {ep.name!r}) {what}; this attnbench {_core_version()} supports "
-            f"plugin API {_range_text()}: install a release of {dist} written for that API, or an attnbench "
-            "that supports its API",
+            f"{source} {what}, but this attnbench {_core_version()} supports {_range_text()}: "
+            f"install a release of {dist} written for that API, or an attnbench that supports its API",
         )
         return
     try:
@@ -299,12 +304,12 @@ def load_plugin(reg: Registry, ep: EntryPoint) -> None:
         if isinstance(err, KeyboardInterrupt):
             raise
         reg.manager.unregister(plugin)
-        fail("register", err)
+        fail("api-version" if isinstance(err, PluginAPIError) else "register", err)
 
 
 def _range_text() -> str:
     lo, hi = SUPPORTED_PLUGIN_API
-    return str(lo) if lo == hi else f"{lo}..{hi}"
+    return f"{lo}..{hi}"
 
 
 def _core_version() -> str:
