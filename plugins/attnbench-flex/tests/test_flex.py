@@ -65,3 +65,14 @@ def test_unavailable_reason_names_the_device() -> None:
     reasons = FlexBackend().supports(workload)
     assert reasons and "meta" in reasons[0]
     assert FlexBackend().implementation(workload).startswith("unavailable: ")
+
+
+def test_report_gives_compile_time_and_decode_time_apart() -> None:
+    from attnbench_flex.__main__ import report
+
+    # the same shapes as test_compile_happens_in_create_cache_never_in_decode[64]: no extra compile
+    out = report(Workload.uniform("tiny-gqa", batch=3, context=286, dtype="fp32"), block_size=64, repeats=5)
+    assert out["gate_passed"], out["gate"]
+    assert math.isfinite(out["compile_seconds"]) and out["compile_seconds"] > 0
+    assert out["decode_step"]["repeats"] == 5 and out["decode_step"]["median_s"] > 0
+    assert out["implementation"] == "torch.compile(flex_attention)[cpu]"
