@@ -175,7 +175,7 @@ def _print(out: Console, r: dict[str, Any]) -> None:
     table.add_row(
         f"TTFT + {r['decode_steps']}·ITL p50",
         f"{(r['ttft_s'] + r['decode_steps'] * r['itl_p50_s']) * 1e3:.2f} ms",
-        f"e2e / this = {r['e2e_ratio_p50']:.3f} (above 1 when some steps are slow outliers)",
+        f"e2e / this = {r['e2e_ratio_p50']:.3f} (informative: slow outlier steps move it)",
     )
     table.add_row("KV bytes / step", f"{r['kv_bytes_per_step'] / 1e6:.1f} MB", "mean over the decode steps")
     pct = r["pct_of_bandwidth"]
