@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -133,9 +133,10 @@ def check(
     history: list[tuple[torch.Tensor, torch.Tensor]] = []
     if max(lens) > 0:
         plan = backend.plan(cache, num_new=lens)
+        fill_geom = replace(geom, num_q_heads=geom.num_kv_heads)
         for layer in range(num_layers):
-            _, k, v = random_step_inputs(
-                geom, form, batch=b, tokens=max(lens), dtype=dtype, device=device, generator=gen
+            _, k, v = random_step_inputs(  # no query for the history: with MLA's 128 heads it is 128× K
+                fill_geom, form, batch=b, tokens=max(lens), dtype=dtype, device=device, generator=gen
             )
             backend.append(cache, plan, layer=layer, k=k, v=v)
             history.append((k, v))
