@@ -364,7 +364,10 @@ def test_refusals_and_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match=r"page_size = 48 not in"):
         backend.resolve_config({"page_size": 48})
     mla = Workload.uniform("tiny-mla", batch=1, context=8, dtype="fp32")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    import attnbench.backends.mla as mla_module
+
+    why = "Triton kernels run on the CPU only in the interpreter: set TRITON_INTERPRET=1"
+    monkeypatch.setattr(mla_module, "triton_mode", lambda device: (None, why))  # as without the interpreter
     assert backend.implementation(mla).startswith("torch") and not backend.interpreted(mla)
     assert [t.name for t in backend.tunables_for(mla)] == ["page_size"]
     with pytest.raises(ConfigError, match="kernel = 'triton' cannot run on cpu: .*TRITON_INTERPRET=1"):
