@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from typing import Any, ClassVar
 
 # The Triton interpreter must be chosen before any kernel is defined (tests/conftest.py should set it too).
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -10,8 +13,17 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from attnbench.backends.triton_paged import (
+    BLOCK_N,
+    NUM_SPLITS,
+    PAGE_SIZES,
+    TritonPagedBackend,
+    auto_splits,
+)
+from attnbench.gate import check
 from attnbench.paged import PagedKVCache, PagedStepPlan
 from attnbench.shapes import ModelShape
+from attnbench.testing import BackendConformance, ConformanceCase
 from attnbench.workload import Workload
 
 
@@ -127,3 +139,145 @@ def test_paged_cache_share_v() -> None:
     gk, gv = cache.gather(0, 0)
     assert torch.equal(gv, k[0, :, :, :6]) and torch.equal(gk, k[0])
     assert cache.bytes_per_token() == 8 * 4
+
+
+# -- the triton_paged backend -----------------------------------------------------------------------
+
+# Small shapes (the interpreter is slow), ragged lengths that are not multiples of any page size, enough
+# tokens to span several pages at page_size 16 and several splits.
+MLA_SMALL = ModelShape(
+    name="test-mla-expanded",
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=24,
+    hidden_size=64,
+    intermediate_size=64,
+    vocab_size=64,
+    num_params=10_000,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+)
+SMALL_CASES = (
+    ConformanceCase(
+        "mha", small_shape(heads=2, kv_heads=2, head_dim=16), (7, 19, 1), (37, 5, 50), decode_steps=2
+    ),
+    ConformanceCase(
+        "gqa", small_shape(heads=4, kv_heads=2, head_dim=32), (16, 3, 40), (45, 70), decode_steps=2
+    ),
+    ConformanceCase(
+        "mqa", small_shape(heads=4, kv_heads=1, head_dim=16), (1, 24), (33, 2, 60), decode_steps=2
+    ),
+    # MLA's expanded form: Dk 24 ≠ Dv 16, both padded to 32 inside the kernel
+    ConformanceCase("mla_expanded", MLA_SMALL, (9, 21, 2), (20, 41), decode_steps=2),
+)
+
+
+def _paired_configs() -> list[dict]:
+    """Every page size, split count and tile size at least once, paired so the grid stays small:
+    tiles both larger than a page (per-token page lookup) and within one page."""
+    n = max(len(PAGE_SIZES), len(NUM_SPLITS), len(BLOCK_N))
+    return [
+        {"page_size": PAGE_SIZES[i % len(PAGE_SIZES)], "num_splits": NUM_SPLITS[i % len(NUM_SPLITS)],
+         "block_n": BLOCK_N[i % len(BLOCK_N)]}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+CONFIGS = _paired_configs()
+
+
+def test_paired_configs_cover_every_declared_choice() -> None:
+    for t in TritonPagedBackend.tunables:
+        assert {c[t.name] for c in CONFIGS} == set(t.choices), t.name
+    assert any(c["block_n"] > c["page_size"] for c in CONFIGS)
+    assert any(c["block_n"] < c["page_size"] for c in CONFIGS)
+
+
+class TestTritonPagedFp32(BackendConformance):
+    """Every declared page size / split count / tile size, tight fp32 tolerance."""
+
+    backend = TritonPagedBackend
+    dtypes = ("fp32",)
+    configs: ClassVar[list[dict[str, Any]]] = CONFIGS
+    cases = SMALL_CASES
+
+
+class TestTritonPagedBf16(BackendConformance):
+    """bf16 (the dtype served in practice) at the default config."""
+
+    backend = TritonPagedBackend
+    dtypes = ("bf16",)
+    configs: ClassVar[list[dict[str, Any]]] = [TritonPagedBackend.default_config()]
+    cases = SMALL_CASES
+
+
+def test_availability_interpreted() -> None:
+    backend = TritonPagedBackend()
+    w = Workload(small_shape(heads=4, kv_heads=2, head_dim=16), (8,), torch.float32, "cpu")
+    assert backend.supports(w) == [] and backend.interpreted(w)
+    assert backend.implementation(w) == "triton[interpreted]"
+    big = Workload(small_shape(heads=2, kv_heads=1, head_dim=512), (8,), torch.float32, "cpu")
+    assert any("head_dim 512" in r for r in backend.supports(big))
+    fp8 = Workload(small_shape(heads=2, kv_heads=1, head_dim=16), (8,), torch.float8_e4m3fn, "cpu")
+    assert any("dtype fp8" in r for r in backend.supports(fp8))
+
+
+_NO_INTERPRETER = """
+from attnbench.backends.triton_paged import TritonPagedBackend
+from attnbench.workload import Workload
+w = Workload.uniform("tiny-gqa", batch=1, context=8, dtype="fp32")
+b = TritonPagedBackend()
+print(b.supports(w)); print(b.interpreted(w)); print(b.implementation(w))
+try:
+    b.create_cache(w, config={}, num_layers=1, max_seq_len=16)
+except ValueError as err:
+    print("refused:", err)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA only: checks the CPU refusal")
+def test_unavailable_without_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_INTERPRETER], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    reasons, interpreted, impl, refused = out.stdout.strip().splitlines()
+    assert "TRITON_INTERPRET=1" in reasons and interpreted == "False"
+    assert impl.startswith("unavailable") and refused.startswith("refused:")
+
+
+def test_auto_splits() -> None:
+    # batch 1 with 8 KV heads on a 132-SM GPU: split until the grid fills the device
+    assert auto_splits(batch=1, kv_heads=8, max_len=32768, block_n=32, programs=264) == 16
+    # a big batch fills the device alone
+    assert auto_splits(batch=64, kv_heads=8, max_len=32768, block_n=32, programs=264) == 1
+    assert auto_splits(batch=8, kv_heads=8, max_len=32768, block_n=32, programs=264) == 8
+    # short sequences are not split into less than two tiles per split
+    assert auto_splits(batch=1, kv_heads=8, max_len=100, block_n=32, programs=264) == 1
+    assert auto_splits(batch=1, kv_heads=1, max_len=256, block_n=16, programs=8) == 8
+
+
+def test_plan_is_per_step_and_pages_are_permuted() -> None:
+    backend = TritonPagedBackend()
+    w = Workload(small_shape(heads=4, kv_heads=2, head_dim=16), (40, 3), torch.float32, "cpu")
+    cfg = backend.resolve_config({"page_size": 16, "num_splits": 4})
+    cache = backend.create_cache(w, config=cfg, num_layers=2, max_seq_len=64)
+    plan = backend.plan(cache, num_new=[40, 3])
+    pages = [p for row in cache.pages for p in row]
+    assert pages != sorted(pages) or len(pages) < 3
+    assert plan.extra["num_splits"] == 4 and plan.extra["part_o"].shape == (2, 4, 4, 16)
+    one = backend.plan(cache, num_new=[1, 1])
+    assert one.extra["num_splits"] == 4 and one.extra["mode"] == "interpreted"
+
+
+def test_gate_single_token_and_empty_splits() -> None:
+    """Sequences of 1 token (after the new one), and 16 splits over a few tokens (most splits empty)."""
+    backend = TritonPagedBackend()
+    w = Workload(small_shape(heads=4, kv_heads=2, head_dim=16), (0, 1, 17), torch.float32, "cpu")
+    for cfg in ({"num_splits": 16, "block_n": 16}, {"num_splits": 1, "page_size": 256, "block_n": 64}):
+        result = check(backend, w, config=cfg)
+        assert result.passed, result.summary()

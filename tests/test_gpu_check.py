@@ -1,0 +1,94 @@
+"""scripts/gpu_check.py: a clear refusal without CUDA, and the whole pipeline on tiny CPU shapes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ},
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_without_cuda_exits_with_a_clear_message(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    proc = _run("--out", str(out))
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA device" in proc.stderr and "Nothing was measured" in proc.stderr
+    assert not out.exists()
+
+
+def test_help_explains_the_check() -> None:
+    proc = _run("--help", timeout=120)
+    assert proc.returncode == 0
+    assert "--budget-s" in proc.stdout and "correctness" in proc.stdout.lower()
+
+
+def test_pipeline_on_tiny_cpu_shapes(tmp_path: Path) -> None:
+    """--device cpu exists only for this test: checks, times (naive), skips timing of interpreted Triton."""
+    out = tmp_path / "check.json"
+    proc = _run(
+        "--device", "cpu", "--model", "tiny-gqa", "--batches", "1,2", "--contexts", "40",
+        "--backends", "naive,triton_paged", "--layers", "2", "--repeats", "3", "--default-configs-only",
+        "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("python scripts/gpu_check.py --device cpu")
+    assert report["device"]["fingerprint"]["kind"] == "cpu" and report["device"]["copy_bandwidth"] > 0
+    checked = {e["backend"]: e for e in report["correctness"]}
+    assert checked["naive"]["passed"] and checked["triton_paged"]["passed"]
+    assert checked["triton_paged"]["interpreted"] is bool(os.environ.get("TRITON_INTERPRET") == "1")
+    by = {(m["backend"], m["batch"]): m for m in report["measurements"]}
+    assert set(by) == {("naive", 1), ("naive", 2), ("triton_paged", 1), ("triton_paged", 2)}
+    for b in (1, 2):
+        naive = by["naive", b]
+        assert naive["timed"] and naive["step"]["median_s"] > 0 and naive["gbps"] > 0
+        assert naive["pct_of_bandwidth"] > 0 and len(naive["load_avg"]) == 3
+        assert naive["check"]["passed"]
+        if checked["triton_paged"]["interpreted"]:
+            assert not by["triton_paged", b]["timed"] and "interpreted" in by["triton_paged", b]["note"]
+    assert "decode step" in proc.stdout and "correctness" in proc.stdout
+
+
+def test_target_summary() -> None:
+    gc = _load_script()
+
+    def m(batch: int, context: int, pct: float) -> dict:
+        return {
+            "backend": "triton_paged",
+            "batch": batch,
+            "context": context,
+            "timed": True,
+            "pct_of_bandwidth": pct,
+        }
+
+    assert gc.target_summary([])["met"] is None
+    small = m(1, 1024, 10.0)  # below 256k tokens: not part of the target
+    assert gc.target_summary([small, m(8, 32768, 85.0), m(32, 8192, 81.0)])["met"] is True
+    res = gc.target_summary([m(32, 32768, 79.9), m(8, 32768, 90.0)])
+    assert res["met"] is False and "NOT met" in res["text"] and "b32×32k: 79.9%" in res["text"]
