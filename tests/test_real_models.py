@@ -282,6 +282,46 @@ def test_greedy_tokens_and_logits_match_transformers(model_name: str, backend_na
     assert not failures, f"logits vs {against}: {'; '.join(failures)} (tolerance {tol})"
 
 
+def _other_implementation(backend_name: str) -> Backend:
+    """The path a backend does not take by default on a CPU test run (its Triton kernel or its torch path)."""
+    cls = BACKENDS[backend_name]
+    if backend_name == "fp8":  # auto = torch on the CPU; the Triton path is chosen by a class attribute
+        return type("FP8TritonPath", (cls,), {"kernel": "triton"})()
+    return cls()
+
+
+@pytest.mark.parametrize(
+    ("model_name", "backend_name", "config", "path"),
+    [("deepseek-v3-dense", "mla", {"kernel": "torch"}, "torch"), ("llama-gqa-rope3", "fp8", {}, "triton")],
+    ids=["deepseek-mla-torch", "llama-fp8-triton"],
+)
+def test_non_default_kernel_paths(model_name: str, backend_name: str, config: dict, path: str) -> None:
+    """The built-ins' other implementation (mla's torch path, fp8's interpreted Triton kernel) on a real model."""
+    if backend_name not in BACKENDS:
+        pytest.skip(f"backend {backend_name!r} is not registered")
+    backend = _other_implementation(backend_name)
+    ref = reference(model_name)
+    model = load_model(ref.hf, backend=backend, backend_config=config, dtype=torch.float32, batch=BATCH)
+    assert not model.unsupported(max_seq_len=PROMPT_LEN + NEW_TOKENS)
+    run = generate(model, prompt=ref.prompt, new_tokens=NEW_TOKENS, keep_logits=True)
+    tokens, logits = run.tokens.cpu(), torch.stack(run.logits, dim=1).cpu()
+    if stores_kv_inexactly(backend):
+        want_tokens, want_logits = run_greedy(model_name, StoredKVNaiveBackend(backend))
+        tol = logits_tolerance(backend.stored_tolerance(torch.float32), want_logits)
+    else:
+        want_tokens, want_logits = ref.tokens, ref.logits
+        tol = logits_tolerance(backend.tolerance(torch.float32), ref.logits)
+    stats = compare(logits, want_logits.double())
+    assert model.cache is not None
+    impl = str(model.cache.config.get("implementation") or getattr(model.cache, "path", "?"))
+    print(
+        f"\n{model_name} × {backend_name} {config} [{impl}]: logits max_abs {stats.max_abs:.2e}, rel_l2 {stats.rel_l2:.2e}"
+    )
+    assert impl == path, f"expected the {path} path, ran {impl}"
+    assert torch.equal(tokens, want_tokens)
+    assert not within(stats, tol)
+
+
 @pytest.mark.parametrize("model_name", MAIN_MODELS)
 def test_some_backend_runs_each_model(model_name: str) -> None:
     """The parametrised test above may skip a backend; here at least one must accept each model."""
