@@ -500,6 +500,26 @@ def test_installed_xformers_plugin_is_listed_with_xformers_own_reason(xformers_s
         assert row["runnable"] is False and row["reasons"][0].startswith("xformers refuses"), row
 
 
+def test_installed_xformers_plugin_passes_its_own_tests(xformers_site: Path, tmp_path: Path) -> None:
+    """The plugin's tests against the installed copy: xformers' reason where it is missing, the CUDA
+    conformance class (skipped here with the reason), and the conformance suite over the plugin's
+    plumbing with the stand-in for xformers."""
+    shutil.copytree(XFORMERS_SRC / "tests", tmp_path / "tests")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": _pythonpath(xformers_site)},
+        cwd=tmp_path,
+        timeout=900,
+        check=False,
+    )
+    tail = (res.stdout + res.stderr)[-4000:]
+    assert res.returncode == 0 and "failed" not in res.stdout, tail
+    passed = int(re.search(r"(\d+) passed", res.stdout).group(1))  # type: ignore[union-attr]
+    assert passed >= 40, tail  # the stand-in conformance class ran
+
+
 def guide_files() -> dict[str, str]:
     """The files of the guide's example: each block introduced by a line "File `path`:"."""
     text = GUIDE.read_text()
