@@ -281,6 +281,11 @@ def _print_notes(out: Console, report: dict[str, Any]) -> None:
             "layers mat. < layers: the synthetic model cycles its decode calls over that many distinct layer "
             "caches (together several times the last-level cache), so each call still reads from DRAM."
         )
+    if any(r.get("llc_flushed") for r in report["results"]):
+        out.print(
+            "rows with llc_flushed (JSON): the caches are smaller than 4 × the last-level cache, so it was "
+            "evicted before each timed step, outside the timer (a real model's weights would evict it)."
+        )
 
 
 def _save(prefix: Path, report: dict[str, Any]) -> None:
