@@ -46,6 +46,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: compiled entries one process may hold for flex_attention (torch's default of 8 is too few for a
 #: tuning sweep over shapes); applied only while a cache compiles, never to other code.
 _RECOMPILE_LIMIT = 256
+#: query block of the block mask: torch's default, so the single decode query is one block
+_Q_BLOCK = 128
 
 
 @functools.cache
@@ -116,7 +118,7 @@ class FlexKVCache(ContiguousKVCache):
             self.kv_indices,
             self.full_kv_num_blocks,
             self.full_kv_indices,
-            BLOCK_SIZE=(1, block_size),
+            BLOCK_SIZE=(_Q_BLOCK, block_size),  # one query block, as create_block_mask would make
             mask_mod=mask_mod,
             seq_lengths=(1, self.max_seq_len),
             compute_q_blocks=False,
