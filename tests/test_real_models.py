@@ -273,9 +273,17 @@ def test_greedy_tokens_and_logits_match_transformers(model_name: str, backend_na
         f"{float(want_logits.abs().max()):.2f}), rel_l2 {stats.rel_l2:.2e}, cosine {stats.cosine:.9f}"
     )
     if lossy:
+        top2 = ref.logits.topk(2, dim=-1).values
+        gap = top2[..., 0] - top2[..., 1]  # [B, N]
+        differ = [
+            int((row != want).nonzero()[0]) if (row != want).any() else None
+            for row, want in zip(tokens, ref.tokens, strict=True)
+        ]
         print(
             f"  lossy cache: tokens {same}/{want_tokens.numel()} equal {against}'s; teacher-forced logits vs "
-            f"transformers: max_abs {forced.max_abs:.2e}, rel_l2 {forced.rel_l2:.2e}, cosine {forced.cosine:.6f}"
+            f"transformers: max_abs {forced.max_abs:.2e}, rel_l2 {forced.rel_l2:.2e}, cosine {forced.cosine:.6f}; "
+            f"transformers' top-1/top-2 logit gap median {float(gap.median()):.3f}, min {float(gap.min()):.4f}; "
+            f"first new token differing from transformers' per sequence: {differ}"
         )
     assert torch.equal(tokens, want_tokens), f"{same}/{want_tokens.numel()} tokens equal {against}'s"
     failures = within(stats, tol)
