@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip points whose step reads more (keeps the run short)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add the points to an existing <out>.json of the same device profile instead of starting anew",
+    )
     p.add_argument("--out", default="results/estimator-validation-cpu", help="output path without extension")
     return p.parse_args(argv)
 
@@ -267,7 +272,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         "# Estimator validation on CPU: predicted vs measured ITL of the attention-only decode loop",
         "",
-        f"Command: `{doc['command']}`  ",
+        "Command(s): " + "; then ".join(f"`{c}`" for c in doc.get("commands", [doc["command"]])) + "  ",
         f"Machine: {doc['device']['name']} ({doc['device']['threads']} threads, fingerprint `{doc['profile_id']}`), "
         f"measured at {doc['started']} – {doc['finished']}.  ",
         f"Roofline (`--gpu this`): copy bandwidth {doc['bandwidth_gbps']:.2f} GB/s (device profile), "
@@ -339,6 +344,19 @@ def main(argv: list[str] | None = None) -> int:
         "note": "shared 2-core machine: other processes ran during the measurement (see load averages)",
         "rows": [],
     }
+    doc["commands"] = [doc["command"]]
+    if args.append and out.with_suffix(".json").exists():
+        previous = json.loads(out.with_suffix(".json").read_text())
+        if previous.get("profile_id") != profile.id:
+            raise SystemExit(
+                f"--append: {out.with_suffix('.json')} was measured with device profile "
+                f"{previous.get('profile_id')}, this run has {profile.id} (another machine or thread count)"
+            )
+        previous["commands"] = [*previous.get("commands", [previous["command"]]), doc["command"]]
+        previous.setdefault("runs", []).append(
+            {k: doc[k] for k in ("command", "started", "load_avg_start", "args")}
+        )
+        doc = previous
     with Progress() as progress:
         task = progress.add_task("validating", total=len(points))
         for point in points:
