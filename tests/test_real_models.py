@@ -267,8 +267,9 @@ def test_greedy_tokens_and_logits_match_transformers(model_name: str, backend_na
         against = "transformers"
     stats = compare(logits, want_logits.double())
     same = int((tokens == want_tokens).sum())
+    workload = load_model(ref.hf, backend=backend, batch=BATCH).workload(max_seq_len=PROMPT_LEN + NEW_TOKENS)
     print(
-        f"\n{model_name} × {backend_name} [{backend.kv_form}]: tokens {matched}/{ref.tokens.numel()} equal "
+        f"\n{model_name} × {backend_name} [{backend.kv_form}; {backend.implementation(workload)}]: tokens {matched}/{ref.tokens.numel()} equal "
         f"transformers'; logits vs {against}: max_abs {stats.max_abs:.2e} (|logits| ≤ "
         f"{float(want_logits.abs().max()):.2f}), rel_l2 {stats.rel_l2:.2e}, cosine {stats.cosine:.9f}"
     )
