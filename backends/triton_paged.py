@@ -379,32 +379,49 @@ _ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_o_ptr", "stride_qb", "st
             "stride_kt", "stride_kh", "stride_vp", "stride_vt", "stride_vh", "stride_ob", "stride_oh")  # fmt: skip
 
 
-def aot_specializations(
-    *, dtype: torch.dtype = torch.bfloat16, group: int = 4, head_dim: int = 128
-) -> Iterator[dict[str, Any]]:
-    """Keyword arguments for :func:`attnbench.triton_utils.aot_compile`, one per kernel specialisation
-    the declared tunables can launch: the decode kernel for every ``page_size × block_n`` (``num_splits``
-    is a grid dimension, not a specialisation) and the split reduction, for one geometry and dtype
-    (default: Llama-3.1-8B's, bf16)."""
+#: geometries compiled besides Llama-3.1-8B's (bf16, 4 query heads per KV head, head_dim 128), at the
+#: default tile config: fp32 and fp16; head_dim 64 with 8 per KV head; MLA's expanded form
+#: (DeepSeek-V3: Dk 192 ≠ Dv 128, one per KV head); 16 per KV head (Llama-3.1-405B); the largest allowed
+AOT_GEOMETRIES: tuple[tuple[torch.dtype, int, int, int], ...] = (
+    (torch.float32, 4, 128, 128),
+    (torch.float16, 4, 128, 128),
+    (torch.bfloat16, 8, 64, 64),
+    (torch.bfloat16, 1, 192, 128),
+    (torch.bfloat16, 16, 128, 128),
+    (torch.bfloat16, MAX_GROUP, MAX_HEAD_DIM, MAX_HEAD_DIM),
+)
+
+
+def _decode_spec(
+    dtype: torch.dtype, group: int, dk: int, dv: int, page_size: int, block_n: int
+) -> dict[str, Any]:
+    constexprs = decode_constexprs(group, dk, dv, {"page_size": page_size, "block_n": block_n}, dtype)
     t = _TL_DTYPE[dtype]
+    sig = {name: kind.format(t=t) for name, kind in _DECODE_ARGS} | dict.fromkeys(constexprs, "constexpr")
+    return {
+        "kernel": _paged_decode_kernel,
+        "signature": sig,
+        "constexprs": constexprs,
+        "num_warps": NUM_WARPS[block_n],
+        "num_stages": NUM_STAGES,
+        "aligned": _ALIGNED,
+    }
+
+
+def aot_specializations() -> Iterator[dict[str, Any]]:
+    """Keyword arguments for :func:`attnbench.triton_utils.aot_compile`, one per kernel specialisation:
+    the decode kernel for every ``page_size × block_n`` the tunables declare (``num_splits`` is a grid
+    dimension, not a specialisation) at Llama-3.1-8B's geometry in bf16, the default tile config at each
+    of :data:`AOT_GEOMETRIES`, and the split reduction."""
     for page_size in PAGE_SIZES:
         for block_n in BLOCK_N:
-            cfg = {"page_size": page_size, "block_n": block_n}
-            constexprs = decode_constexprs(group, head_dim, head_dim, cfg, dtype)
-            sig = {name: kind.format(t=t) for name, kind in _DECODE_ARGS} | dict.fromkeys(
-                constexprs, "constexpr"
-            )
-            yield {
-                "kernel": _paged_decode_kernel,
-                "signature": sig,
-                "constexprs": constexprs,
-                "num_warps": NUM_WARPS[block_n],
-                "num_stages": NUM_STAGES,
-                "aligned": _ALIGNED,
-            }
-    constexprs = reduce_constexprs(head_dim)
+            yield _decode_spec(torch.bfloat16, 4, 128, 128, page_size, block_n)
+    default = TritonPagedBackend.default_config()
+    for dtype, group, dk, dv in AOT_GEOMETRIES:
+        yield _decode_spec(dtype, group, dk, dv, default["page_size"], default["block_n"])
+    constexprs = reduce_constexprs(128)
     sig = {
-        "part_o_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": f"*{t}",
+        "part_o_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16",
         "num_splits": "i32", "stride_ob": "i32", "stride_oh": "i32",
     } | dict.fromkeys(constexprs, "constexpr")  # fmt: skip
     yield {

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnbench.backends.triton_paged import BLOCK_N, PAGE_SIZES, aot_specializations
+from attnbench.backends.triton_paged import AOT_GEOMETRIES, BLOCK_N, PAGE_SIZES, aot_specializations
 from attnbench.triton_utils import (
     AotCompileError,
     aot_compile,
@@ -122,7 +122,8 @@ _SPECS = list(aot_specializations())
 def _spec_id(spec: dict) -> str:
     c = spec["constexprs"]
     if "PAGE_SIZE" in c:
-        return f"decode-page{c['PAGE_SIZE']}-block{c['BLOCK_N']}"
+        dtype = spec["signature"]["q_ptr"].lstrip("*")
+        return f"decode-{dtype}-g{c['GROUP']}-d{c['DK']}x{c['DV']}-page{c['PAGE_SIZE']}-block{c['BLOCK_N']}"
     return f"reduce-s{c['BLOCK_S']}"
 
 
@@ -133,6 +134,10 @@ def test_aot_specializations_cover_every_tile_config() -> None:
         if "PAGE_SIZE" in s["constexprs"]
     }
     assert decode == {(p, n) for p in PAGE_SIZES for n in BLOCK_N}
+    geometries = {(s["signature"]["q_ptr"], s["constexprs"]["GROUP"], s["constexprs"]["DK"], s["constexprs"]["DV"])
+                  for s in _SPECS if "PAGE_SIZE" in s["constexprs"]}  # fmt: skip
+    assert len(geometries) == 1 + len(AOT_GEOMETRIES)
+    assert len({_spec_id(s) for s in _SPECS}) == len(_SPECS)
     assert any("BLOCK_S" in s["constexprs"] for s in _SPECS)
 
 
