@@ -331,3 +331,27 @@ def test_cli_errors_are_one_clear_line(capsys: pytest.CaptureFixture[str]) -> No
             ]
         )
     assert "--achievable '2' must be a fraction in (0, 1]" in capsys.readouterr().err
+
+
+# -- the docs ---------------------------------------------------------------------------------------------
+
+
+def test_latency_model_docs_show_current_cli_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``<!-- example: … -->`` block in docs/latency-model.md is what the CLI prints today."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "latency_model_docs", root / "scripts" / "latency_model_docs.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("COLUMNS", "118")
+    page = (root / "docs" / "latency-model.md").read_text()
+    assert page.count("<!-- example:") >= 7
+    assert module.render(page) == page, (
+        "docs/latency-model.md is stale: run python scripts/latency_model_docs.py"
+    )
