@@ -310,6 +310,7 @@ def attention_only_step(
     batch: int,
     context: int,
     dtype: str = "bf16",
+    kv_dtype: str | None = None,
     form: str = "auto",
     num_layers: int | None = None,
 ) -> PhaseCost:
@@ -318,12 +319,13 @@ def attention_only_step(
 
     ``kv_bytes = layers · batch · (context + 1) · kv values per token-layer · bytes``;
     ``time = max(kv_bytes / bandwidth, attention FLOPs / peak[dtype])`` (both times ``achievable``).
-    ``form`` is the cache layout the backend keeps (``expanded`` or ``latent``).
+    ``form`` is the cache layout the backend keeps (``expanded`` or ``latent``); ``kv_dtype`` the
+    cache's dtype when it differs from the compute ``dtype`` (an fp8 cache: scales not counted).
     """
     shape = load_shape(model)
     spec = load_gpu(gpu)
     layers = num_layers or shape.num_layers
-    per_token = shape.kv_values_per_token_layer(form) * dtype_bytes(dtype)  # type: ignore[arg-type]
+    per_token = shape.kv_values_per_token_layer(form) * dtype_bytes(kv_dtype or dtype)  # type: ignore[arg-type]
     kv = float(layers * batch * (context + 1) * per_token)
     flops = attention_decode_flops(shape, batch=batch, context=context, form=form, num_layers=layers)
     peak = spec.flops.get(dtype, spec.flops[_HIGH]) * spec.achievable

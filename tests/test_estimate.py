@@ -188,6 +188,11 @@ def test_attention_only_step_is_kv_bytes_over_bandwidth() -> None:
     assert cost.kv_bytes == 67_108_864
     assert cost.time_s == pytest.approx(67_108_864 / 10e9)
     assert cost.weight_bytes == 0
+    fp8 = attention_only_step(
+        "llama-3.1-8b", gpu=gpu, batch=2, context=1023, dtype="bf16", kv_dtype="fp8", num_layers=8
+    )
+    assert fp8.kv_bytes == 67_108_864 // 2  # one byte per cached value; arithmetic still bf16
+    assert fp8.flops == cost.flops
     mla = attention_only_step("tiny-mla", gpu=gpu, batch=1, context=9, dtype="fp32", form="latent")
     assert mla.kv_bytes == 2 * 10 * (32 + 8) * 4  # one latent row per token per layer
 
