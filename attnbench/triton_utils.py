@@ -458,9 +458,9 @@ def _read_cubin(cubin: bytes) -> dict[str, Any]:
 def aot_markdown(rows: Sequence[tuple[Mapping[str, Any], AotResult | Exception]]) -> str:
     """A Markdown table of compile results: registers, local memory (spills), shared memory, loads."""
     lines = [
-        "| kernel | arch | specialisation | warps | registers | local (spill) bytes | shared bytes "
+        "| kernel | arch | first pointer | specialisation | warps | registers | local (spill) bytes | shared bytes "
         "| 16-byte global loads | other global loads |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for request, r in rows:
         spec = ", ".join(
@@ -470,14 +470,17 @@ def aot_markdown(rows: Sequence[tuple[Mapping[str, Any], AotResult | Exception]]
         )
         name = getattr(_python_fn(request["kernel"]), "__name__", "?")
         arch = f"sm_{request.get('arch', _DEFAULTS['arch'])}"
+        ptr = next((t.lstrip("*") for t in request["signature"].values() if t.startswith("*")), "")
         if isinstance(r, Exception):
-            lines.append(f"| {name} | {arch} | {spec} | | FAILED: {str(r).splitlines()[0][:80]} | | | | |")
+            lines.append(
+                f"| {name} | {arch} | {ptr} | {spec} | | FAILED: {str(r).splitlines()[0][:80]} | | | | |"
+            )
             continue
         loads = r.global_loads()
         wide = ", ".join(f"{op} ×{n}" for op, n in loads.items() if op.endswith(".128")) or "none"
         other = ", ".join(f"{op} ×{n}" for op, n in loads.items() if not op.endswith(".128")) or "none"
         lines.append(
-            f"| {name} | {arch} | {spec} | {r.num_warps} | {r.registers} | {r.local_bytes} | {r.shared_bytes} "
+            f"| {name} | {arch} | {ptr} | {spec} | {r.num_warps} | {r.registers} | {r.local_bytes} | {r.shared_bytes} "
             f"| {wide} | {other} |"
         )
     return "\n".join(lines)
