@@ -370,6 +370,8 @@ def test_decoders_are_decode_models() -> None:
     mla = load_model(reference("deepseek-v3-dense").hf, backend="naive", dtype=torch.float32)
     assert isinstance(mla, DeepseekDecoder)
     assert mla.shape.is_mla and mla.shape.kv_lora_rank == 32
+    qwen = reference("qwen2-bias").hf  # tied embeddings: counted once
+    assert load_model(qwen, backend="naive").shape.num_params == sum(p.numel() for p in qwen.parameters())
 
 
 # ---------------------------------------------------------------------------------------------------

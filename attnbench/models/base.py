@@ -194,6 +194,13 @@ class Weights:
         """Mark names matching ``predicate(name)`` as deliberately unused (e.g. multi-token-prediction heads)."""
         self._used.update(n for n in self._tensors if predicate(n))
 
+    def num_params(self) -> int:
+        """Parameters in the checkpoint, each shared tensor (tied embeddings) counted once."""
+        seen: dict[tuple[int, tuple[int, ...]], int] = {}
+        for t in self._tensors.values():
+            seen[(t.data_ptr(), tuple(t.shape))] = t.numel()
+        return sum(seen.values())
+
     def check_all_used(self) -> None:
         left = sorted(set(self._tensors) - self._used)
         if left:

@@ -134,7 +134,7 @@ class DeepseekDecoder(Decoder):
             hidden_size=hidden,
             intermediate_size=inter,
             vocab_size=vocab,
-            num_params=sum(t.numel() for t in weights.values()),
+            num_params=w.num_params(),
             kv_lora_rank=rank,
             q_lora_rank=int(q_rank) if q_rank else None,
             qk_rope_head_dim=rope_dim,

@@ -107,7 +107,7 @@ class LlamaDecoder(Decoder):
             hidden_size=hidden,
             intermediate_size=inter,
             vocab_size=vocab,
-            num_params=sum(t.numel() for t in weights.values()),
+            num_params=w.num_params(),
             source=f"weights ({model_type})",
         )
 
