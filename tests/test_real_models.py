@@ -531,7 +531,10 @@ def test_incomplete_llama3_rope_scaling_is_refused() -> None:
 def test_unknown_architecture_is_refused() -> None:
     config, weights = _config_and_weights("llama-gqa-rope3")
     config["model_type"] = "gpt2"
-    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2'.*not a Llama-family"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"model_type 'gpt2' is not supported by this decoder; supported: llama, mistral, qwen2",
+    ):
         LlamaDecoder.from_weights(config, weights, backend=NaiveBackend())
 
 

@@ -27,7 +27,15 @@ from attnbench.backend import Backend, KVCache, StepPlan
 from attnbench.shapes import ModelShape
 from attnbench.workload import Workload
 
-__all__ = ["Decoder", "RopeSpec", "UnsupportedModelError", "Weights", "rms_norm"]
+__all__ = [
+    "Decoder",
+    "RopeSpec",
+    "UnsupportedModelError",
+    "Weights",
+    "config_field",
+    "open_weights",
+    "rms_norm",
+]
 
 
 class UnsupportedModelError(ValueError):
@@ -52,6 +60,39 @@ def activation(name: str, *, model: str) -> Any:
             f"{model}: hidden_act {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}"
         )
     return _ACTIVATIONS[name]
+
+
+def config_field(config: Mapping[str, Any], key: str, *, model: str) -> Any:
+    """``config[key]``, or an error naming the missing field."""
+    if config.get(key) is None:
+        raise UnsupportedModelError(f"{model}: config field {key!r} is missing (required)")
+    return config[key]
+
+
+def open_weights(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    *,
+    family: tuple[str, ...],
+    model: str,
+    dtype: torch.dtype | None,
+    device: torch.device | str,
+) -> Weights:
+    """Check the config's ``model_type`` against ``family`` and refuse quantised checkpoints; wrap the
+    weights in ``dtype`` (default: the embedding's) on ``device``."""
+    model_type = config.get("model_type", "")
+    if model_type not in family:
+        raise UnsupportedModelError(
+            f"{model}: model_type {model_type!r} is not supported by this decoder; supported: {', '.join(family)}"
+        )
+    if config.get("quantization_config"):
+        raise UnsupportedModelError(f"{model}: quantized checkpoints (quantization_config) are not supported")
+    emb = weights.get("model.embed_tokens.weight")
+    if emb is None:
+        raise UnsupportedModelError(
+            f"{model}: weight 'model.embed_tokens.weight' is missing from the checkpoint"
+        )
+    return Weights(weights, model=model, dtype=dtype or emb.dtype, device=torch.device(device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -257,6 +298,20 @@ class Decoder:
     @property
     def vocab_size(self) -> int:
         return self.shape.vocab_size
+
+    def _load_embeddings(self, w: Weights, config: Mapping[str, Any]) -> None:
+        """Token embeddings, final norm and LM head (tied to the embeddings when the config says so)."""
+        vocab, hidden = self.shape.vocab_size, self.shape.hidden_size
+        self.embed = w.get("model.embed_tokens.weight", shape=(vocab, hidden))
+        self.final_norm = w.get("model.norm.weight", shape=(hidden,))
+        if "lm_head.weight" in w:
+            self.lm_head = w.get("lm_head.weight", shape=(vocab, hidden))
+        elif config.get("tie_word_embeddings", False):
+            self.lm_head = self.embed
+        else:
+            raise UnsupportedModelError(
+                f"{w.model}: weight 'lm_head.weight' is missing and tie_word_embeddings is false"
+            )
 
     # -- the backend and its cache ----------------------------------------------------------------
     def workload(self, *, batch: int | None = None, max_seq_len: int) -> Workload:

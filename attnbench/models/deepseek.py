@@ -30,9 +30,10 @@ from attnbench.models.base import (
     Decoder,
     RopeSpec,
     UnsupportedModelError,
-    Weights,
     activation,
     apply_rope,
+    config_field,
+    open_weights,
     rms_norm,
 )
 from attnbench.shapes import ModelShape
@@ -41,12 +42,6 @@ __all__ = ["DEEPSEEK_FAMILY", "DeepseekDecoder"]
 
 #: ``model_type`` values this decoder implements.
 DEEPSEEK_FAMILY = ("deepseek_v3",)
-
-
-def _need(config: Mapping[str, Any], key: str, model: str) -> Any:
-    if config.get(key) is None:
-        raise UnsupportedModelError(f"{model}: config field {key!r} is missing (required)")
-    return config[key]
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
@@ -74,16 +69,8 @@ class DeepseekDecoder(Decoder):
         """Build from a Hugging Face config dict and a transformers-named state dict."""
         model_type = config.get("model_type", "")
         model = name or f"{model_type or 'model'} checkpoint"
-        if model_type not in DEEPSEEK_FAMILY:
-            raise UnsupportedModelError(
-                f"{model}: model_type {model_type!r} is not supported by the MLA decoder; "
-                f"supported: {', '.join(DEEPSEEK_FAMILY)}"
-            )
-        if config.get("quantization_config"):
-            raise UnsupportedModelError(
-                f"{model}: quantized checkpoints (quantization_config) are not supported"
-            )
-        layers = int(_need(config, "num_hidden_layers", model))
+        w = open_weights(config, weights, family=DEEPSEEK_FAMILY, model=model, dtype=dtype, device=device)
+        layers = int(config_field(config, "num_hidden_layers", model=model))
         dense = int(config.get("first_k_dense_replace", 3) or 0)  # 3: transformers' default
         if dense < layers:  # as transformers builds it: layer i >= first_k_dense_replace is MoE
             raise UnsupportedModelError(
@@ -92,8 +79,8 @@ class DeepseekDecoder(Decoder):
                 "(first_k_dense_replace = num_hidden_layers) run"
             )
         rope = RopeSpec.from_config(config, model=model)
-        nope = int(_need(config, "qk_nope_head_dim", model))
-        rope_dim = int(_need(config, "qk_rope_head_dim", model))
+        nope = int(config_field(config, "qk_nope_head_dim", model=model))
+        rope_dim = int(config_field(config, "qk_rope_head_dim", model=model))
         qk_dim = nope + rope_dim
         model_scale = qk_dim**-0.5
         if rope.kind != "default" and rope.mscale_all_dim:
@@ -104,26 +91,18 @@ class DeepseekDecoder(Decoder):
                 f"makes the softmax scale {model_scale:.6g}; attnbench's geometry uses 1/sqrt({qk_dim}) = "
                 f"{qk_dim**-0.5:.6g}"
             )
-        heads = int(_need(config, "num_attention_heads", model))
+        heads = int(config_field(config, "num_attention_heads", model=model))
         kv_heads = int(config.get("num_key_value_heads") or heads)
         if kv_heads != heads:
             raise UnsupportedModelError(
                 f"{model}: num_key_value_heads = {kv_heads} != num_attention_heads = {heads}; MLA expands the "
                 "latent to one K/V per query head"
             )
-        emb = weights.get("model.embed_tokens.weight")
-        if emb is None:
-            raise UnsupportedModelError(
-                f"{model}: weight 'model.embed_tokens.weight' is missing from the checkpoint"
-            )
-        dtype = dtype or emb.dtype
-        w = Weights(weights, model=model, dtype=dtype, device=torch.device(device))
-
-        hidden = int(_need(config, "hidden_size", model))
-        inter = int(_need(config, "intermediate_size", model))
-        vocab = int(_need(config, "vocab_size", model))
-        rank = int(_need(config, "kv_lora_rank", model))
-        v_dim = int(_need(config, "v_head_dim", model))
+        hidden = int(config_field(config, "hidden_size", model=model))
+        inter = int(config_field(config, "intermediate_size", model=model))
+        vocab = int(config_field(config, "vocab_size", model=model))
+        rank = int(config_field(config, "kv_lora_rank", model=model))
+        v_dim = int(config_field(config, "v_head_dim", model=model))
         q_rank = config.get("q_lora_rank")
         shape = ModelShape(
             name=model,
@@ -144,11 +123,7 @@ class DeepseekDecoder(Decoder):
         )
 
         self = cls(
-            backend=backend,
-            backend_config=backend_config,
-            dtype=dtype,
-            device=torch.device(device),
-            batch=batch,
+            backend=backend, backend_config=backend_config, dtype=w.dtype, device=w.device, batch=batch
         )
         self.shape = shape
         self.eps = float(config.get("rms_norm_eps", 1e-6))
@@ -157,16 +132,7 @@ class DeepseekDecoder(Decoder):
         self.interleaved = bool(config.get("rope_interleave", True))
         act = activation(config.get("hidden_act", "silu"), model=model)
 
-        self.embed = w.get("model.embed_tokens.weight", shape=(vocab, hidden))
-        self.final_norm = w.get("model.norm.weight", shape=(hidden,))
-        if "lm_head.weight" in w:
-            self.lm_head = w.get("lm_head.weight", shape=(vocab, hidden))
-        elif config.get("tie_word_embeddings", False):
-            self.lm_head = self.embed
-        else:
-            raise UnsupportedModelError(
-                f"{model}: weight 'lm_head.weight' is missing and tie_word_embeddings is false"
-            )
+        self._load_embeddings(w, config)
         for i in range(layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."

@@ -23,19 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from attnbench.backend import Backend, StepPlan
-from attnbench.models.base import Decoder, RopeSpec, UnsupportedModelError, Weights, activation, apply_rope
+from attnbench.models.base import Decoder, RopeSpec, activation, apply_rope, config_field, open_weights
 from attnbench.shapes import ModelShape
 
 __all__ = ["LLAMA_FAMILY", "LlamaDecoder"]
 
 #: ``model_type`` values this decoder implements.
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-
-
-def _need(config: Mapping[str, Any], key: str, model: str) -> Any:
-    if config.get(key) is None:
-        raise UnsupportedModelError(f"{model}: config field {key!r} is missing (required)")
-    return config[key]
 
 
 def _sliding_window(config: Mapping[str, Any], model_type: str) -> int | None:
@@ -75,29 +69,15 @@ class LlamaDecoder(Decoder):
         """
         model_type = config.get("model_type", "")
         model = name or f"{model_type or 'model'} checkpoint"
-        if model_type not in LLAMA_FAMILY:
-            raise UnsupportedModelError(
-                f"{model}: model_type {model_type!r} is not a Llama-family decoder; supported: {', '.join(LLAMA_FAMILY)}"
-            )
-        if config.get("quantization_config"):
-            raise UnsupportedModelError(
-                f"{model}: quantized checkpoints (quantization_config) are not supported"
-            )
-        emb = weights.get("model.embed_tokens.weight")
-        if emb is None:
-            raise UnsupportedModelError(
-                f"{model}: weight 'model.embed_tokens.weight' is missing from the checkpoint"
-            )
-        dtype = dtype or emb.dtype
-        w = Weights(weights, model=model, dtype=dtype, device=torch.device(device))
+        w = open_weights(config, weights, family=LLAMA_FAMILY, model=model, dtype=dtype, device=device)
 
-        hidden = int(_need(config, "hidden_size", model))
-        heads = int(_need(config, "num_attention_heads", model))
+        hidden = int(config_field(config, "hidden_size", model=model))
+        heads = int(config_field(config, "num_attention_heads", model=model))
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or hidden // heads)
-        layers = int(_need(config, "num_hidden_layers", model))
-        inter = int(_need(config, "intermediate_size", model))
-        vocab = int(_need(config, "vocab_size", model))
+        layers = int(config_field(config, "num_hidden_layers", model=model))
+        inter = int(config_field(config, "intermediate_size", model=model))
+        vocab = int(config_field(config, "vocab_size", model=model))
         shape = ModelShape(
             name=model,
             num_layers=layers,
@@ -112,11 +92,7 @@ class LlamaDecoder(Decoder):
         )
 
         self = cls(
-            backend=backend,
-            backend_config=backend_config,
-            dtype=dtype,
-            device=torch.device(device),
-            batch=batch,
+            backend=backend, backend_config=backend_config, dtype=w.dtype, device=w.device, batch=batch
         )
         self.shape = shape
         self.eps = float(config.get("rms_norm_eps", 1e-6))
@@ -125,16 +101,7 @@ class LlamaDecoder(Decoder):
         self.sliding_window = _sliding_window(config, model_type)
         act = activation(config.get("hidden_act", "silu"), model=model)
 
-        self.embed = w.get("model.embed_tokens.weight", shape=(vocab, hidden))
-        self.final_norm = w.get("model.norm.weight", shape=(hidden,))
-        if "lm_head.weight" in w:
-            self.lm_head = w.get("lm_head.weight", shape=(vocab, hidden))
-        elif config.get("tie_word_embeddings", False):
-            self.lm_head = self.embed
-        else:
-            raise UnsupportedModelError(
-                f"{model}: weight 'lm_head.weight' is missing and tie_word_embeddings is false"
-            )
+        self._load_embeddings(w, config)
         q_out, kv_out = heads * head_dim, kv_heads * head_dim
         for i in range(layers):
             p = f"model.layers.{i}."
