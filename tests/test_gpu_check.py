@@ -61,16 +61,23 @@ def test_pipeline_on_tiny_cpu_shapes(tmp_path: Path) -> None:
     assert report["command"].startswith("python scripts/gpu_check.py --device cpu")
     assert report["device"]["fingerprint"]["kind"] == "cpu" and report["device"]["copy_bandwidth"] > 0
     checked = {e["backend"]: e for e in report["correctness"]}
-    assert checked["naive"]["passed"] and checked["triton_paged"]["passed"]
-    assert checked["triton_paged"]["interpreted"] is bool(os.environ.get("TRITON_INTERPRET") == "1")
+    assert checked["naive"]["passed"]
+    triton_on_cpu = checked["triton_paged"].get("runnable", True)  # only in the interpreter (no CUDA here)
+    assert triton_on_cpu == (not torch.cuda.is_available())
+    if triton_on_cpu:
+        assert checked["triton_paged"]["passed"] and checked["triton_paged"]["interpreted"]
+    else:
+        assert "TRITON_INTERPRET" in " ".join(checked["triton_paged"]["reasons"])
     by = {(m["backend"], m["batch"]): m for m in report["measurements"]}
-    assert set(by) == {("naive", 1), ("naive", 2), ("triton_paged", 1), ("triton_paged", 2)}
+    assert set(by) == {("naive", 1), ("naive", 2)} | (
+        {("triton_paged", 1), ("triton_paged", 2)} if triton_on_cpu else set()
+    )
     for b in (1, 2):
         naive = by["naive", b]
         assert naive["timed"] and naive["step"]["median_s"] > 0 and naive["gbps"] > 0
         assert naive["pct_of_bandwidth"] > 0 and len(naive["load_avg"]) == 3
         assert naive["check"]["passed"]
-        if checked["triton_paged"]["interpreted"]:
+        if triton_on_cpu:  # interpreted: checked, never timed
             assert not by["triton_paged", b]["timed"] and "interpreted" in by["triton_paged", b]["note"]
     assert "decode step" in proc.stdout and "correctness" in proc.stdout
 

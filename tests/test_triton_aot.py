@@ -10,10 +10,12 @@ import os
 import subprocess
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():  # as tests/conftest.py: the interpreter, chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 import triton
 import triton.language as tl
 
@@ -44,6 +46,7 @@ def _small_dot_kernel(a_ptr, b_ptr, c_ptr, N: tl.constexpr):
     tl.store(c_ptr + idx[:, None] * N + idx[None, :], tl.dot(a, b))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA only: the interpreted mode")
 def test_triton_mode_here() -> None:
     # this process loaded triton in interpreter mode (conftest / the top of this file)
     assert language_interpreted()
@@ -62,6 +65,7 @@ print(repr(triton_mode("cpu")))
 """
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA only: the CPU refusal")
 def test_triton_mode_reasons_without_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run(

@@ -7,11 +7,14 @@ import subprocess
 import sys
 from typing import Any, ClassVar
 
-# The Triton interpreter must be chosen before any kernel is defined (tests/conftest.py should set it too).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Without CUDA the kernels run in the Triton interpreter, which must be chosen before triton is first
+# imported (tests/conftest.py does the same); with CUDA they run natively on the GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 
 from attnbench.backends.triton_paged import (
     BLOCK_N,
@@ -24,7 +27,11 @@ from attnbench.gate import check
 from attnbench.paged import PagedKVCache, PagedStepPlan
 from attnbench.shapes import ModelShape
 from attnbench.testing import BackendConformance, ConformanceCase
+from attnbench.triton_utils import triton_mode
 from attnbench.workload import Workload
+
+#: where the backend's kernels run in these tests: natively on a GPU, else interpreted on the CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def small_shape(*, heads: int, kv_heads: int, head_dim: int) -> ModelShape:
@@ -200,6 +207,7 @@ class TestTritonPagedFp32(BackendConformance):
     """Every declared page size / split count / tile size, tight fp32 tolerance."""
 
     backend = TritonPagedBackend
+    device = DEVICE
     dtypes = ("fp32",)
     configs: ClassVar[list[dict[str, Any]]] = CONFIGS
     cases = SMALL_CASES
@@ -209,11 +217,13 @@ class TestTritonPagedBf16(BackendConformance):
     """bf16 (the dtype served in practice) at the default config."""
 
     backend = TritonPagedBackend
+    device = DEVICE
     dtypes = ("bf16",)
     configs: ClassVar[list[dict[str, Any]]] = [TritonPagedBackend.default_config()]
     cases = SMALL_CASES
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA only: the interpreted mode")
 def test_availability_interpreted() -> None:
     backend = TritonPagedBackend()
     w = Workload(small_shape(heads=4, kv_heads=2, head_dim=16), (8,), torch.float32, "cpu")
@@ -263,7 +273,7 @@ def test_auto_splits() -> None:
 
 def test_plan_is_per_step_and_pages_are_permuted() -> None:
     backend = TritonPagedBackend()
-    w = Workload(small_shape(heads=4, kv_heads=2, head_dim=16), (40, 3), torch.float32, "cpu")
+    w = Workload(small_shape(heads=4, kv_heads=2, head_dim=16), (40, 3), torch.float32, DEVICE)
     cfg = backend.resolve_config({"page_size": 16, "num_splits": 4})
     cache = backend.create_cache(w, config=cfg, num_layers=2, max_seq_len=64)
     plan = backend.plan(cache, num_new=[40, 3])
@@ -271,13 +281,52 @@ def test_plan_is_per_step_and_pages_are_permuted() -> None:
     assert pages != sorted(pages) or len(pages) < 3
     assert plan.extra["num_splits"] == 4 and plan.extra["part_o"].shape == (2, 4, 4, 16)
     one = backend.plan(cache, num_new=[1, 1])
-    assert one.extra["num_splits"] == 4 and one.extra["mode"] == "interpreted"
+    assert one.extra["num_splits"] == 4 and one.extra["mode"] == triton_mode(DEVICE)[0]
 
 
 def test_gate_single_token_and_empty_splits() -> None:
     """Sequences of 1 token (after the new one), and 16 splits over a few tokens (most splits empty)."""
     backend = TritonPagedBackend()
-    w = Workload(small_shape(heads=4, kv_heads=2, head_dim=16), (0, 1, 17), torch.float32, "cpu")
+    w = Workload(small_shape(heads=4, kv_heads=2, head_dim=16), (0, 1, 17), torch.float32, DEVICE)
     for cfg in ({"num_splits": 16, "block_n": 16}, {"num_splits": 1, "page_size": 256, "block_n": 64}):
         result = check(backend, w, config=cfg)
         assert result.passed, result.summary()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: host-sync detection and graph capture")
+def test_decode_has_no_host_sync_and_captures_in_a_cuda_graph() -> None:
+    backend = TritonPagedBackend()
+    w = Workload(small_shape(heads=8, kv_heads=2, head_dim=64), (100, 7, 300), torch.bfloat16, "cuda")
+    cache = backend.create_cache(
+        w, config=backend.resolve_config({"num_splits": 4}), num_layers=2, max_seq_len=512
+    )
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+
+    plan = backend.plan(cache, num_new=list(w.context_lens))
+    for layer in range(2):
+        backend.append(cache, plan, layer=layer, k=randn(3, 300, 2, 64), v=randn(3, 300, 2, 64))
+    cache.commit(plan)
+    plan = backend.plan(cache, num_new=[1, 1, 1])
+    q, k, v = randn(3, 8, 64), randn(3, 2, 64), randn(3, 2, 64)
+    eager = backend.decode(cache, plan, layer=0, q=q, k=k, v=v)  # also compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host-device sync inside decode() raises
+    try:
+        backend.decode(cache, plan, layer=1, q=q, k=k, v=v)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.decode(cache, plan, layer=0, q=q, k=k, v=v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backend.decode(cache, plan, layer=0, q=q, k=k, v=v)  # rewrites the same slot: idempotent
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)
