@@ -13,7 +13,8 @@ Per token-head scales need no calibration and cost 8 bytes per token, head and l
 Two attention paths, and ``implementation()`` says which one runs:
 
 - ``triton`` (CUDA; on the CPU only under ``TRITON_INTERPRET=1``, where it is checked, never timed):
-  the split-KV paged decode of ``triton_paged`` reading the fp8 *bytes* (half of bf16's traffic).
+  a split-KV paged decode kernel (``triton_paged``'s structure: grid ``(B, Hkv, splits)``, one
+  K/V tile load per GQA group, online softmax) that reads the fp8 *bytes* (half of bf16's traffic).
   Bytes are turned into fp16 by integer ops (``s eeee mmm`` → ``s 0eeee mmm0000000`` is the value
   / 256, exactly), because sm_80 has no fp8 type; scales (× 256) multiply the scores and the
   probabilities, so a K/V tile is never rescaled element by element. The split reduction
@@ -126,7 +127,7 @@ class FP8KVCache(PagedKVCache):
             self.k_scales = torch.full((num_layers,), self.static_scale, **f32)
             self.v_scales = torch.full((num_layers,), self.static_scale, **f32)
         self.nonfinite = torch.zeros(num_layers, dtype=torch.bool, device=self.device)  # deferred check
-        self._unchecked = False
+        self.check_on_commit = False  # set by plan() for decode steps
         self.path = "torch"  # which attention path reads this cache (set by the backend)
         self.workspace: dict[str, torch.Tensor] = {}  # torch path: reusable gather buffers
 
@@ -143,19 +144,18 @@ class FP8KVCache(PagedKVCache):
         kq, ks, kmax = quantize(k, **kw)
         vq, vs, vmax = quantize(v, **kw)
         amax = torch.stack([kmax, vmax], -1)  # [B, T, Hkv, 2]
-        if defer_check:
+        if defer_check:  # device-side only (capturable); plan() armed the check in commit()
             self.nonfinite[layer].logical_or_(~torch.isfinite(amax).all())
-            self._unchecked = True
         else:
             rows = (
                 torch.arange(amax.shape[1], device=amax.device)[None, :] < torch.tensor(plan.num_new)[:, None]
             )
             check_finite(amax[rows.to(amax.device)], what=f"fp8 cache layer {layer} (K/V rows)")
-        rows = [(self.k_pages, kq), (self.v_pages, vq)]  # fp8 has no index_copy_ on CPU: copy the bytes
+        writes = [(self.k_pages, kq), (self.v_pages, vq)]  # fp8 has no index_copy_ on CPU: copy bytes
         if self.granularity == "token_head":
-            rows += [(self.k_scales, ks[..., None]), (self.v_scales, vs[..., None])]
+            writes += [(self.k_scales, ks[..., None]), (self.v_scales, vs[..., None])]
         hkv = self.geometry.num_kv_heads
-        for pages, new in rows:
+        for pages, new in writes:
             dst = pages[layer]
             if dst.dtype == FP8_DTYPE:
                 dst, new = dst.view(torch.uint8), new.view(torch.uint8)
@@ -165,8 +165,8 @@ class FP8KVCache(PagedKVCache):
             dst.view(-1, hkv, new.shape[-1]).index_copy_(0, plan.slots, flat)
 
     def commit(self, plan: StepPlan) -> None:
-        if self._unchecked:  # one host sync per step, not per layer
-            self._unchecked = False
+        if self.check_on_commit:  # one host sync per step, not per layer
+            self.check_on_commit = False
             if bool(self.nonfinite.any()):
                 layers = self.nonfinite.nonzero().flatten().tolist()
                 self.nonfinite.zero_()
@@ -485,6 +485,7 @@ class FP8Backend(Backend):
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:
         assert isinstance(cache, FP8KVCache)
         plan = cache.plan_step(num_new)
+        cache.check_on_commit = plan.max_new == 1  # decode writes are checked once per step, in commit()
         if cache.path == "triton":
             _plan_triton(cache, plan)
         else:
