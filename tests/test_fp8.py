@@ -43,8 +43,13 @@ class TestFP8(BackendConformance):
     configs: ClassVar[list[dict]] = [{}, {"page_size": 16, "scale": "tensor"}, {"page_size": 256}]
 
 
+#: where the Triton kernel runs in these tests: natively on CUDA, else interpreted on the CPU
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class TestFP8Triton(BackendConformance):
     backend = FP8TritonBackend
+    device = TRITON_DEVICE
     dtypes = ("bf16",)  # fp32 (IEEE dots): test_torch_and_triton_paths_agree; the interpreter is slow
     configs: ClassVar[list[dict]] = [
         {},  # page 64, auto splits, block 32
@@ -169,7 +174,8 @@ def test_decode_flags_nan_without_a_sync_and_commit_raises() -> None:
 def test_paths_and_reasons() -> None:
     w = Workload(load_shape("tiny-gqa"), (8,), torch.bfloat16, "cpu")
     assert FP8Backend().implementation(w).startswith("torch") and not FP8Backend().interpreted(w)
-    assert FP8TritonBackend().interpreted(w)  # conftest sets TRITON_INTERPRET=1 before triton loads
+    if not torch.cuda.is_available():
+        assert FP8TritonBackend().interpreted(w)  # conftest sets TRITON_INTERPRET=1 before triton loads
     meta = Workload(load_shape("tiny-gqa"), (8,), torch.bfloat16, "meta")
     assert "'meta'" in FP8TritonBackend().supports(meta)[0]
     assert "'meta'" in FP8Backend().supports(meta)[0]
@@ -195,29 +201,23 @@ def test_every_page_size_passes_the_gate(page_size: int) -> None:
 
 
 def test_torch_and_triton_paths_agree() -> None:
-    """The interpreted kernel and the torch path read the same bytes: they differ by rounding only."""
-    w = Workload(CASES[1].shape, (45, 130), torch.float32, "cpu")
+    """Both paths read the same bytes (fp32 workload): they differ by float32 rounding only."""
+    w = Workload(CASES[1].shape, (45, 130), torch.float32, TRITON_DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 130, 2, 64, generator=gen), torch.randn(2, 130, 2, 64, generator=gen)
+    q, k1, v1 = (torch.randn(*s, generator=gen) for s in ((2, 8, 64), (2, 2, 64), (2, 2, 64)))
     outs = []
     for cls in (FP8Backend, FP8TritonBackend):
-        torch.manual_seed(0)
         backend = cls()
         cache = backend.create_cache(
             w, config={"page_size": 16, "num_splits": 2}, num_layers=1, max_seq_len=140
         )
         plan = backend.plan(cache, num_new=[45, 130])
-        backend.append(cache, plan, layer=0, k=torch.randn(2, 130, 2, 64), v=torch.randn(2, 130, 2, 64))
+        backend.append(cache, plan, layer=0, k=k.to(w.device), v=v.to(w.device))
         cache.commit(plan)
         plan = backend.plan(cache, num_new=[1, 1])
-        outs.append(
-            backend.decode(
-                cache,
-                plan,
-                layer=0,
-                q=torch.randn(2, 8, 64),
-                k=torch.randn(2, 2, 64),
-                v=torch.randn(2, 2, 64),
-            )
-        )
+        args = {"q": q.to(w.device), "k": k1.to(w.device), "v": v1.to(w.device)}
+        outs.append(backend.decode(cache, plan, layer=0, **args).cpu())
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
