@@ -226,3 +226,32 @@ def test_failed_trials_are_final_unless_retried(tmp_path):
         plan, storage=storage, worker=_FlakyWorker(flaky=True), profile=_profile(), options=TuneOptions()
     )
     assert plain.ran == 0 and all(r.ok for r in plain.records)  # the retry's verdicts supersede the failures
+
+
+class _SlowFakeWorker(_FakeWorker):
+    def run(self, task: WorkerTask, *, timeout: float) -> Outcome:
+        import time
+
+        time.sleep(0.2)
+        return super().run(task, timeout=timeout)
+
+
+def _tune_in_another_process(results_dir: str) -> int:
+    (plan,) = plan_studies([W], _refs(KnobBackend), profile=_profile(), options=TuneOptions(trials=125))
+    storage = open_storage(None, results_dir=__import__("pathlib").Path(results_dir))
+    return run_study(
+        plan, storage=storage, worker=_SlowFakeWorker(), profile=_profile(), options=TuneOptions(trials=125)
+    ).ran
+
+
+def test_two_processes_share_one_study_without_measuring_a_candidate_twice(tmp_path):
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        ran = pool.map(_tune_in_another_process, [str(tmp_path)] * 2)
+    assert sum(ran) == 125 and min(ran) > 10  # both worked, and together measured each candidate once
+    (plan,) = plan_studies([W], _refs(KnobBackend), profile=_profile(), options=TuneOptions(trials=125))
+    study = optuna.load_study(study_name=plan.study_name, storage=open_storage(None, results_dir=tmp_path))
+    measured = [t for t in study.trials if t.state.name == "COMPLETE" and "duplicate_of" not in t.user_attrs]
+    assert len(measured) == 125
+    assert len({tuple(sorted(t.user_attrs["config"].items())) for t in measured}) == 125

@@ -199,6 +199,21 @@ class SearchSpace:
             params[f"{candidate.backend}.{t.name}"] = value if _primitive(t.choices) else repr(value)
         return params
 
+    def candidate_from_params(self, params: Mapping[str, Any]) -> Candidate | None:
+        """The candidate a trial's params (or an enqueued trial's fixed params) stand for."""
+        name = params.get("backend")
+        if name not in self.backends:
+            return None
+        config = self.backends[name].cls.default_config()
+        for t in self.tunables[name]:
+            key = f"{name}.{t.name}"
+            if key in params:
+                value = params[key]
+                config[t.name] = (
+                    value if _primitive(t.choices) else {repr(c): c for c in t.choices}.get(value, value)
+                )
+        return Candidate(name, config)
+
     def describe(self) -> dict[str, Any]:
         return {
             "backends": {n: {t.name: list(t.choices) for t in self.tunables[n]} for n in self.backends},

@@ -256,7 +256,7 @@ def run_study(
         return _finished(t, retry_failed=options.retry_failed, since=since)
 
     enqueued_defaults = False
-    duplicates = 0
+    duplicates = stalls = 0
     while True:
         trials = study.get_trials(deepcopy=False)
         done = {TrialRecord.from_trial(t).candidate.ident(): t for t in trials if finished(t)}
@@ -283,10 +283,15 @@ def run_study(
         trial.set_user_attr("config", dict(cand.config))
         trial.set_user_attr("host", socket.gethostname())
         trial.set_user_attr("pid", os.getpid())
-        if cand.ident() in done or cand.ident() in busy:
+        taken = _taken_by_earlier(study, plan.space, trial.number, cand, finished=finished)
+        if cand.ident() in done or cand.ident() in busy or taken:
             _tell_duplicate(study, trial, done.get(cand.ident()))
             duplicates += 1
+            stalls += 1
+            if stalls > len(candidates) + _MAX_DUPLICATES:  # nothing left that this process may run
+                break
             continue
+        stalls = 0
         task = WorkerTask(
             backend_ref=plan.space.backends[cand.backend].ref,
             config=dict(cand.config),
@@ -327,6 +332,35 @@ def _unique(records: list[TrialRecord]) -> list[TrialRecord]:
     for r in sorted(records, key=lambda r: r.number, reverse=True):
         seen.setdefault(r.candidate.ident(), r)
     return sorted(seen.values(), key=lambda r: r.number)
+
+
+def _taken_by_earlier(
+    study: optuna.Study,
+    space: SearchSpace,
+    number: int,
+    cand: Candidate,
+    *,
+    finished: Callable[[FrozenTrial], bool],
+) -> bool:
+    """Another process has measured this candidate, or asked for it at the same moment: then the lower
+    trial number runs it (a waiting one too: whoever pops it will).
+
+    An enqueued trial carries its params from the moment it exists (``fixed_params``), a sampled one
+    from its ``suggest`` calls, so the check sees the other trial even before its user attributes.
+    """
+    states = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)
+    for t in study.get_trials(deepcopy=False, states=states):
+        if t.number == number or "duplicate_of" in t.user_attrs or t.user_attrs.get("interrupted"):
+            continue
+        if t.state in (TrialState.WAITING, TrialState.RUNNING) and t.number > number:
+            continue  # a later trial for the same candidate defers to this one
+        if t.state in (TrialState.COMPLETE, TrialState.FAIL) and not finished(t):
+            continue  # e.g. a failure being retried
+        params = t.params or t.system_attrs.get("fixed_params") or {}
+        other = space.candidate_from_params(params)
+        if other is not None and other.ident() == cand.ident():
+            return True
+    return False
 
 
 def _record(trial: optuna.Trial, outcome: Outcome) -> None:
