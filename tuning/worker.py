@@ -271,8 +271,10 @@ class Worker:
             sel.register(fd, selectors.EVENT_READ)
             while b"\n" not in self._buffer:
                 left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
+                if left <= 0:
                     return None
+                if not sel.select(min(left, 1.0)):  # nothing yet (or an interrupted wait): look again
+                    continue
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     self.eof = True
@@ -305,16 +307,16 @@ class Worker:
                 wall_s=wall,
             )
         assert self.proc is not None
-        code = self.proc.poll()
-        if code is None:  # still running past the deadline: a hang
-            self.close()
+        if not self.eof:  # no answer by the deadline and the pipe still open: a hang
             kind, reason = (
                 "timeout",
                 f"no result after {timeout:.3g} s (hang or too slow); worker killed and replaced",
             )
-        else:
-            time.sleep(0.05)  # let faulthandler finish writing
-            kind, reason = "crash", _death_reason(code)
+        else:  # the pipe closed: the process is dying or dead (EOF can come before it is reaped)
+            try:
+                kind, reason = "crash", _death_reason(self.proc.wait(timeout=10))
+            except subprocess.TimeoutExpired:
+                kind, reason = "crash", "worker closed its pipe but did not exit; killed and replaced"
         tail = self.stderr_tail()
         self.close()
         return Outcome(
