@@ -375,6 +375,16 @@ def test_refusals_and_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert check(backend, mla).passed  # the torch path still runs
 
 
+def test_declared_tolerance() -> None:
+    from attnbench.backend import DEFAULT_TOLERANCES
+
+    backend = MLABackend()
+    assert backend.tolerance(torch.float32) == DEFAULT_TOLERANCES[torch.float32]
+    bf16, default = backend.tolerance(torch.bfloat16), DEFAULT_TOLERANCES[torch.bfloat16]
+    assert bf16.max_abs == 2 * default.max_abs and bf16.rel_l2 == default.rel_l2
+    assert bf16.min_cosine == default.min_cosine
+
+
 def test_interpreted_is_reported_and_splits_are_powers_of_two() -> None:
     w = Workload.uniform("tiny-mla", batch=2, context=8)
     backend = MLABackend()
