@@ -258,9 +258,11 @@ import torch
 from attnbench.backends.mla import kernel_specs
 from attnbench.triton_utils import aot_compile
 results = []
-for tile, dtype, arch, read_sass in json.loads(sys.argv[1]):
-    for spec in kernel_specs(tile=tile, dtype=getattr(torch, dtype)):
-        row = {"tile": tile, "dtype": dtype, "arch": arch, "kernel": spec["kernel"].__name__}
+for tile, dtype, arch, read_sass, splits, page in json.loads(sys.argv[1]):
+    specs = kernel_specs(tile=tile, dtype=getattr(torch, dtype), num_splits=splits, page_size=page)
+    for spec in specs:
+        row = {"tile": tile, "dtype": dtype, "arch": arch, "kernel": spec["kernel"].__name__,
+               "splits": splits, "page": page}
         try:
             r = aot_compile(**spec, arch=arch, read_sass=read_sass)
         except Exception as err:
@@ -274,12 +276,15 @@ print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def aot_results() -> dict[tuple[str, str, int], list[dict]]:
+def aot_results() -> dict[tuple, list[dict]]:
     import json
     import subprocess
     import sys
 
-    jobs = [(t, "bfloat16", a, True) for t in TILES for a in ARCHS] + [(FP32_TILE, "float32", 80, False)]
+    jobs = [(t, "bfloat16", a, True, 8, 64) for t in TILES for a in ARCHS]
+    jobs += [(FP32_TILE, "float32", 80, False, 8, 64)]
+    # the extremes of the other constexprs, in fp16: one split / 32 splits, pages of 16 / 128
+    jobs += [("h16_n32_w4", "float16", 90, False, 1, 16), ("h16_n32_w4", "float16", 90, False, 32, 128)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-c", _AOT_SCRIPT, json.dumps(jobs)],
@@ -289,9 +294,12 @@ def aot_results() -> dict[tuple[str, str, int], list[dict]]:
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results: dict[tuple[str, str, int], list[dict]] = {}
+    results: dict[tuple, list[dict]] = {}
     for row in json.loads(proc.stdout.strip().splitlines()[-1]):
-        results.setdefault((row["tile"], row["dtype"], row["arch"]), []).append(row)
+        key = (row["tile"], row["dtype"], row["arch"])
+        if (row["splits"], row["page"]) != (8, 64):
+            key = (*key, row["splits"], row["page"])
+        results.setdefault(key, []).append(row)
     return results
 
 
@@ -309,6 +317,12 @@ def test_kernels_compile_ahead_of_time(aot_results: dict, tile: str, arch: int) 
             assert r["local_bytes"] == 0 and not r["stl"], f"register spills: {r}"
             if r["kernel"] == "_mla_decode_partial":
                 assert r["global_loads"].get("LDG.E.128", 0) > 0, f"no 16-byte loads: {r['global_loads']}"
+
+
+@pytest.mark.parametrize(("splits", "page"), [(1, 16), (32, 128)])
+def test_split_and_page_extremes_compile(aot_results: dict, splits: int, page: int) -> None:
+    rows = aot_results[("h16_n32_w4", "float16", 90, splits, page)]
+    assert len(rows) == 2 and all("error" not in r for r in rows), rows
 
 
 def test_fp32_kernel_fits_shared_memory(aot_results: dict) -> None:
