@@ -1,4 +1,4 @@
-"""fp8 (``float8_e4m3fn``) quantisation of K/V rows: scales, quantise, dequantise.
+"""fp8 (``float8_e4m3fn``) K/V storage: scales, quantise, dequantise, and the paged fp8 cache.
 
 Two scale granularities:
 
@@ -8,6 +8,8 @@ Two scale granularities:
   zeros (never ``0 / 0``).
 - ``"tensor"``: one static scale per cache tensor (vLLM's ``k_scale``/``v_scale``; 1.0 when a
   checkpoint carries none). Values beyond ``±448 · scale`` saturate to ``±448 · scale``.
+
+:class:`FP8KVCache` is the paged cache that stores rows this way (used by ``backends/fp8.py``).
 
 Both reject non-finite input: :func:`quantize` returns the per-row ``amax`` so that callers can test
 ``isfinite`` without a second pass over the data (see :class:`NonFiniteKVError`).
@@ -23,13 +25,23 @@ divided by 2**8, subnormals included (:func:`fp8_bits_to_fp16`); the 2**8 is fol
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import torch
+
+from attnbench.backend import StepPlan
+from attnbench.paged import PagedKVCache, PagedStepPlan, cdiv
+from attnbench.shapes import AttentionGeometry
+from attnbench.workload import Workload
 
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "FP16_BIAS",
     "GRANULARITIES",
+    "FP8KVCache",
     "NonFiniteKVError",
     "check_finite",
     "dequantize",
@@ -108,3 +120,123 @@ def fp8_bits_to_fp16(q: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
         out.copy_(b)
     out.bitwise_left_shift_(7).bitwise_and_(-16385)  # ~0x4000 as int16
     return out.view(torch.float16)
+
+
+class FP8KVCache(PagedKVCache):
+    """Paged fp8 K/V with float32 scales (see the module docstring for the layout).
+
+    ``granularity``: ``"token_head"`` (a scale per token and KV head, computed on append) or
+    ``"tensor"`` (``static_scale`` for every K and V tensor of every layer).
+    """
+
+    def __init__(
+        self,
+        *,
+        workload: Workload,
+        geometry: AttentionGeometry,
+        config: Mapping[str, Any],
+        num_layers: int,
+        max_seq_len: int,
+        page_size: int,
+        granularity: str = "token_head",
+        static_scale: float = 1.0,
+        page_order: str = "random",
+    ) -> None:
+        super().__init__(
+            workload=workload,
+            geometry=geometry,
+            config=config,
+            num_layers=num_layers,
+            max_seq_len=max_seq_len,
+            page_size=page_size,
+            page_order=page_order,  # type: ignore[arg-type]
+            kv_dtype=FP8_DTYPE,
+        )
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"fp8 cache: scale granularity {granularity!r} not in {GRANULARITIES}")
+        if not static_scale > 0 or not math.isfinite(static_scale):
+            raise ValueError(f"fp8 cache: static_scale = {static_scale!r} must be a finite number > 0")
+        self.granularity = granularity
+        self.static_scale = float(static_scale)
+        f32 = {"dtype": torch.float32, "device": self.device}
+        if granularity == "token_head":
+            shape = (num_layers, self.num_pages, page_size, geometry.num_kv_heads)
+            self.k_scales = torch.zeros(shape, **f32)
+            self.v_scales = torch.zeros(shape, **f32)
+        else:
+            self.k_scales = torch.full((num_layers,), self.static_scale, **f32)
+            self.v_scales = torch.full((num_layers,), self.static_scale, **f32)
+        self.nonfinite = torch.zeros(num_layers, dtype=torch.bool, device=self.device)  # deferred check
+        self.check_on_commit = False  # set by plan() for decode steps
+        self.path = "torch"  # which attention path reads this cache (set by the backend)
+        self.workspace: dict[str, torch.Tensor] = {}  # torch path: reusable gather buffers
+
+    def store(
+        self, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor, defer_check: bool
+    ) -> None:
+        """Quantise ``k [B, T, Hkv, Dk]``/``v [B, T, Hkv, Dv]`` (right-padded) and write bytes and scales.
+
+        ``defer_check=False``: refuse non-finite rows now (one host sync; nothing is stored).
+        ``defer_check=True``: no sync; flag the layer and let :meth:`commit` raise.
+        """
+        assert isinstance(plan, PagedStepPlan) and plan.slots is not None
+        kw = {"granularity": self.granularity, "static_scale": self.static_scale}
+        kq, ks, kmax = quantize(k, **kw)
+        vq, vs, vmax = quantize(v, **kw)
+        amax = torch.stack([kmax, vmax], -1)  # [B, T, Hkv, 2]
+        if defer_check:  # device-side only (capturable); plan() armed the check in commit()
+            self.nonfinite[layer].logical_or_(~torch.isfinite(amax).all())
+        else:
+            rows = (
+                torch.arange(amax.shape[1], device=amax.device)[None, :] < torch.tensor(plan.num_new)[:, None]
+            )
+            check_finite(amax[rows.to(amax.device)], what=f"fp8 cache layer {layer} (K/V rows)")
+        writes = [(self.k_pages, kq), (self.v_pages, vq)]  # fp8 has no index_copy_ on CPU: copy bytes
+        if self.granularity == "token_head":
+            writes += [(self.k_scales, ks[..., None]), (self.v_scales, vs[..., None])]
+        hkv = self.geometry.num_kv_heads
+        for pages, new in writes:
+            dst = pages[layer]
+            if dst.dtype == FP8_DTYPE:
+                dst, new = dst.view(torch.uint8), new.view(torch.uint8)
+            flat = new.reshape(-1, hkv, new.shape[-1])
+            if plan.src is not None:
+                flat = flat.index_select(0, plan.src)
+            dst.view(-1, hkv, new.shape[-1]).index_copy_(0, plan.slots, flat)
+
+    def commit(self, plan: StepPlan) -> None:
+        if self.check_on_commit:  # one host sync per step, not per layer
+            self.check_on_commit = False
+            if bool(self.nonfinite.any()):
+                layers = self.nonfinite.nonzero().flatten().tolist()
+                self.nonfinite.zero_()
+                raise NonFiniteKVError(
+                    f"fp8 cache: decode K/V of layer(s) {layers} held NaN or inf at positions "
+                    f"{list(plan.positions)} (stored as zeros; the step's outputs are not valid)"
+                )
+        super().commit(plan)
+
+    def dequantized(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 ``k [S, Hkv, Dk]``, ``v [S, Hkv, Dv]`` of one sequence as stored (tests, debugging)."""
+        n = self.seq_lens[seq]
+        k, v = self.gather(layer, seq, n)
+        if self.granularity == "tensor":
+            return dequantize(k, self.k_scales[layer]), dequantize(v, self.v_scales[layer])
+        pages = torch.tensor(
+            self.pages[seq][: cdiv(n, self.page_size)], dtype=torch.int64, device=self.device
+        )
+        ks = self.k_scales[layer].index_select(0, pages).flatten(0, 1)[:n]
+        vs = self.v_scales[layer].index_select(0, pages).flatten(0, 1)[:n]
+        return dequantize(k, ks), dequantize(v, vs)
+
+    def scale_bytes_per_token(self) -> int:
+        if self.granularity == "tensor":
+            return 0  # two floats per layer in all, not per token
+        return 2 * self.geometry.num_kv_heads * 4 * self.num_layers
+
+    def bytes_per_token(self) -> int:
+        """fp8 K/V bytes plus the float32 scales, over all layers."""
+        return super().bytes_per_token() + self.scale_bytes_per_token()
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.k_scales.nbytes + self.v_scales.nbytes

@@ -18,10 +18,9 @@ from attnbench.backends.fp8 import (
     BLOCK_N,
     EXACT_TOLERANCE,
     FP8Backend,
-    FP8KVCache,
     aot_specializations,
 )
-from attnbench.fp8 import FP8_MAX, NonFiniteKVError, dequantize, fp8_bits_to_fp16, quantize
+from attnbench.fp8 import FP8_MAX, FP8KVCache, NonFiniteKVError, dequantize, fp8_bits_to_fp16, quantize
 from attnbench.gate import check
 from attnbench.shapes import load_shape
 from attnbench.testing import CASES, BackendConformance
