@@ -20,9 +20,9 @@ Two attention paths, and ``implementation()`` says which one runs:
   probabilities, so a K/V tile is never rescaled element by element. The split reduction
   merges the partial results by their log-sum-exp, as ``triton_paged`` does.
 - ``torch`` (everywhere; what runs and is timed on the CPU): gathers the step's pages into reusable
-  int16 buffers, applies the same byte trick (three in-place integer passes: the CPU converts fp8
-  in software, 5-10× slower), then fp16 matmuls with a float32 softmax (fp32 matmuls for fp32
-  workloads). The query is normalised per head so fp16 cannot overflow.
+  int16 buffers, applies the same byte trick (three in-place integer passes; torch's own fp8 → bf16
+  conversion runs in software on CPUs, about 3× slower here), then fp16 matmuls with a float32
+  softmax (fp32 matmuls for fp32 workloads). The query is normalised per head so fp16 cannot overflow.
 
 Prefill writes the prompt's quantised K/V into the pages and attends in the compute dtype on the
 given (unquantised) K/V. Non-finite K/V are refused: in ``append``/prefill at once (one host sync,
