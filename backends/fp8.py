@@ -21,7 +21,7 @@ Two attention paths, and ``implementation()`` says which one runs:
   merges the partial results by their log-sum-exp, as ``triton_paged`` does.
 - ``torch`` (everywhere; what runs and is timed on the CPU): gathers the step's pages into reusable
   int16 buffers, applies the same byte trick (three in-place integer passes; torch's own fp8 → bf16
-  conversion runs in software on CPUs, about 3× slower here), then fp16 matmuls with a float32
+  conversion runs in software on CPUs, several times slower), then fp16 matmuls with a float32
   softmax (fp32 matmuls for fp32 workloads). The query is normalised per head so fp16 cannot overflow.
 
 Prefill writes the prompt's quantised K/V into the pages and attends in the compute dtype on the
