@@ -79,12 +79,12 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         if workload is None:
             status = ", ".join(f"{k}∈{v}" for k, v in row["tunables"].items()) or "-"
-            table.add_row(row["name"], row["source"], row["description"], status)
+            table.add_row(*(escape(str(c)) for c in (row["name"], row["source"], row["description"], status)))
         else:
             status = "runnable" + (" (interpreted: checked, never timed)" if row["interpreted"] else "")
             if not row["runnable"]:
                 status = "cannot run: " + "; ".join(row["reasons"])
-            table.add_row(row["name"], row["source"], row["implementation"], status)
+            table.add_row(*(escape(str(c)) for c in (row["name"], row["source"], row["implementation"], status)))
     out.print(table)
     for f in reg.failures:
         out.print(f"[red]broken[/red] {escape(str(f))}")
