@@ -356,7 +356,7 @@ def _taken_by_earlier(
             continue  # a later trial for the same candidate defers to this one
         if t.state in (TrialState.COMPLETE, TrialState.FAIL) and not finished(t):
             continue  # e.g. a failure being retried
-        params = t.params or t.system_attrs.get("fixed_params") or {}
+        params = t.system_attrs.get("fixed_params") or t.params  # fixed: complete from the start
         other = space.candidate_from_params(params)
         if other is not None and other.ident() == cand.ident():
             return True
