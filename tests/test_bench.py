@@ -236,3 +236,23 @@ def test_bench_remeasure_measures_again(small_profile: Path, monkeypatch: pytest
     third = _bench_json(capsys, "--backends", "naive", "--remeasure")
     assert len(calls) == 2 and third["device"]["id"] == first["device"]["id"]
     assert torch.get_num_threads() >= 1
+
+
+def test_bench_says_which_bound_applies(small_profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--model", "tiny-mla", "--batch", "2", "--context", "40", "--dtype", "fp32", "--json"]
+    assert main([*argv, "--backends", "naive,mla", "--repeats", "2", "--warmup", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows, bandwidth = report["results"], report["device"]["copy_bandwidth"]
+    assert {r["backend"] for r in rows} == {"naive", "mla"}
+    for r in rows:
+        roof = r["roofline"]
+        memory, compute = roof["memory_floor_s"], roof["compute_floor_s"]
+        assert roof["bound"] == ("compute" if compute > memory else "memory")
+        assert memory == pytest.approx(r["kv_bytes"] / bandwidth)
+        if r["step"]:  # mla's Triton kernel is interpreted under the tests: checked, not timed
+            assert roof["x_floor"] == pytest.approx(r["step"]["median_s"] / max(memory, compute))
+        else:
+            assert r["status"] == "checked-only" and roof["x_floor"] is None
+    naive, mla = (next(r for r in rows if r["backend"] == b) for b in ("naive", "mla"))
+    # absorbed MLA does more FLOPs per cached byte than the expanded layout: that is why it can turn compute-bound
+    assert mla["roofline"]["flops"] / mla["kv_bytes"] > naive["roofline"]["flops"] / naive["kv_bytes"]

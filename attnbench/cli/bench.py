@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,10 @@ from attnbench.cli.common import (
     workloads_from_args,
 )
 from attnbench.device import DeviceProfile, load_profile
+from attnbench.estimate import measured_gpu
+from attnbench.mla import decode_roofline
 from attnbench.registry import load_registry
+from attnbench.workload import Workload
 
 BASELINE = "naive"
 
@@ -94,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     device = workloads[0].device
     with err.status("measuring device bandwidth…" if args.remeasure else "loading device profile…"):
         profile = load_profile(device, remeasure=args.remeasure)
+    with err.status("loading the device's matmul peak (measured once per fingerprint)…"):
+        peak = measured_gpu(device).flops  # FLOP/s by dtype, for the compute side of the roofline
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     load_start = os.getloadavg()
     rows: list[dict[str, Any]] = []
@@ -126,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             for backend in backends:
                 label = f"{workload.describe()} · {backend.name}"
                 progress.update(task, description=label)
-                rows.append(_measure_row(backend, workload, args, profile))
+                rows.append(_measure_row(backend, workload, args, profile, peak))
                 progress.advance(task)
                 if not err.is_terminal:  # a log file: one line per measurement instead of a live bar
                     err.print(f"[{len(rows)}/{total}] {label}: {rows[-1]['status']}")
@@ -167,7 +173,7 @@ def _reconstruct(args: argparse.Namespace) -> str:
 
 
 def _measure_row(
-    backend: Any, workload: Any, args: argparse.Namespace, profile: DeviceProfile
+    backend: Any, workload: Any, args: argparse.Namespace, profile: DeviceProfile, peak: dict[str, float]
 ) -> dict[str, Any]:
     base = {
         "workload": workload.describe(),
@@ -201,7 +207,35 @@ def _measure_row(
             "status": "error",
             "reasons": [f"{type(error).__name__}: {str(error).splitlines()[0]}"],
         }
-    return base | {"status": "timed" if m.timed else "checked-only"} | m.as_dict()
+    row = base | {"status": "timed" if m.timed else "checked-only"} | m.as_dict()
+    return row | _roofline(backend, workload, m, profile, peak)
+
+
+def _roofline(
+    backend: Any, workload: Workload, m: Any, profile: DeviceProfile, peak: dict[str, float]
+) -> dict[str, Any]:
+    """Which bound applies to this step: the KV bytes the backend read over the measured bandwidth, or
+    the attention FLOPs (in the backend's own form: absorbed MLA does ~2·H·576 FLOPs per cached
+    token) over the measured matmul peak; and how far the measured step is above that floor."""
+    layers = m.num_layers or workload.shape.num_layers
+    shaped = Workload(
+        replace(workload.shape, num_layers=layers), workload.context_lens, workload.dtype, workload.device
+    )
+    flops_per_s = peak.get(workload.dtype_name) or peak["bf16"]
+    roof = decode_roofline(shaped, bandwidth=profile.bandwidth, peak_flops=flops_per_s, form=backend.kv_form)
+    memory_s = m.kv_bytes / profile.bandwidth
+    floor_s = max(memory_s, roof.compute_s)
+    step_s = m.step.median_s if m.step else None
+    return {
+        "roofline": {
+            "bound": "compute" if roof.compute_s > memory_s else "memory",
+            "memory_floor_s": memory_s,
+            "compute_floor_s": roof.compute_s,
+            "flops": roof.flops,
+            "peak_flops": flops_per_s,
+            "x_floor": step_s / floor_s if step_s and floor_s > 0 else None,
+        }
+    }
 
 
 def _add_speedups(rows: list[dict[str, Any]]) -> None:
@@ -229,7 +263,7 @@ def _table(report: dict[str, Any]) -> Table:
         )
     )
     columns = ["dtype", "batch", "context", "backend", "rel_l2", "max_abs", "gate", "p50 ms", "p90 ms"]
-    columns += ["KV MB/step", "GB/s", "% BW", "× naive", "layers mat."]
+    columns += ["KV MB/step", "GB/s", "% BW", "× naive", "bound", "× floor", "layers mat."]
     for col in columns:
         table.add_column(col, justify="left" if col in ("dtype", "backend", "gate") else "right")
     for r in report["results"]:
@@ -263,6 +297,8 @@ def _table(report: dict[str, Any]) -> Table:
             _fmt(r.get("gbps"), ".2f"),
             _fmt(r.get("pct_of_bandwidth"), ".0f"),
             _fmt(r.get("speedup_vs_naive"), ".2f"),
+            (r.get("roofline") or {}).get("bound", "—"),
+            _fmt((r.get("roofline") or {}).get("x_floor"), ".1f"),
             f"{r['layers_materialised']}/{r['num_layers']}",
         )
     return table
