@@ -45,6 +45,14 @@ import triton
 import triton.language as tl
 
 from attnbench.backend import Backend, KVCache, StepPlan, Tolerance, Tunable
+from attnbench.backends.triton_paged import (  # the split merge and split heuristic are shared, not copied
+    MAX_SPLITS,
+    _device_programs,
+    _pow2,
+    _split_reduce_kernel,
+    auto_splits,
+    reduce_constexprs,
+)
 from attnbench.fp8 import (
     FP16_BIAS,
     GRANULARITIES,
@@ -63,7 +71,7 @@ NUM_SPLITS = (0, 1, 2, 4, 8, 16)  # 0: chosen per step to fill the device (trito
 BLOCK_N = (16, 32, 64)  # tokens per K/V tile (triton path only)
 NUM_WARPS = {16: 4, 32: 4, 64: 4}  # by block_n
 NUM_STAGES = 2
-MAX_SPLITS = max(NUM_SPLITS)
+assert max(NUM_SPLITS) <= MAX_SPLITS  # the shared reduction is specialised for MAX_SPLITS
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TL_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -188,64 +196,6 @@ def _fp8_paged_decode_kernel(
         tl.store(part_o_ptr + row[:, None] * DV + offs_dv[None, :], acc, mask=dv_mask)
         tl.store(part_m_ptr + row, m_i, mask=g_mask)
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
-
-
-@triton.jit
-def _split_reduce_kernel(
-    part_o_ptr,  # [B, Hq, S, Dv] float32, unnormalised
-    part_m_ptr,  # [B, Hq, S] running max (log2 domain); -inf for an empty split
-    part_l_ptr,  # [B, Hq, S] running sum
-    out_ptr,  # [B, Hq, Dv]
-    num_splits,
-    stride_ob,
-    stride_oh,
-    DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Merge the splits of one (sequence, query head) by the log-sum-exp rule (as ``triton_paged``)."""
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_DV)
-    s_mask = offs_s < num_splits
-    rows = (b * tl.num_programs(1) + head) * num_splits + offs_s
-    m = tl.load(part_m_ptr + rows, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(part_l_ptr + rows, mask=s_mask, other=0.0)
-    w = tl.math.exp2(m - tl.max(m, 0))  # [BLOCK_S]; 0 for empty splits
-    o_ptrs = part_o_ptr + rows[:, None] * DV + offs_d[None, :]
-    o = tl.load(o_ptrs, mask=s_mask[:, None] & (offs_d[None, :] < DV), other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w * l_s, 0)
-    o_ptrs = out_ptr + b * stride_ob + head * stride_oh + offs_d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < DV)
-
-
-def _device_programs(device: torch.device) -> int:
-    """Programs that keep the device busy: 2 per SM on CUDA; a nominal 8 elsewhere (interpreter)."""
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
-def auto_splits(*, batch: int, kv_heads: int, max_len: int, block_n: int, programs: int) -> int:
-    """Split count for ``num_splits = 0``: enough programs to fill the device, ≥ 2 tiles per split."""
-    splits = 1
-    while (
-        splits < MAX_SPLITS
-        and batch * kv_heads * splits < programs
-        and cdiv(max_len, 2 * splits) >= 2 * block_n
-    ):
-        splits *= 2
-    return splits
-
-
-def reduce_constexprs(dv: int) -> dict[str, Any]:
-    """One specialisation of the reduction serves every split count."""
-    return {"DV": dv, "BLOCK_DV": _pow2(dv), "BLOCK_S": MAX_SPLITS}
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
 
 
 def decode_constexprs(

@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
             status = "runnable" + (" (interpreted: checked, never timed)" if row["interpreted"] else "")
             if not row["runnable"]:
                 status = "cannot run: " + "; ".join(row["reasons"])
-            table.add_row(*(escape(str(c)) for c in (row["name"], row["source"], row["implementation"], status)))
+            table.add_row(
+                *(escape(str(c)) for c in (row["name"], row["source"], row["implementation"], status))
+            )
     out.print(table)
     for f in reg.failures:
         out.print(f"[red]broken[/red] {escape(str(f))}")
