@@ -80,11 +80,13 @@ class Tolerance:
     min_cosine: float
 
 
-#: Default tolerances by compute dtype (random N(0, 1) inputs; outputs are O(1)).
+#: Default tolerances by compute dtype (random N(0, 1) inputs). ``max_abs`` covers one output rounding
+#: at |out| ≈ 3-4, which prefill rows attending to one or two tokens reach (bf16 ulp there is 1/64,
+#: fp16's 1/512, plus the rounding of the probabilities); ``rel_l2`` and ``cosine`` are the sharp tests.
 DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(max_abs=2e-5, rel_l2=1e-5, min_cosine=0.999_999),
-    torch.float16: Tolerance(max_abs=2e-3, rel_l2=3e-3, min_cosine=0.999_9),
-    torch.bfloat16: Tolerance(max_abs=2e-2, rel_l2=2e-2, min_cosine=0.999),
+    torch.float16: Tolerance(max_abs=5e-3, rel_l2=3e-3, min_cosine=0.999_9),
+    torch.bfloat16: Tolerance(max_abs=4e-2, rel_l2=2e-2, min_cosine=0.999),
 }
 
 

@@ -394,9 +394,9 @@ def test_declared_tolerance() -> None:
 
     backend = MLABackend()
     assert backend.tolerance(torch.float32) == DEFAULT_TOLERANCES[torch.float32]
-    bf16, default = backend.tolerance(torch.bfloat16), DEFAULT_TOLERANCES[torch.bfloat16]
-    assert bf16.max_abs == 2 * default.max_abs and bf16.rel_l2 == default.rel_l2
-    assert bf16.min_cosine == default.min_cosine
+    # the default bf16 max_abs (4e-2) covers the worst seen on 576-wide latent rows (0.025)
+    assert backend.tolerance(torch.bfloat16) == DEFAULT_TOLERANCES[torch.bfloat16]
+    assert DEFAULT_TOLERANCES[torch.bfloat16].max_abs >= 0.025
 
 
 def test_interpreted_is_reported_and_splits_are_powers_of_two() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -113,6 +114,9 @@ class PacedBackend(NaiveBackend):
     name = "planted_paced"
 
     def decode(self, cache, plan, *, layer, q, k, v):
+        marker = os.environ.get("ATTNBENCH_TEST_PACED_MARKER")
+        if marker:  # tell the test that this candidate is running (in its worker process)
+            pathlib.Path(marker).touch()
         time.sleep(0.3)
         return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
 
@@ -202,14 +206,25 @@ def test_broken_backends_fail_their_trials_and_the_study_picks_a_correct_one(tmp
     assert len(failed) == 7 and all(t.user_attrs["reason"] for t in failed)
 
 
-def test_interrupted_study_resumes_without_repeating_finished_trials(tmp_path, profile):
+def test_interrupted_study_resumes_without_repeating_finished_trials(tmp_path, profile, monkeypatch, request):
     reg = planted_registry(FastBackend, FastTwoBackend, PacedBackend, SlowBackend)
+    marker = tmp_path / "paced-is-running"
+    monkeypatch.setenv("ATTNBENCH_TEST_PACED_MARKER", str(marker))
+    # Ctrl-C as a user's terminal delivers it, whatever handler an earlier test left behind
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     seen: list[str] = []
+
+    def send_sigint_once_paced_runs() -> None:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # the paced candidate needs >= 3 s more: it is mid-trial
 
     def interrupt_during_the_third(plan, record, reused):
         seen.append(record.candidate.backend)
-        if len(seen) == 2:  # the third candidate (paced, ~0.6 s per step) is about to start
-            threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        if len(seen) == 2:  # the third candidate (paced, 0.6 s per step) is about to start
+            threading.Thread(target=send_sigint_once_paced_runs, daemon=True).start()
 
     first = tune(
         [WORKLOAD],
