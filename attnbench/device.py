@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -192,9 +193,12 @@ def load_profile(
     path = cache_dir() / "device" / f"{fingerprint_id(fp)}.json"
     if path.exists() and not remeasure:
         try:
-            return DeviceProfile.from_dict(json.loads(path.read_text()))
+            profile = DeviceProfile.from_dict(json.loads(path.read_text()))
         except (ValueError, TypeError, AttributeError):
             pass  # unreadable cache entry: measure again and overwrite it
+        else:
+            _warn_if_busy(profile)
+            return profile
     copy_bw, read_bw, size = measure_bandwidth(device, nbytes=nbytes)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     profile = DeviceProfile(fp, copy_bw, read_bw, size, now, tuple(os.getloadavg()))
@@ -202,4 +206,27 @@ def load_profile(
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
         json.dump(profile.as_dict(), tmp, indent=2)
     os.replace(tmp.name, path)
+    _warn_if_busy(profile)
     return profile
+
+
+def busy_note(profile: DeviceProfile) -> str | None:
+    """Why ``profile``'s bandwidth is suspect, or ``None``: a CPU profile measured while the machine's
+    1-minute load average exceeded half its CPUs shares the memory bus with other work, so its
+    bandwidth reads low and every "% of bandwidth" against it reads high (seen here: 6.4 GB/s at load
+    ~10 against 25.7 GB/s quiet, on the same 2-vCPU machine)."""
+    load = getattr(profile, "load_avg", None)
+    cpus = os.cpu_count() or 1
+    if profile.fingerprint.get("kind") != "cpu" or not load or load[0] <= 0.5 * cpus:
+        return None
+    return (
+        f"device profile {profile.id} was measured at load average {load[0]:.1f} on {cpus} CPUs: its "
+        f"bandwidth ({profile.bandwidth / 1e9:.2f} GB/s) is likely low and every % of bandwidth high; "
+        "measure again on a quiet machine (--remeasure)"
+    )
+
+
+def _warn_if_busy(profile: DeviceProfile) -> None:
+    note = busy_note(profile)
+    if note:
+        warnings.warn(note, RuntimeWarning, stacklevel=3)

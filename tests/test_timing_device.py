@@ -112,3 +112,23 @@ def test_profile_from_dict_ignores_id_and_unknown_keys() -> None:
     data = json.loads(json.dumps(p.as_dict())) | {"future_field": 1}
     assert DeviceProfile.from_dict(data) == p
     assert p.bandwidth == 2e10 and p.name == fingerprint("cpu")["name"]
+
+
+def test_profile_measured_on_a_busy_machine_warns(
+    counted: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+    import warnings
+
+    monkeypatch.setattr(device_mod.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(device_mod.os, "getloadavg", lambda: (0.3, 0.2, 0.1))
+    quiet = load_profile(nbytes=SMALL_BUFFER)
+    path = tmp_path / "device" / f"{quiet.id}.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a profile measured quietly loads without a warning
+        assert load_profile() == quiet
+    busy = dataclasses.replace(quiet, load_avg=(9.0, 8.0, 7.0))
+    path.write_text(json.dumps(busy.as_dict()))
+    with pytest.warns(RuntimeWarning, match=r"load average 9\.0 on 2 CPUs.*--remeasure"):
+        assert load_profile() == busy
+    assert device_mod.busy_note(quiet) is None
