@@ -212,12 +212,12 @@ def load_profile(
 
 def busy_note(profile: DeviceProfile) -> str | None:
     """Why ``profile``'s bandwidth is suspect, or ``None``: a CPU profile measured while the machine's
-    1-minute load average exceeded half its CPUs shares the memory bus with other work, so its
+    1-minute load average exceeded its CPU count (every core had a queue) shares the memory bus with other work, so its
     bandwidth reads low and every "% of bandwidth" against it reads high (seen here: 6.4 GB/s at load
     ~10 against 25.7 GB/s quiet, on the same 2-vCPU machine)."""
     load = getattr(profile, "load_avg", None)
     cpus = os.cpu_count() or 1
-    if profile.fingerprint.get("kind") != "cpu" or not load or load[0] <= 0.5 * cpus:
+    if profile.fingerprint.get("kind") != "cpu" or not load or load[0] <= cpus:
         return None
     return (
         f"device profile {profile.id} was measured at load average {load[0]:.1f} on {cpus} CPUs: its "
