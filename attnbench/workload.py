@@ -14,6 +14,8 @@ from attnbench.shapes import AttentionGeometry, ModelShape, dtype_name, load_sha
 __all__ = ["Workload", "bucket", "parse_int_list", "parse_tokens"]
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024 * 1024}
+#: Dtypes a decode step computes in (``fp8`` is a KV-cache format, not a compute dtype).
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def parse_tokens(text: str | int, *, field: str = "context") -> int:
@@ -66,7 +68,13 @@ class Workload:
         for i, n in enumerate(self.context_lens):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"workload: context_lens[{i}] = {n!r} must be an integer ≥ 0")
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        dtype = parse_dtype(self.dtype)
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"workload: field 'dtype' = {dtype_name(dtype)!r}: compute dtype must be one of bf16, fp16, fp32 "
+                "(an fp8 KV cache is the 'fp8' backend, which computes in one of these)"
+            )
+        object.__setattr__(self, "dtype", dtype)
         try:
             torch.device(self.device)
         except RuntimeError as err:

@@ -111,9 +111,14 @@ def test_interpreted_backend_is_checked_not_timed() -> None:
 
 
 def test_unsupported_workload_names_the_reason() -> None:
-    workload = Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp8")
-    with pytest.raises(ValueError, match=r"backend 'naive' cannot run .*dtype fp8 not in"):
-        measure_decode(NaiveBackend(), workload)
+    # fp8 is no longer a compute dtype a workload can hold; MLA's Dk != Dv is something flash refuses
+    from attnbench.backends.flash import FlashBackend
+
+    workload = Workload.uniform("tiny-mla", batch=1, context=32, dtype="fp32")
+    with pytest.raises(
+        ValueError, match=r"backend 'flash' cannot run .*key head_dim 24 != value head_dim 16"
+    ):
+        measure_decode(FlashBackend(), workload)
 
 
 def test_check_workload_shrinks_batch_first_then_context() -> None:
@@ -210,7 +215,8 @@ def test_decode_command_table(small_profile: Path, capsys: pytest.CaptureFixture
         (["--new-tokens", "1"], "--new-tokens '1' must be ≥ 2"),
         (["--prompt-len", "x"], "--prompt-len 'x' is not a token count"),
         (["--backend", "nope"], "unknown backend 'nope'"),
-        (["--dtype", "fp8"], "cannot run"),
+        (["--dtype", "fp8"], "field 'dtype' = 'fp8': compute dtype must be one of bf16, fp16, fp32"),
+        (["--backend", "mla"], "backend 'mla' cannot run"),
     ],
 )
 def test_decode_bad_input(

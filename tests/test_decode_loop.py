@@ -196,9 +196,12 @@ def test_synthetic_model_bad_input() -> None:
         SyntheticModel(NaiveBackend(), workload, num_layers=0)
     with pytest.raises(RuntimeError, match="call setup"):
         SyntheticModel(NaiveBackend(), workload).decode_step()
-    fp8 = Workload(_shape(), (8,), torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="cannot run .* dtype fp8"):
-        SyntheticModel(NaiveBackend(), fp8)
+    from attnbench.backends.flash import FlashBackend
+    from attnbench.shapes import load_shape
+
+    mla = Workload(load_shape("tiny-mla"), (8,), torch.float32)
+    with pytest.raises(ValueError, match="cannot run .*key head_dim 24 != value head_dim 16"):
+        SyntheticModel(FlashBackend(), mla)
     model = SyntheticModel(NaiveBackend(), workload)
     model.setup(4, 2)
     with pytest.raises(ValueError, match="prompt of 5 tokens but setup"):

@@ -179,6 +179,10 @@ def test_workload_validation() -> None:
         Workload.uniform("tiny-gqa", batch=0, context=4)
     with pytest.raises(ValueError, match="dtype 'int3'.*accepted: bf16"):
         parse_dtype("int3")
+    with pytest.raises(
+        ValueError, match=r"field 'dtype' = 'fp8': compute dtype must be one of bf16, fp16, fp32"
+    ):
+        Workload.uniform("tiny-gqa", batch=1, context=4, dtype="fp8")
     with pytest.raises(ValueError, match=r"context_lens\[1\]"):
         Workload(load_shape("tiny-gqa"), (3, -1))
 
