@@ -23,6 +23,7 @@ from attnbench.tuning.space import (
     code_hash,
     load_backend_class,
 )
+from attnbench.tuning.storage import StorageError, repair_journal
 from attnbench.tuning.study import (
     JOURNAL_NAME,
     KeyResult,
@@ -35,9 +36,12 @@ from attnbench.tuning.study import (
 )
 from attnbench.tuning.table import (
     SWITCH_MARGIN,
+    CandidateResult,
     DeviceMismatchError,
     ResultsTable,
+    TableEntry,
     TableError,
+    TableReadError,
     hardware_id,
     summarize,
     table_path,
@@ -51,14 +55,18 @@ __all__ = [
     "SWITCH_MARGIN",
     "BackendRef",
     "Candidate",
+    "CandidateResult",
     "DeviceMismatchError",
     "Excluded",
     "KeyResult",
     "Outcome",
     "ResultsTable",
     "SearchSpace",
+    "StorageError",
     "StudyPlan",
+    "TableEntry",
     "TableError",
+    "TableReadError",
     "TrialRecord",
     "TuneOptions",
     "TuneReport",
@@ -75,6 +83,7 @@ __all__ = [
     "load_backend_class",
     "open_storage",
     "plan_studies",
+    "repair_journal",
     "run_study",
     "summarize",
     "table_path",

@@ -7,8 +7,13 @@ loop is Optuna's ask/tell, so that each candidate can run in an isolated worker 
 the trial's user attributes, never as an exception that stops the study.
 
 Resuming: a candidate with a finished trial (complete, or failed with a verdict) is never run again;
-trials cut short by Ctrl-C are marked ``interrupted`` and run again on the next call. A trial left
-``RUNNING`` by a process that no longer exists is closed as interrupted.
+trials cut short by Ctrl-C or SIGTERM are marked ``interrupted`` and run again on the next call.
+Abandoned trials (their tuner was killed): with an RDB storage (a fleet), each running trial's tuner
+records a heartbeat from a thread, and a trial whose heartbeat stopped for the grace period is failed
+without a verdict by whichever tuner looks next, so its candidate runs again — this works across
+machines. With the journal (one machine) a trial left ``RUNNING`` by a process that no longer exists
+on this host is closed as interrupted. A tuner that finds only candidates running elsewhere waits for
+them, so every tuner of a fleet ends with the complete study.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import optuna
@@ -29,6 +33,7 @@ from optuna.trial import FrozenTrial, TrialState
 from attnbench.device import DeviceProfile
 from attnbench.tuning.key import TuningKey
 from attnbench.tuning.space import BackendRef, Candidate, SearchSpace, build_space, code_hash
+from attnbench.tuning.storage import JOURNAL_NAME, fail_stale, heartbeat, heartbeats_enabled, open_storage
 from attnbench.tuning.worker import Outcome, Worker, WorkerTask, workload_to_dict
 from attnbench.workload import Workload
 
@@ -43,29 +48,7 @@ __all__ = [
     "run_study",
 ]
 
-#: File name of the embedded study storage under the results directory.
-JOURNAL_NAME = "studies.journal"
 _MAX_DUPLICATES = 20
-
-
-def open_storage(url: str | None, *, results_dir: Path) -> Any:
-    """``None`` → the embedded journal file under ``results_dir``; otherwise any Optuna RDB URL.
-
-    The journal (Optuna's ``JournalFileBackend``) appends one JSON line per operation under a file
-    lock, so several processes on one machine can share it safely, and an interrupted write loses at
-    most its own line. PostgreSQL/MySQL URLs let many machines tune one study together.
-    """
-    if url is None:
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
-
-        results_dir.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(results_dir / JOURNAL_NAME)))
-    if "://" not in url:
-        raise ValueError(
-            f"--storage {url!r} is not a database URL; accepted: e.g. postgresql://user@host/db, sqlite:///f.db"
-        )
-    return optuna.storages.RDBStorage(url)
 
 
 @dataclass
@@ -84,6 +67,8 @@ class TuneOptions:
     default_trials: int = 40
     memory_limit_bytes: int | None = None
     retry_failed: bool = False  # run failed candidates again (e.g. after a timeout on a busy machine)
+    host_id: str = field(default_factory=socket.gethostname)  # who runs a trial (fleet progress)
+    heartbeat_s: int = 10  # RDB storages: heartbeat interval; a trial silent for 3x this is abandoned
 
 
 @dataclass
@@ -193,7 +178,10 @@ def _finished(t: FrozenTrial, *, retry_failed: bool = False, since: int = -1) ->
         return False
     if t.state == TrialState.COMPLETE:
         return True
-    failed = t.state == TrialState.FAIL and not t.user_attrs.get("interrupted") and "backend" in t.user_attrs
+    # a verdict is a failure kind recorded before the trial was told; a trial failed for its stale
+    # heartbeat (its tuner died) or interrupted has none and runs again
+    verdict = t.user_attrs.get("kind") not in (None, "", "ok", "interrupted")
+    failed = t.state == TrialState.FAIL and verdict and not t.user_attrs.get("interrupted")
     return failed and (not retry_failed or t.number > since)
 
 
@@ -207,18 +195,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _close_abandoned(study: optuna.Study, storage: Any, *, timeout_s: float) -> None:
-    """Trials left RUNNING by a dead process on this host (or silent far past the timeout elsewhere)."""
-    host, now = socket.gethostname(), time.time()
+def _close_abandoned(study: optuna.Study, storage: Any, *, timeout_s: float, host: str) -> None:
+    """Trials whose tuner is gone: by heartbeat on RDB storages; by PID on this host for the journal.
+
+    A trial silent far past the timeout is closed either way (e.g. killed before its first beat).
+    """
+    if heartbeats_enabled(storage):
+        fail_stale(study)
+    now = time.time()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         a = t.user_attrs
         started = t.datetime_start.timestamp() if t.datetime_start else now
         if a.get("pid") == os.getpid() and a.get("host") == host:
             continue
-        mine = a.get("host") == host
-        dead = (mine and not _alive(int(a.get("pid", 0)))) or (
-            not mine and now - started > 3 * timeout_s + 600
-        )
+        by_pid = not heartbeats_enabled(storage) and a.get("host") == host
+        dead = (by_pid and not _alive(int(a.get("pid", 0)))) or now - started > 3 * timeout_s + 600
         if dead:
             storage.set_trial_user_attr(t._trial_id, "interrupted", True)
             storage.set_trial_user_attr(t._trial_id, "reason", "abandoned: its process is gone")
@@ -244,7 +235,7 @@ def run_study(
     study.set_user_attr("key", plan.key.as_dict())
     study.set_user_attr("space", plan.space.describe())
     study.set_user_attr("code_hash", plan.code_hash)
-    _close_abandoned(study, study._storage, timeout_s=options.timeout_s)
+    _close_abandoned(study, study._storage, timeout_s=options.timeout_s, host=options.host_id)
     result = KeyResult(plan)
     if not plan.space.backends:
         return result
@@ -266,8 +257,15 @@ def run_study(
             if t.state == TrialState.RUNNING and "backend" in t.user_attrs
         }
         todo = [c for c in candidates if c.ident() not in done and c.ident() not in busy]
-        if len(done) >= plan.target or not todo:
+        if len(done) >= plan.target:
             break
+        if not todo:
+            if not busy:
+                break
+            # the rest runs elsewhere: wait for it (or for its tuner to be found dead, then run it)
+            time.sleep(max(1.0, options.heartbeat_s / 2))
+            _close_abandoned(study, study._storage, timeout_s=options.timeout_s, host=options.host_id)
+            continue
         if plan.exhaustive or duplicates >= _MAX_DUPLICATES:
             pick = todo[0] if plan.exhaustive else rng.choice(todo)
             study.enqueue_trial(plan.space.params(pick))
@@ -281,11 +279,11 @@ def run_study(
         cand = plan.space.suggest(trial)
         trial.set_user_attr("backend", cand.backend)
         trial.set_user_attr("config", dict(cand.config))
-        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("host", options.host_id)
         trial.set_user_attr("pid", os.getpid())
         taken = _taken_by_earlier(study, plan.space, trial.number, cand, finished=finished)
         if cand.ident() in done or cand.ident() in busy or taken:
-            _tell_duplicate(study, trial, done.get(cand.ident()))
+            _tell_duplicate(study, trial, done.get(cand.ident()), answer=not plan.exhaustive)
             duplicates += 1
             stalls += 1
             if stalls > len(candidates) + _MAX_DUPLICATES:  # nothing left that this process may run
@@ -304,11 +302,12 @@ def run_study(
             materialise_bytes=options.materialise_bytes,
         )
         try:
-            outcome = worker.run(task, timeout=options.timeout_s)
+            with heartbeat(study._storage, trial._trial_id):
+                outcome = worker.run(task, timeout=options.timeout_s)
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
             trial.set_user_attr("kind", "interrupted")
-            trial.set_user_attr("reason", "interrupted by the user (Ctrl-C); runs again on resume")
+            trial.set_user_attr("reason", "interrupted (Ctrl-C or SIGTERM); runs again on resume")
             study.tell(trial, state=TrialState.FAIL)
             result.interrupted = True
             break
@@ -378,14 +377,21 @@ def _record(trial: optuna.Trial, outcome: Outcome) -> None:
         trial.set_user_attr("measurement", attrs)
 
 
-def _tell_duplicate(study: optuna.Study, trial: optuna.Trial, earlier: FrozenTrial | None) -> None:
-    """A candidate already measured (or being measured): answer from the earlier trial, run nothing."""
+def _tell_duplicate(
+    study: optuna.Study, trial: optuna.Trial, earlier: FrozenTrial | None, *, answer: bool
+) -> None:
+    """A candidate already measured (or being measured): run nothing.
+
+    The duplicate is PRUNED, so each candidate has one COMPLETE trial at most — except that a TPE
+    study (``answer``) is told the earlier value, since the sampler must see a good region as good;
+    such a trial carries ``duplicate_of`` and is never counted as a verdict.
+    """
     if earlier is None:
         trial.set_user_attr("duplicate_of", "running elsewhere")
         study.tell(trial, state=TrialState.PRUNED)
         return
     trial.set_user_attr("duplicate_of", earlier.number)
-    if earlier.state == TrialState.COMPLETE:
+    if answer and earlier.state == TrialState.COMPLETE:
         study.tell(trial, earlier.value)
     else:
         study.tell(trial, state=TrialState.PRUNED)

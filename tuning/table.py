@@ -28,31 +28,38 @@ import yaml
 
 from attnbench.device import DeviceProfile
 from attnbench.tuning.study import KeyResult, TrialRecord
+from attnbench.tuning.table_schema import CandidateResult, TableEntry, TableError, validate_entries
 
 __all__ = [
     "FORMAT",
     "SWITCH_MARGIN",
+    "CandidateResult",
     "DeviceMismatchError",
     "ResultsTable",
+    "TableEntry",
     "TableError",
+    "TableReadError",
     "hardware_id",
     "summarize",
     "table_path",
+    "validate_entries",
     "versions",
 ]
 
-FORMAT = 1
+#: Format 2 adds ``end_of_table: true`` as the last key, so a truncated file is recognised.
+FORMAT = 2
+_READS = (1, 2)
 #: A tuned winner replaces the default backend only when the default is this much slower (5 %).
 SWITCH_MARGIN = 0.05
 _VERSION_KEYS = ("torch", "triton", "python", "cuda", "driver")
 
 
-class TableError(ValueError):
-    """A results table that cannot be used (unreadable, or from another device)."""
-
-
 class DeviceMismatchError(TableError):
     pass
+
+
+class TableReadError(TableError):
+    """The file exists but cannot be read (e.g. no permission): never moved aside."""
 
 
 def hardware_id(fingerprint: Mapping[str, Any]) -> str:
@@ -162,7 +169,7 @@ def summarize(
     }
     if command:
         entry["command"] = command
-    return entry
+    return TableEntry.from_dict(entry, where=plan.key.row).as_dict()  # the schema holds for what we write
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,9 +181,13 @@ class ResultsTable:
 
     path: Path
     device: dict[str, Any]
-    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)  # validated: TableEntry.as_dict()
     meta: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+
+    def typed(self) -> dict[str, TableEntry]:
+        """The entries as :class:`TableEntry` objects."""
+        return validate_entries(self.entries)
 
     @classmethod
     def load(cls, path: Path, *, fingerprint: Mapping[str, Any] | None = None) -> ResultsTable:
@@ -190,6 +201,8 @@ class ResultsTable:
             return cls(path, {"fingerprint": dict(fingerprint or {})})
         try:
             data = yaml.safe_load(path.read_text())
+        except OSError as err:
+            raise TableReadError(f"cannot read results table {path}: {err.strerror or err}") from None
         except (yaml.YAMLError, UnicodeDecodeError) as err:
             raise TableError(
                 f"results table {path.name} is not valid YAML ({str(err).splitlines()[0]})"
@@ -197,7 +210,11 @@ class ResultsTable:
         problem = _malformed(data)
         if problem:
             raise TableError(f"results table {path.name} is not an attnbench table: {problem}")
-        table = cls(path, data["device"], data.get("entries") or {}, data.get("meta") or {})
+        try:
+            entries = {row: e.as_dict() for row, e in validate_entries(data.get("entries") or {}).items()}
+        except TableError as err:
+            raise TableError(f"results table {path.name} is not a valid table: {err}") from None
+        table = cls(path, data["device"], entries, data.get("meta") or {})
         if fingerprint is not None:
             here, there = hardware_id(fingerprint), table.device.get("hardware_id")
             if here != there:
@@ -219,51 +236,91 @@ class ResultsTable:
     def save(self, entries: Mapping[str, dict[str, Any]], *, profile: DeviceProfile) -> list[str]:
         """Merge ``entries`` into the file atomically; returns messages (e.g. a corrupt file moved aside)."""
         messages: list[str] = []
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(self.path):
-            try:
-                current = ResultsTable.load(self.path, fingerprint=profile.fingerprint)
-            except DeviceMismatchError:
-                raise
-            except TableError as err:
-                aside = self.path.with_name(f"{self.path.stem}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}.yaml")
-                os.replace(self.path, aside)
-                messages.append(f"{err}; moved it aside to {aside.name} and started a new table")
-                current = ResultsTable(self.path, {})
-            merged = dict(current.entries) | dict(entries)
-            self.entries = dict(sorted(merged.items()))
-            self.device = {
-                "hardware_id": hardware_id(profile.fingerprint),
-                "fingerprint": profile.fingerprint,
-                "fingerprint_id": profile.id,
-                "bandwidth_gbps": round(profile.bandwidth / 1e9, 3),
-                "bandwidth_measured_at": profile.measured_at,
-            }
-            self.meta = {
-                "written_by": "attnbench tune",
-                "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                **versions(),
-                "note": "timings from a shared machine: see load_avg per entry",
-            }
-            body = {"format": FORMAT, "device": self.device, "meta": self.meta, "entries": self.entries}
-            body = json.loads(json.dumps(body, default=str))  # plain types only (e.g. TorchVersion → str)
-            text = (
-                "# attnbench tuning table: written by `attnbench tune`; regenerate it, do not edit numbers.\n"
-            )
-            text += yaml.safe_dump(body, sort_keys=False, allow_unicode=True, width=110)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as tmp:
-                tmp.write(text)
-                tmp.flush()
-                os.fsync(tmp.fileno())
-            os.replace(tmp.name, self.path)
+        entries = {row: e.as_dict() for row, e in validate_entries(entries).items()}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with _locked(self.path):
+                self._save_locked(entries, profile=profile, messages=messages)
+        except OSError as err:
+            raise TableError(
+                f"cannot write results table {self.path}: {err.strerror or err}; "
+                "pass --results DIR (a folder you can write, with free space)"
+            ) from None
         return messages
+
+    def _save_locked(
+        self, entries: Mapping[str, dict[str, Any]], *, profile: DeviceProfile, messages: list[str]
+    ) -> None:
+        try:
+            current = ResultsTable.load(self.path, fingerprint=profile.fingerprint)
+        except (DeviceMismatchError, TableReadError):
+            raise
+        except TableError as err:
+            aside = self.path.with_name(f"{self.path.stem}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}.yaml")
+            os.replace(self.path, aside)
+            messages.append(f"{err}; moved it aside to {aside.name} and started a new table")
+            current = ResultsTable(self.path, {})
+        merged = dict(current.entries) | dict(entries)
+        self.entries = dict(sorted(merged.items()))
+        self.device = {
+            "hardware_id": hardware_id(profile.fingerprint),
+            "fingerprint": profile.fingerprint,
+            "fingerprint_id": profile.id,
+            "bandwidth_gbps": round(profile.bandwidth / 1e9, 3),
+            "bandwidth_measured_at": profile.measured_at,
+        }
+        self.meta = {
+            "written_by": "attnbench tune",
+            "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **versions(),
+            "note": "timings from a shared machine: see load_avg per entry",
+        }
+        body = {
+            "format": FORMAT,
+            "device": self.device,
+            "meta": self.meta,
+            "entries": self.entries,
+            "end_of_table": True,
+        }
+        body = json.loads(json.dumps(body, default=str))  # plain types only (e.g. TorchVersion → str)
+        text = "# attnbench tuning table: written by `attnbench tune`; regenerate it, do not edit numbers.\n"
+        text += yaml.safe_dump(body, sort_keys=False, allow_unicode=True, width=110)
+        _write_atomically(self.path, text)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it, with the mode the umask gives
+    a new file (``mkstemp`` would give 0600); the temporary file never outlives a failure."""
+    umask = _umask()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` would, racing other threads)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text()
+        return int(next(x for x in status.splitlines() if x.startswith("Umask:")).split()[1], 8)
+    return 0o022
 
 
 def _malformed(data: Any) -> str:
     if not isinstance(data, dict):
         return f"expected a mapping at the top, got {type(data).__name__}"
-    if data.get("format") != FORMAT:
-        return f"format {data.get('format')!r}; this attnbench reads format {FORMAT}"
+    if data.get("format") not in _READS:
+        return f"format {data.get('format')!r}; this attnbench reads formats {', '.join(map(str, _READS))}"
+    if data["format"] >= 2 and data.get("end_of_table") is not True:
+        return "no 'end_of_table: true' at the end: the file was cut short (truncated)"
     if not isinstance(data.get("device"), dict) or "hardware_id" not in data["device"]:
         return "field 'device.hardware_id' is missing"
     if not isinstance(data.get("entries") or {}, dict):

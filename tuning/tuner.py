@@ -11,6 +11,7 @@ from attnbench.backend import Backend
 from attnbench.device import DeviceProfile, load_profile
 from attnbench.registry import Registry
 from attnbench.tuning.space import backend_refs
+from attnbench.tuning.storage import redact
 from attnbench.tuning.study import (
     JOURNAL_NAME,
     KeyResult,
@@ -84,9 +85,14 @@ def tune(
     plans = plan_studies(workloads, refs, profile=profile, options=options)
     if on_plan is not None:
         on_plan(plans)
-    store = open_storage(storage, results_dir=results)
     report = TuneReport(
-        [], {}, table_path(results, profile.fingerprint), storage or str(results / JOURNAL_NAME)
+        [],
+        {},
+        table_path(results, profile.fingerprint),
+        redact(storage) if storage else str(results / JOURNAL_NAME),
+    )
+    store = open_storage(
+        storage, results_dir=results, heartbeat_s=options.heartbeat_s, messages=report.messages
     )
     table = ResultsTable(report.table_path, {})
     with Worker(memory_limit_bytes=options.memory_limit_bytes) as worker:

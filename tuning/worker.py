@@ -146,6 +146,24 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "value": value, "attrs": attrs}
 
 
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``).
+
+    Unlike a watcher thread, this works while a backend holds the GIL in C code. The signal follows
+    the parent *thread* that started the worker, so the tuner starts workers from its main thread.
+    Elsewhere, a watcher thread is the fallback.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG = 1
+            if os.getppid() != parent:  # the parent died before the call: nobody will signal
+                os._exit(3)
+            return
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+
 def _watch_parent(parent: int) -> None:
     while True:  # an orphaned worker (parent killed) must not run on
         if os.getppid() != parent:
@@ -170,7 +188,7 @@ def main() -> None:
 
         limit = int(init["memory_limit_bytes"])
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    threading.Thread(target=_watch_parent, args=(init["parent"],), daemon=True).start()
+    _die_with_parent(init["parent"])
     import attnbench.bench  # noqa: F401  (import torch and friends before saying ready)
 
     proto.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
@@ -248,12 +266,17 @@ class Worker:
             self._stderr.close()
             self._stderr = None
 
-    def stderr_tail(self, lines: int = 15) -> str:
+    def stderr_tail(self, lines: int = 15, *, max_bytes: int = 64 << 10) -> str:
+        """The last ``lines`` lines of the worker's stderr, read from the end (at most ``max_bytes``)."""
         if self._stderr is None:
             return ""
-        self._stderr.seek(0)
-        text = self._stderr.read().decode(errors="replace")
+        size = self._stderr.seek(0, os.SEEK_END)
+        self._stderr.seek(max(0, size - max_bytes))
+        data = self._stderr.read(max_bytes)
         self._stderr.seek(0, os.SEEK_END)
+        text = data.decode(errors="replace")
+        if size > max_bytes:  # the first line read is probably cut: drop it
+            text = text.partition("\n")[2]
         return "\n".join(text.strip().splitlines()[-lines:])
 
     def _send(self, message: dict[str, Any]) -> None:

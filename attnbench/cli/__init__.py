@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from attnbench import __version__
 
@@ -39,8 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from attnbench.cli.common import json_stdout, sigterm_as_interrupt
+
     try:
-        return int(args.func(args) or 0)
+        with sigterm_as_interrupt(), json_stdout() if getattr(args, "json", False) else nullcontext():
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
+import signal
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 from rich.console import Console
 
 from attnbench.shapes import list_presets, load_shape
 from attnbench.workload import Workload, parse_int_list, parse_tokens
 
-__all__ = ["add_model_option", "add_workload_options", "console", "emit_json", "workloads_from_args"]
+__all__ = [
+    "add_model_option",
+    "add_workload_options",
+    "console",
+    "emit_json",
+    "json_stdout",
+    "sigterm_as_interrupt",
+    "workloads_from_args",
+]
 
 
 def console() -> Console:
@@ -65,9 +78,72 @@ def workloads_from_args(args: argparse.Namespace) -> list[Workload]:
     ]
 
 
+class _StdoutToStderr(io.TextIOBase):
+    """``sys.stdout`` while a ``--json`` command runs: prints go to stderr; ``json_document`` is the
+    real stdout, which only :func:`emit_json` writes to."""
+
+    def __init__(self, document: TextIO) -> None:
+        self.json_document = document
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def json_stdout() -> Iterator[None]:
+    """Keep stdout for the JSON document alone: file descriptor 1 (where native code and child
+    processes write) and ``sys.stdout`` both lead to stderr until the block ends; :func:`emit_json`
+    writes to the saved real stdout. A plugin that prints can then never corrupt ``--json`` output."""
+    sys.stdout.flush()
+    old = sys.stdout
+    saved = os.dup(1)
+    try:
+        on_fd1 = old.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # e.g. a test's captured stdout
+        on_fd1 = False
+    document: TextIO = os.fdopen(saved, "w", closefd=False) if on_fd1 else old
+    os.dup2(2, 1)
+    sys.stdout = _StdoutToStderr(document)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            document.flush()
+        sys.stdout = old
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def emit_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
+    out = getattr(sys.stdout, "json_document", sys.stdout)
+    json.dump(data, out, indent=2, default=str)
+    out.write("\n")
+    out.flush()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C while the block runs (main thread only): the running trial is
+    marked interrupted and what was measured is written, as on Ctrl-C."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 _ = parse_tokens  # re-exported for subcommands

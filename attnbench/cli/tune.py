@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -75,6 +76,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="Optuna RDB URL (e.g. postgresql://user@host/db) so that many machines tune one study; "
         "default: the journal file results/studies.journal",
     )
+    p.add_argument(
+        "--host-id",
+        metavar="ID",
+        help="who this tuner is in a fleet, recorded on its trials (default $ATTNBENCH_HOST_ID, else the host name)",
+    )
+    p.add_argument(
+        "--heartbeat",
+        type=int,
+        default=10,
+        metavar="S",
+        help="with --storage: record a heartbeat every S seconds while a candidate runs; a trial silent "
+        "for 3*S (its tuner died) runs again (default 10)",
+    )
     p.add_argument("--results", metavar="DIR", help="where the table and the journal live (default results/)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -96,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
     if args.repeats < 1:
         raise ValueError(f"--repeats {args.repeats} must be ≥ 1")
+    if args.heartbeat < 1:
+        raise ValueError(f"--heartbeat {args.heartbeat} must be ≥ 1 second")
     workloads = workloads_from_args(args)
     options = TuneOptions(
         trials=args.trials,
@@ -105,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_seconds=args.max_seconds,
         retry_failed=args.retry_failed,
+        heartbeat_s=args.heartbeat,
+        **({"host_id": host} if (host := args.host_id or os.environ.get("ATTNBENCH_HOST_ID")) else {}),
     )
     out = console()
     command = (
