@@ -261,17 +261,25 @@ class ModelShape:
     def from_hf_config(cls, config: dict[str, Any], *, name: str) -> ModelShape:
         """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, DeepSeek-V2/V3 families)."""
 
-        def need(key: str) -> Any:
-            if key not in config:
-                raise ShapeError(f"config.json {name!r}: field '{key}' is missing (required)")
-            return config[key]
+        def need(key: str, default: Any = None) -> Any:
+            """``config[key]`` (or ``default`` when absent/null), which must be a positive integer."""
+            value = config.get(key)
+            if value is None:
+                if default is None:
+                    raise ShapeError(f"config.json {name!r}: field '{key}' is missing (required)")
+                return default
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ShapeError(
+                    f"config.json {name!r}: field '{key}' = {value!r}: must be a positive integer"
+                )
+            return value
 
         heads = need("num_attention_heads")
         hidden = need("hidden_size")
         data: dict[str, Any] = {
             "num_layers": need("num_hidden_layers"),
             "num_heads": heads,
-            "num_kv_heads": config.get("num_key_value_heads") or heads,
+            "num_kv_heads": need("num_key_value_heads", heads),
             "hidden_size": hidden,
             "intermediate_size": need("intermediate_size"),
             "vocab_size": need("vocab_size"),
@@ -281,12 +289,10 @@ class ModelShape:
             for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
                 data[key] = need(key)
             if config.get("q_lora_rank"):
-                data["q_lora_rank"] = config["q_lora_rank"]
+                data["q_lora_rank"] = need("q_lora_rank")
             data["head_dim"] = data["qk_nope_head_dim"] + data["qk_rope_head_dim"]
         else:
-            data["head_dim"] = config.get("head_dim") or (
-                hidden // heads if isinstance(hidden, int) else hidden
-            )
+            data["head_dim"] = need("head_dim", hidden // heads)
         total, active = _estimate_params(config, data)
         data["num_params"] = total
         if active != total:
@@ -337,7 +343,7 @@ def list_presets() -> list[str]:
 
 
 def load_shape(model: str | Path | ModelShape) -> ModelShape:
-    """A preset name, a path to a Hugging Face ``config.json``, or a path to a YAML shape file.
+    """A preset name, a checkpoint directory or a path to its ``config.json``, or a YAML shape file.
 
     A YAML file holds either one shape's fields (its name is the file's stem) or a mapping of
     ``name: fields`` with exactly one entry.
@@ -353,12 +359,22 @@ def load_shape(model: str | Path | ModelShape) -> ModelShape:
         raise ShapeError(
             f"model {text!r} is neither a preset nor an existing file; presets: {', '.join(presets)}"
         )
+    if path.is_dir():  # a checkpoint directory: its config.json
+        if not (path / "config.json").is_file():
+            raise ShapeError(
+                f"model {text!r}: directory has no config.json (expected a checkpoint: config.json + safetensors)"
+            )
+        path = path / "config.json"
     if path.suffix == ".json":
         try:
             config = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ShapeError(f"{path.name}: not valid JSON ({err})") from None
         name = path.parent.name if path.name == "config.json" else path.stem
+        if not isinstance(config, dict):
+            raise ShapeError(
+                f"{path.name}: expected a JSON object of config fields, got {type(config).__name__}"
+            )
         return ModelShape.from_hf_config(config, name=name or "model")
     try:
         data = yaml.safe_load(path.read_text())

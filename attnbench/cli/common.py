@@ -41,7 +41,7 @@ def add_model_option(
         "-m",
         required=required,
         default=default,
-        help=f"preset ({', '.join(list_presets())}) or a path to a Hugging Face config.json or a shape YAML",
+        help=f"preset ({', '.join(list_presets())}), a checkpoint directory (config.json + safetensors), a Hugging Face config.json or a shape YAML",
     )
 
 
