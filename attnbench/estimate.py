@@ -1,13 +1,21 @@
-"""Latency estimator: generation latency ``TTFT + N · ITL`` from the roofline.
+"""Latency estimator: generation latency ``TTFT + N · ITL`` from the cost model.
 
 A decode step reads every weight once and the whole KV cache once, and does little arithmetic per
 byte, so its time is bounded below by bytes over memory bandwidth; a prefill is bounded by its FLOPs.
-Per GPU of a tensor-parallel group::
+A step also pays a fixed cost that no byte or FLOP accounts for: kernel launches in every layer and
+the serving engine's host work (scheduling, input preparation, sampling). Per GPU of a
+tensor-parallel group (:class:`attnbench.costmodel.Roofline`)::
 
-    step_s  = max((weight_bytes + kv_bytes) / (bandwidth · achievable),
-                  flops / (peak_flops · achievable))
+    fixed   = step_overhead + layers · kernels_per_layer · launch        (attnbench.costmodel.step_fixed_s)
+    step_s  = fixed + max((weight_bytes + kv_bytes) / (bandwidth · achievable),
+                          flops / (peak_flops · achievable))
     TTFT    = max(prefill_flops / (peak · achievable), prefill_bytes / (bandwidth · achievable))
     e2e     = TTFT + N · ITL          (ITL: the mean step time over the N generated tokens)
+
+With a calibrated device (``--gpu this`` after ``attnbench calibrate``, or ``--gpu PATH`` of a
+calibration file) the KV term is replaced by the measured model of the backend ``select()`` would
+choose (:mod:`attnbench.calibration`): ``layers · (t0 + t_seq · batch) + kv_bytes / bw_eff``, with the
+backend's own bytes per token.
 
 What is counted (docs/latency-model.md has the derivation and worked examples):
 
@@ -15,20 +23,17 @@ What is counted (docs/latency-model.md has the derivation and worked examples):
   weight dtype, plus the LM head (``vocab · hidden``, kept in bf16 as fp8 checkpoints do), plus the
   ``batch`` rows of the input embedding a step looks up (not the whole table). Embeddings are taken
   as untied (true for every preset). All of it is split evenly over ``tp`` GPUs.
-- **KV cache**: ``batch · (context + 1)`` tokens (the cached ones and the new one) of
-  :meth:`ModelShape.kv_bytes_per_token` with ``form="auto"``: expanded per-head K and V for GQA, the
-  latent ``kv_lora_rank + qk_rope_head_dim`` row for MLA. Under tensor parallelism the KV heads are
-  split over GPUs; with ``kv_heads < tp`` each GPU holds one KV head (replicated ``tp / kv_heads``
-  times, as vLLM does), and MLA's single latent head is replicated on every GPU. fp8 KV counts one
-  byte per value (per-tensor scales are negligible).
+- **KV cache**: ``batch · (context + 1)`` tokens of
+  :func:`attnbench.costmodel.shape_kv_bytes_per_token` (expanded per-head K and V for GQA, the latent
+  row for MLA; split over GPUs, or replicated when ``kv_heads < tp``; MLA's latent on every GPU).
+  fp8 KV counts one byte per value (per-tensor scales are negligible).
 - **FLOPs**: ``2 · params`` per token for the matmuls (block weights at the weight dtype's peak, fp8
-  only where the GPU has fp8 tensor cores; the LM head in bf16) and ``2 · Hq · (Dk + Dv)`` per cached
-  token per layer for attention (bf16 peak; MLA decode in the absorbed latent form, ``Dk = 576``,
-  ``Dv = 512``; MLA prefill in the expanded form).
+  only where the GPU has fp8 tensor cores; the LM head in bf16) and
+  :func:`attnbench.costmodel.attention_flops` for attention (bf16 peak; MLA decode absorbed, MLA
+  prefill expanded).
 
 Not modelled (stated, not hidden): tensor-parallel all-reduces (two per layer: a few µs each on
-NVLink, a few percent of a 70B step), kernel-launch and scheduling gaps, activations' memory
-traffic, and speculative decoding. ``achievable`` stands for all of it.
+NVLink, a few percent of a 70B step), activations' memory traffic, and speculative decoding.
 
 Example::
 
@@ -39,26 +44,27 @@ Example::
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
 from typing import Any
 
-import torch
-import yaml
-
+from attnbench.costmodel import (
+    Roofline,
+    attention_flops,
+    backend_kv_bytes_per_token,
+    shape_kv_bytes_per_token,
+    step_fixed_s,
+)
+from attnbench.gpuspec import HIGH as _HIGH
+from attnbench.gpuspec import GPUSpec, list_gpus, load_gpu, measured_gpu
 from attnbench.shapes import ModelShape, dtype_bytes, load_shape
 
 __all__ = [
+    "CalibratedAttention",
     "Estimate",
     "GPUSpec",
     "MoERouting",
     "PhaseCost",
-    "attention_decode_flops",
-    "attention_only_step",
     "estimate",
     "kv_bytes_per_token_per_gpu",
     "list_gpus",
@@ -70,132 +76,8 @@ __all__ = [
 #: Dtypes the estimator accepts for weights and the KV cache.
 WEIGHT_DTYPES = ("bf16", "fp8")
 KV_DTYPES = ("bf16", "fp8")
-#: The dtype of the embedding and LM head, and of attention arithmetic.
-_HIGH = "bf16"
-
-
-# --------------------------------------------------------------------------------------------------
-# GPUs
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GPUSpec:
-    """One GPU: peak memory bandwidth and dense FLOP/s by dtype, and the achievable fraction of both."""
-
-    name: str
-    label: str
-    memory_bandwidth: float  # bytes/s
-    memory_bytes: float  # bytes of device memory
-    flops: dict[str, float]  # dense FLOP/s by dtype
-    achievable: float
-    source: str
-    measured: bool = False
-
-    def __post_init__(self) -> None:
-        for f in ("memory_bandwidth", "memory_bytes"):
-            value = getattr(self, f)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"GPU {self.name!r}: field '{f}' = {value!r} must be a number > 0")
-        if _HIGH not in self.flops:
-            raise ValueError(
-                f"GPU {self.name!r}: field 'flops' needs a '{_HIGH}' entry; got {sorted(self.flops)}"
-            )
-        for dt, value in self.flops.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"GPU {self.name!r}: flops[{dt!r}] = {value!r} must be a number > 0")
-        _check_fraction(self.achievable, field="achievable")
-
-    def peak_flops(self, dtype: str) -> tuple[float, str]:
-        """Dense FLOP/s for matmuls in ``dtype`` and the dtype actually used (bf16 if unsupported)."""
-        if dtype in self.flops:
-            return self.flops[dtype], dtype
-        return self.flops[_HIGH], _HIGH
-
-    def with_achievable(self, achievable: float | None) -> GPUSpec:
-        return self if achievable is None else replace(self, achievable=_check_fraction(achievable))
-
-
-def _check_fraction(value: Any, *, field: str = "--achievable") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{field} = {value!r} must be a fraction in (0, 1]")
-    return float(value)
-
-
-def _gpu_table() -> dict[str, Any]:
-    return yaml.safe_load(resources.files("attnbench").joinpath("gpus.yaml").read_text())
-
-
-def list_gpus() -> list[str]:
-    """Preset names accepted by :func:`load_gpu` (plus ``"this"``, the measured current device)."""
-    return list(_gpu_table())
-
-
-def load_gpu(name: str | GPUSpec, *, achievable: float | None = None) -> GPUSpec:
-    """A preset by name or alias (``"h100"``), or ``"this"`` for the measured current device."""
-    if isinstance(name, GPUSpec):
-        return name.with_achievable(achievable)
-    key = str(name).strip().lower()
-    if key == "this":
-        return measured_gpu().with_achievable(achievable)
-    table = _gpu_table()
-    for preset, data in table.items():
-        if key == preset or key in (data.get("aliases") or []):
-            fields = {k: v for k, v in data.items() if k != "aliases"}
-            spec = GPUSpec(name=preset, **fields)
-            return spec.with_achievable(achievable)
-    raise LookupError(
-        f"unknown GPU {name!r}; presets: {', '.join(table)}, this (the measured current device)"
-    )
-
-
-def _matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Dense FLOP/s of one square matmul (median of a few), the FLOP roofline of ``--gpu this``."""
-    from attnbench.timing import measure
-
-    n = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    t = measure(lambda i: torch.mm(a, b), device=device, warmup=2, repeats=7)
-    return 2 * n**3 / t.median_s
-
-
-def measured_gpu(device: str | torch.device | None = None, *, remeasure: bool = False) -> GPUSpec:
-    """The current device as a :class:`GPUSpec`: measured, so ``achievable`` is 1.
-
-    Bandwidth: :func:`attnbench.device.load_profile`'s measured copy bandwidth. FLOP/s: a square
-    bf16 matmul (and fp32, recorded) timed once per device fingerprint and cached next to the
-    profile. There is no fp8 matmul to time on CPU: fp8 weights then use the bf16 figure.
-    """
-    from attnbench.device import cache_dir, load_profile
-
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    profile = load_profile(dev, remeasure=remeasure)
-    path = cache_dir() / "device" / f"{profile.id}-matmul.json"
-    flops: dict[str, float] = {}
-    if path.exists() and not remeasure:
-        try:
-            flops = {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
-        except (ValueError, AttributeError):
-            flops = {}
-    if _HIGH not in flops:
-        flops = {"bf16": _matmul_flops(dev, torch.bfloat16), "fp32": _matmul_flops(dev, torch.float32)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-            json.dump(flops, tmp)
-        os.replace(tmp.name, path)
-    if dev.type == "cuda":
-        memory = float(torch.cuda.get_device_properties(dev).total_memory)
-    else:
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    return GPUSpec(
-        name="this",
-        label=f"{profile.name} (measured, profile {profile.id})",
-        memory_bandwidth=profile.bandwidth,
-        memory_bytes=memory,
-        flops=flops,
-        achievable=1.0,
-        source=f"measured: copy bandwidth at {profile.measured_at}, bf16 matmul once per fingerprint",
-        measured=True,
-    )
+#: A phase's bytes, FLOPs and time: the cost model's roofline.
+PhaseCost = Roofline
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,17 +138,10 @@ def _check_tp(shape: ModelShape, tp: int) -> None:
 
 
 def kv_bytes_per_token_per_gpu(shape: ModelShape, *, kv_dtype: str = "bf16", tp: int = 1) -> int:
-    """Bytes one cached token occupies on one GPU, over all layers.
-
-    GQA: ``layers · 2 · ceil(kv_heads / tp) · head_dim · bytes`` (``kv_heads < tp``: one head per GPU,
-    replicated). MLA: the latent row ``layers · (kv_lora_rank + qk_rope_head_dim) · bytes``, replicated
-    on every GPU (it is one shared head).
-    """
+    """Bytes one cached token occupies on one GPU, over all layers (see
+    :func:`attnbench.costmodel.shape_kv_bytes_per_token`)."""
     _check_tp(shape, tp)
-    full = shape.kv_bytes_per_token(kv_dtype, "auto")
-    if shape.is_mla:
-        return full
-    return full // shape.num_kv_heads * math.ceil(shape.num_kv_heads / tp)
+    return shape_kv_bytes_per_token(shape, dtype=kv_dtype, tp=tp)
 
 
 def weight_bytes_per_gpu(
@@ -286,83 +161,19 @@ def weight_bytes_per_gpu(
     return (block + lm_head + lookups) / tp
 
 
-def attention_decode_flops(
-    shape: ModelShape,
-    *,
-    batch: int,
-    context: int,
-    tp: int = 1,
-    form: str = "auto",
-    num_layers: int | None = None,
-) -> float:
-    """FLOPs of the attention of one decode step on one GPU: ``QKᵀ`` and ``PV`` over ``context + 1`` tokens."""
-    if form == "auto":
-        form = "latent" if shape.is_mla else "expanded"
-    g = shape.geometry(form)  # type: ignore[arg-type]
-    layers = num_layers or shape.num_layers
-    return 2.0 * layers * batch * (context + 1) * (shape.num_heads / tp) * (g.qk_head_dim + g.v_head_dim)
-
-
-def attention_only_step(
-    model: str | ModelShape,
-    *,
-    gpu: str | GPUSpec,
-    batch: int,
-    context: int,
-    dtype: str = "bf16",
-    kv_dtype: str | None = None,
-    form: str = "auto",
-    num_layers: int | None = None,
-) -> PhaseCost:
-    """The roofline of one decode step of an attention-only model (no weights): what
-    :func:`attnbench.bench.measure_decode` times, for checking the estimator against measurements.
-
-    ``kv_bytes = layers · batch · (context + 1) · kv values per token-layer · bytes``;
-    ``time = max(kv_bytes / bandwidth, attention FLOPs / peak[dtype])`` (both times ``achievable``).
-    ``form`` is the cache layout the backend keeps (``expanded`` or ``latent``); ``kv_dtype`` the
-    cache's dtype when it differs from the compute ``dtype`` (an fp8 cache: scales not counted).
-    """
-    shape = load_shape(model)
-    spec = load_gpu(gpu)
-    layers = num_layers or shape.num_layers
-    per_token = shape.kv_values_per_token_layer(form) * dtype_bytes(kv_dtype or dtype)  # type: ignore[arg-type]
-    kv = float(layers * batch * (context + 1) * per_token)
-    flops = attention_decode_flops(shape, batch=batch, context=context, form=form, num_layers=layers)
-    peak = spec.flops.get(dtype, spec.flops[_HIGH]) * spec.achievable
-    bw = spec.memory_bandwidth * spec.achievable
-    return PhaseCost(
-        weight_bytes=0.0, kv_bytes=kv, flops=flops, weight_s=0.0, kv_s=kv / bw, flop_s=flops / peak
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# The estimate
-# --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class PhaseCost:
-    """Bytes and FLOPs of one phase (a decode step, or the prefill) on one GPU, and its time."""
+class CalibratedAttention:
+    """The attention part of a step from the device's calibration: the backend ``select()`` chose,
+    its own KV bytes per token, the fit used, and the time at the first step's context."""
 
-    weight_bytes: float
-    kv_bytes: float
-    flops: float
-    weight_s: float
-    kv_s: float
-    flop_s: float
-
-    @property
-    def memory_s(self) -> float:
-        return self.weight_s + self.kv_s
-
-    @property
-    def time_s(self) -> float:
-        return max(self.memory_s, self.flop_s)
-
-    @property
-    def bound(self) -> str:
-        return "compute" if self.flop_s > self.memory_s else "memory"
+    backend: str
+    kv_bytes_per_token: int  # per GPU, over all layers, as the backend's cache stores it
+    fit: str  # the fit's description (terms and fit error)
+    selected: str  # why this backend (select()'s explanation, first line)
+    step_s: float  # at `context`
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"memory_s": self.memory_s, "time_s": self.time_s, "bound": self.bound}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -386,6 +197,7 @@ class Estimate:
     kv_bytes_per_token: int  # per GPU, over all layers
     memory_needed_bytes: float  # weights + KV for context + N tokens, per GPU (no activations)
     notes: list[str] = field(default_factory=list)
+    attention: CalibratedAttention | None = None  # the KV term from the device's calibration
 
     @property
     def ttft_s(self) -> float:
@@ -416,7 +228,8 @@ class Estimate:
     def as_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
-            "gpu": asdict(self.gpu),
+            "gpu": asdict(replace(self.gpu, calibration=None))
+            | {"calibrated": self.gpu.calibration is not None},
             "tp": self.tp,
             "batch": self.batch,
             "context": self.context,
@@ -439,6 +252,7 @@ class Estimate:
             "crossover_context": self.crossover_context,
             "memory_needed_bytes": self.memory_needed_bytes,
             "notes": list(self.notes),
+            "attention": self.attention.as_dict() if self.attention else None,
         }
 
 
@@ -532,39 +346,54 @@ def estimate(
 
     emb = _embedding_params(shape)
     kv_tok = kv_bytes_per_token_per_gpu(shape, kv_dtype=kv_dtype, tp=tp)
-    g_dec = shape.geometry("latent" if shape.is_mla else "expanded")
     g_pre = shape.geometry("expanded")
     heads = shape.num_heads / tp
+    fixed = step_fixed_s(
+        layers=shape.num_layers, launch_s=spec.launch_s, step_overhead_s=spec.step_overhead_s
+    )
 
     # -- decode step at context c: linear in c --------------------------------------------------
     w_bytes = weight_bytes_per_gpu(shape, weight_dtype=weight_dtype, batch=batch, tp=tp, moe=moe)
     active_block = shape.params_read_per_token - 2 * emb  # FLOPs follow the activated params per token
     mm_flop_s = 2.0 * batch * (active_block / peak_w + emb / peak_hi) / tp
-    attn_per_ctx = (
-        2.0 * shape.num_layers * batch * heads * (g_dec.qk_head_dim + g_dec.v_head_dim)
-    )  # per token
+    attn_per_ctx = attention_flops(shape, tokens=batch, tp=tp)  # per context token, all layers
+    # the KV term, per context token and at context 0: the roofline's, or the calibrated backend's
+    kv_per_ctx, kv_at0 = batch * kv_tok / bw, batch * kv_tok / bw
+    attention = None
+    if spec.calibration is not None:
+        attention, kv_at0, kv_per_ctx = _calibrated(
+            shape, spec, batch=batch, context=context, tp=tp, kv_dtype=kv_dtype
+        )
+        if attention is None:
+            notes.append(f"calibration: {kv_at0}; the KV term is the roofline's")
+            kv_per_ctx, kv_at0 = batch * kv_tok / bw, batch * kv_tok / bw
+    if fixed:
+        notes.append(f"fixed cost per step {fixed * 1e3:.2f} ms: {spec.fixed_cost_source}")
 
     def step(c: int) -> PhaseCost:
         kv = batch * (c + 1) * kv_tok
-        flops = 2.0 * batch * (active_block + emb) / tp + attn_per_ctx * (c + 1)
         return PhaseCost(
             weight_bytes=w_bytes,
             kv_bytes=kv,
-            flops=flops,
+            flops=2.0 * batch * (active_block + emb) / tp + attn_per_ctx * (c + 1),
             weight_s=w_bytes / bw,
-            kv_s=kv / bw,
+            kv_s=kv_at0 + kv_per_ctx * c,
             flop_s=mm_flop_s + attn_per_ctx * (c + 1) / peak_hi,
+            fixed_s=fixed,
         )
 
-    # memory time = (w + batch·(c+1)·kv_tok)/bw ; flop time = mm + attn·(c+1)/peak
-    itl_mean = _mean_of_max_linear(
-        (w_bytes + batch * kv_tok) / bw,
-        batch * kv_tok / bw,
+    # memory time = w/bw + kv_at0 + kv_per_ctx·c ; flop time = mm + attn·(c+1)/peak
+    itl_mean = fixed + _mean_of_max_linear(
+        w_bytes / bw + kv_at0,
+        kv_per_ctx,
         mm_flop_s + attn_per_ctx / peak_hi,
         attn_per_ctx / peak_hi,
         context,
         new_tokens,
     )
+    first = step(context)
+    if attention is not None:
+        attention = replace(attention, step_s=first.kv_s)
 
     # -- prefill: prompt_len tokens per sequence on top of (context - prompt_len) cached ---------
     tokens = batch * prompt_len
@@ -609,11 +438,54 @@ def estimate(
         kv_dtype=kv_dtype,
         weight_dtype=weight_dtype,
         moe=moe,
-        step=step(context),
+        step=first,
         prefill=prefill,
         itl_mean_s=itl_mean,
         crossover_tokens=w_bytes / kv_tok,
         kv_bytes_per_token=kv_tok,
         memory_needed_bytes=need,
         notes=notes,
+        attention=attention,
     )
+
+
+def _calibrated(
+    shape: ModelShape, spec: GPUSpec, *, batch: int, context: int, tp: int, kv_dtype: str
+) -> tuple[CalibratedAttention | None, Any, float]:
+    """The calibrated KV term: (attention, seconds at context 0, seconds per context token), or
+    (None, why not, 0) when the calibration has no fit for the backend ``select()`` chooses."""
+    from attnbench.registry import load_registry
+    from attnbench.select import select
+    from attnbench.workload import Workload
+
+    cal = spec.calibration
+    assert cal is not None
+    registry = load_registry()
+    workload = Workload.uniform(shape, batch=batch, context=context, dtype=_HIGH)
+    try:
+        results_dir = cal.path.parent if cal.path else None
+        choice = select(workload, registry=registry, results_dir=results_dir)
+    except (LookupError, ValueError) as err:
+        return None, f"select() found no backend ({err})", 0.0
+    name, why = choice.backend, choice.reason
+    if kv_dtype == "fp8" and "fp8" in registry and name != "fp8":
+        name, why = "fp8", "--kv-dtype fp8: the fp8 cache backend"
+    backend = registry.get(name)
+    from attnbench.calibration import geometry_key
+
+    fit = cal.lookup(name, workload.dtype_name, geometry_key(backend, workload))
+    if fit is None:
+        return (
+            None,
+            f"no fit for {name}/{workload.dtype_name} (fitted: {', '.join(sorted({f.backend + '/' + f.dtype for f in cal.fits})) or 'none'})",
+            0.0,
+        )
+    per_token = backend_kv_bytes_per_token(backend, workload)
+    if tp > 1 and not shape.is_mla:  # the backend's bytes per token, split like the heads
+        per_token = per_token // shape.num_kv_heads * math.ceil(shape.num_kv_heads / tp)
+    per_ctx = fit.predict_s(batch=batch, kv_bytes=batch * per_token, layers=0)
+    at0 = fit.predict_s(batch=batch, kv_bytes=batch * per_token, layers=shape.num_layers)
+    att = CalibratedAttention(
+        backend=name, kv_bytes_per_token=per_token, fit=fit.describe(), selected=why, step_s=at0
+    )
+    return att, at0, per_ctx

@@ -1,4 +1,4 @@
-"""MLA (DeepSeek-V2/V3 multi-head latent attention): weight absorption and the decode roofline.
+"""MLA (DeepSeek-V2/V3 multi-head latent attention): weight absorption.
 
 MLA caches, per token and layer, one compressed latent ``c`` (``kv_lora_rank``) and one decoupled RoPE
 key ``k_pe`` (``qk_rope_head_dim``) shared by all heads. ``kv_b_proj`` decompresses the latent into
@@ -15,35 +15,18 @@ Weight layout (as in transformers' ``DeepseekV3Attention``): ``kv_b_proj.weight`
 ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``; :func:`split_kv_b` gives
 ``w_uk [H, qk_nope_head_dim, kv_lora_rank]`` and ``w_uv [H, v_head_dim, kv_lora_rank]``.
 
-The second half of the module is the roofline of one decode step. Absorbed MLA does
+The roofline of a decode step is the cost model's (:func:`attnbench.costmodel.decode_roofline`,
+``form="latent"``, ``projections=True`` for the absorption matmuls). Absorbed MLA does
 ``2 · H · (Dk + Dv)`` FLOPs per cached token and head over a row of ``Dk`` values read once for all
 ``H`` heads, so with 128 heads its arithmetic intensity (~240 FLOP/B in bf16) passes the ridge point of
-several GPUs: it can be compute-bound, unlike the expanded form (~1 FLOP/B). :func:`decode_roofline`
-says which bound applies for a workload on a device.
+several GPUs: it can be compute-bound, unlike the expanded form (~1 FLOP/B).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
-
 import torch
 
-from attnbench.shapes import dtype_bytes
-from attnbench.workload import Workload
-
-__all__ = [
-    "DecodeCost",
-    "Roofline",
-    "absorb_query",
-    "decode_cost",
-    "decode_roofline",
-    "expand_kv",
-    "expand_output",
-    "latent_query",
-    "measure_matmul_flops",
-    "split_kv_b",
-]
+__all__ = ["absorb_query", "expand_kv", "expand_output", "latent_query", "split_kv_b"]
 
 
 # -- weight absorption ----------------------------------------------------------------------------
@@ -90,131 +73,3 @@ def expand_kv(
     k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], k_pe.shape[-1])
     v = torch.einsum("...sr,hvr->...shv", latent, w_uv)
     return torch.cat([k_nope, k_pe], dim=-1), v
-
-
-# -- roofline ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DecodeCost:
-    """Work of one decode step of attention, over all layers.
-
-    ``kv_bytes`` the cache read (every cached token once, the new one included); ``io_bytes`` the
-    query read and output written; ``flops`` the attention matmuls (``QK^T`` and ``PV``). With
-    ``projections=True`` the latent form also counts the absorption matmuls (``W_UK`` on the query,
-    ``W_UV`` on the output) and the read of their weights (``weight_bytes``), which the batch shares.
-    """
-
-    form: str
-    kv_bytes: int
-    io_bytes: int
-    weight_bytes: int
-    flops: int
-
-    @property
-    def bytes(self) -> int:
-        return self.kv_bytes + self.io_bytes + self.weight_bytes
-
-    @property
-    def intensity(self) -> float:
-        """FLOPs per byte moved."""
-        return self.flops / self.bytes if self.bytes else 0.0
-
-
-def decode_cost(
-    workload: Workload,
-    *,
-    form: Literal["expanded", "latent", "auto"] = "auto",
-    projections: bool = False,
-    kv_dtype: torch.dtype | str | None = None,
-) -> DecodeCost:
-    """FLOPs and bytes of one decode step of ``workload`` in geometry ``form`` (``auto``: latent for MLA).
-
-    Works for any shape (for GQA ``form`` is ``expanded``); ``kv_dtype`` overrides the cache's dtype.
-    """
-    shape = workload.shape
-    if form == "auto":
-        form = "latent" if shape.is_mla else "expanded"
-    g = workload.geometry(form)
-    act = dtype_bytes(workload.dtype)
-    b, layers = workload.batch, shape.num_layers
-    attended = workload.total_tokens + b  # every sequence also attends to its new token
-    flops = 2 * g.num_q_heads * (g.qk_head_dim + g.v_head_dim) * attended * layers
-    io = b * g.num_q_heads * (g.qk_head_dim + g.v_head_dim) * act * layers
-    weight_bytes = 0
-    if projections and form == "latent":
-        nope, v, rank = shape.qk_nope_head_dim, shape.v_head_dim, shape.kv_lora_rank
-        flops += 2 * b * g.num_q_heads * rank * (nope + v) * layers  # type: ignore[operator]
-        weight_bytes = g.num_q_heads * rank * (nope + v) * act * layers  # type: ignore[operator]
-    kv = workload.kv_bytes_per_step(form, kv_dtype=kv_dtype)
-    return DecodeCost(form=form, kv_bytes=kv, io_bytes=io, weight_bytes=weight_bytes, flops=flops)
-
-
-@dataclass(frozen=True)
-class Roofline:
-    """Lower bounds on a step's time: ``memory_s = bytes / bandwidth``, ``compute_s = flops / peak``."""
-
-    form: str
-    bytes: int
-    flops: int
-    intensity: float  # FLOP/B of the step
-    ridge: float  # FLOP/B where the device turns compute-bound (peak_flops / bandwidth)
-    memory_s: float
-    compute_s: float
-
-    @property
-    def bound(self) -> Literal["memory", "compute"]:
-        return "compute" if self.compute_s > self.memory_s else "memory"
-
-    @property
-    def floor_s(self) -> float:
-        return max(self.memory_s, self.compute_s)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"bound": self.bound, "floor_s": self.floor_s}
-
-
-def decode_roofline(
-    workload: Workload,
-    *,
-    bandwidth: float,
-    peak_flops: float,
-    form: Literal["expanded", "latent", "auto"] = "auto",
-    projections: bool = False,
-    kv_dtype: torch.dtype | str | None = None,
-) -> Roofline:
-    """Which bound applies to a decode step of ``workload`` on a device of ``bandwidth`` (bytes/s) and
-    ``peak_flops`` (FLOP/s in the workload's dtype).
-
-    Example (DeepSeek-V3, absorbed, on an H100 SXM's dense bf16 peak)::
-
-        >>> w = Workload.uniform("deepseek-v3", batch=64, context="4k")
-        >>> decode_roofline(w, bandwidth=3.35e12, peak_flops=989e12).bound
-        'memory'
-    """
-    if bandwidth <= 0 or peak_flops <= 0:
-        raise ValueError(f"bandwidth = {bandwidth!r} and peak_flops = {peak_flops!r} must both be > 0")
-    cost = decode_cost(workload, form=form, projections=projections, kv_dtype=kv_dtype)
-    return Roofline(
-        form=cost.form,
-        bytes=cost.bytes,
-        flops=cost.flops,
-        intensity=cost.intensity,
-        ridge=peak_flops / bandwidth,
-        memory_s=cost.bytes / bandwidth,
-        compute_s=cost.flops / peak_flops,
-    )
-
-
-def measure_matmul_flops(
-    device: str | torch.device = "cpu",
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    n: int = 1024,
-    repeats: int = 5,
-) -> float:
-    """Achieved FLOP/s of a square ``n × n`` matmul (median): a measured stand-in for peak compute."""
-    from attnbench.timing import measure
-
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    t = measure(lambda i: torch.matmul(a, b), device=device, warmup=2, repeats=repeats, max_seconds=10.0)
-    return 2 * n**3 / t.median_s

@@ -54,7 +54,7 @@ class Choice:
 
     backend: str
     config: dict[str, Any]
-    source: Literal["tuned", "heuristic"]
+    source: Literal["tuned", "calibrated", "heuristic"]
     workload: Workload
     reason: str
     rejected: list[Rejected] = field(default_factory=list)
@@ -62,7 +62,7 @@ class Choice:
     tuned_key: str | None = None
     distance_octaves: float | None = None
     step_ms: float | None = None  # measured at the tuned bucket
-    estimate_ms: float | None = None  # roofline floor at the measured bandwidth
+    estimate_ms: float | None = None  # calibrated prediction, or the roofline floor (heuristic)
     table: str | None = None
     warnings: list[str] = field(default_factory=list)
 
@@ -102,7 +102,8 @@ class Choice:
         if self.step_ms is not None:
             lines.append(f"  measured step: {self.step_ms:.4g} ms")
         if self.estimate_ms is not None:
-            lines.append(f"  roofline floor: {self.estimate_ms:.4g} ms")
+            what = "calibrated model" if self.source == "calibrated" else "roofline floor"
+            lines.append(f"  {what}: {self.estimate_ms:.4g} ms")
         if self.measured:
             lines.append("  measured:")
             for m in self.measured:
@@ -142,6 +143,8 @@ def select(
         registry: the backends to choose from (default: the full registry).
         bandwidth: bytes/s for the heuristic's roofline (default: the device profile's, measured once).
     """
+    from attnbench.calibrated import beyond_tuned, calibrated_choice
+    from attnbench.calibration import CalibrationError, find_calibration
     from attnbench.device import fingerprint
     from attnbench.tuning.table import DeviceMismatchError, ResultsTable, TableError, table_path
     from attnbench.tuning.tuner import default_results_dir
@@ -169,6 +172,23 @@ def select(
         loaded = None
     failed_gate = _gate_failures(loaded, workload) if loaded else {}
     choice = _from_table(loaded, workload, registry) if loaded else None
+    outside = beyond_tuned(loaded, workload)
+    if outside:  # the measured map wins inside the tuned region; beyond it, the calibrated model
+        lossy = [e.name for e in registry if _stores_lossily(e.cls)]
+        try:
+            calibration = find_calibration(fp, results_dir=path.parent)
+        except CalibrationError as err:
+            notes.append(f"{err}; ignoring it (re-run `attnbench calibrate`)")
+            calibration = None
+        calibrated = calibrated_choice(
+            workload,
+            registry,
+            calibration=calibration,
+            failed_gate=failed_gate,
+            why_outside=outside,
+            skip=lossy,
+        )
+        choice = calibrated or choice
     if choice is None:
         choice = _heuristic(workload, registry, failed_gate=failed_gate, bandwidth=bandwidth)
     choice.warnings = notes + choice.warnings
@@ -302,12 +322,10 @@ def _gate_failures(table: Any, workload: Workload) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------------
 def _kv_bytes(backend: Backend, workload: Workload) -> int:
     """KV bytes one step reads with ``backend``'s cache layout (scales included), over all layers."""
-    try:
-        cache = backend.create_cache(workload, config=backend.default_config(), num_layers=1, max_seq_len=1)
-        per_token = cache.bytes_per_token() * workload.shape.num_layers
-    except Exception:  # a cache that cannot be made tiny: fall back to the shape's count
-        return workload.kv_bytes_per_step(backend.kv_form)
-    return per_token * (workload.total_tokens + workload.batch)
+    from attnbench.costmodel import backend_kv_bytes_per_token, kv_bytes_per_step
+
+    per_token = backend_kv_bytes_per_token(backend, workload)
+    return int(kv_bytes_per_step(per_token, tokens=workload.total_tokens + workload.batch))
 
 
 def _stores_lossily(cls: type[Backend]) -> bool:

@@ -117,8 +117,10 @@ class Workload:
 
     def kv_bytes_per_step(self, form: str = "auto", *, kv_dtype: torch.dtype | str | None = None) -> int:
         """Bytes of KV cache one decode step reads over all layers (each cached token once)."""
+        from attnbench.costmodel import kv_bytes_per_step
+
         per_token = self.shape.kv_bytes_per_token(kv_dtype or self.dtype, form)  # type: ignore[arg-type]
-        return per_token * (self.total_tokens + self.batch)
+        return int(kv_bytes_per_step(per_token, tokens=self.total_tokens + self.batch))
 
     def describe(self) -> str:
         ctx = str(self.context_lens[0]) if len(set(self.context_lens)) == 1 else f"ragged≤{self.context}"

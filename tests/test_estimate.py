@@ -10,10 +10,8 @@ import pytest
 from attnbench.cli import main
 from attnbench.device import DeviceProfile
 from attnbench.estimate import (
-    GPUSpec,
     MoERouting,
     _mean_of_max_linear,
-    attention_only_step,
     estimate,
     kv_bytes_per_token_per_gpu,
     list_gpus,
@@ -43,7 +41,9 @@ def test_llama_70b_on_h100_tp2_bytes_by_hand() -> None:
     # times at 0.8 · 3.35 TB/s = 2.68e12 B/s
     assert est.step.weight_s == pytest.approx(69_503_041_536 / 2.68e12)
     assert est.step.kv_s == pytest.approx(1_342_341_120 / 2.68e12)
-    assert est.itl_s == pytest.approx((69_503_041_536 + 1_342_341_120) / 2.68e12)
+    # plus the fixed cost: 2.7 ms engine host work + 80 layers · 12 kernels · 2 µs = 4.62 ms
+    assert est.step.fixed_s == pytest.approx(2.7e-3 + 80 * 12 * 2e-6)
+    assert est.itl_s == pytest.approx(est.step.fixed_s + (69_503_041_536 + 1_342_341_120) / 2.68e12)
     assert est.step.bound == "memory"
     # the round numbers: ~140 GB of weights, ~2.7 GB for an 8k cache (both GPUs together)
     assert 2 * est.step.weight_bytes == pytest.approx(140e9, rel=0.01)
@@ -65,7 +65,8 @@ def test_llama_8b_on_h200_fp8_kv_batch8_bytes_by_hand() -> None:
     assert est.kv_bytes_per_token == 65_536
     assert est.step.kv_bytes == 2_148_007_936
     # 0.8 · 4.8 TB/s = 3.84e12 B/s
-    assert est.itl_s == pytest.approx((15_009_914_880 + 2_148_007_936) / 3.84e12)
+    fixed = 2.7e-3 + 32 * 12 * 2e-6  # engine host work + launches (gpus.yaml)
+    assert est.itl_s == pytest.approx(fixed + (15_009_914_880 + 2_148_007_936) / 3.84e12)
 
 
 def test_deepseek_v3_latent_cache_and_fp8_weights_by_hand() -> None:
@@ -142,7 +143,7 @@ def test_large_batch_is_compute_bound_on_flops() -> None:
     # batch 1024 of short contexts: 2 · 8e9 · 1024 FLOPs ≈ 16 TFLOP per step vs 16 GB of weights
     est = estimate("llama-3.1-8b", gpu="h100", batch=1024, context=128, new_tokens=1)
     assert est.step.bound == "compute"
-    assert est.itl_s == pytest.approx(est.step.flop_s)
+    assert est.itl_s == pytest.approx(est.step.fixed_s + est.step.flop_s)
 
 
 def test_fp8_weights_on_a100_fall_back_to_bf16_flops() -> None:
@@ -173,30 +174,6 @@ def test_memory_that_does_not_fit_is_said() -> None:
     assert any("does not fit" in n for n in est.notes)
 
 
-def test_attention_only_step_is_kv_bytes_over_bandwidth() -> None:
-    gpu = GPUSpec(
-        name="t",
-        label="t",
-        memory_bandwidth=10e9,
-        memory_bytes=1e9,
-        flops={"bf16": 1e12},
-        achievable=1.0,
-        source="t",
-    )
-    cost = attention_only_step("llama-3.1-8b", gpu=gpu, batch=2, context=1023, dtype="bf16", num_layers=8)
-    # 8 layers · 2 · 1,024 tokens · (8 heads · 256 values) · 2 B = 67,108,864 B
-    assert cost.kv_bytes == 67_108_864
-    assert cost.time_s == pytest.approx(67_108_864 / 10e9)
-    assert cost.weight_bytes == 0
-    fp8 = attention_only_step(
-        "llama-3.1-8b", gpu=gpu, batch=2, context=1023, dtype="bf16", kv_dtype="fp8", num_layers=8
-    )
-    assert fp8.kv_bytes == 67_108_864 // 2  # one byte per cached value; arithmetic still bf16
-    assert fp8.flops == cost.flops
-    mla = attention_only_step("tiny-mla", gpu=gpu, batch=1, context=9, dtype="fp32", form="latent")
-    assert mla.kv_bytes == 2 * 10 * (32 + 8) * 4  # one latent row per token per layer
-
-
 # -- presets, 'this', errors ------------------------------------------------------------------------
 
 
@@ -214,7 +191,7 @@ def test_this_uses_the_measured_profile(monkeypatch: pytest.MonkeyPatch, tmp_pat
     fake = DeviceProfile({"name": "cpu-under-test"}, 5e9, 6e9, 1, "now")
     monkeypatch.setattr("attnbench.device.load_profile", lambda device=None, remeasure=False: fake)
     calls = []
-    monkeypatch.setattr("attnbench.estimate._matmul_flops", lambda dev, dt: calls.append(dt) or 1e11)
+    monkeypatch.setattr("attnbench.gpuspec._matmul_flops", lambda dev, dt: calls.append(dt) or 1e11)
     gpu = measured_gpu("cpu")
     assert gpu.memory_bandwidth == 5e9 and gpu.achievable == 1.0 and gpu.measured
     assert gpu.flops["bf16"] == 1e11
@@ -228,7 +205,7 @@ def test_this_uses_the_measured_profile(monkeypatch: pytest.MonkeyPatch, tmp_pat
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"gpu": "h300"}, "unknown GPU 'h300'; presets: a100-80gb, h100-sxm, h200, b200"),
+        ({"gpu": "h300"}, "unknown GPU 'h300'; presets: a100-80gb, h100-sxm, h200, b200, this"),
         ({"tp": 3}, "--tp 3 does not divide num_heads 32"),
         ({"tp": 0}, "--tp = 0 must be an integer ≥ 1"),
         ({"batch": 0}, "--batch = 0 must be an integer ≥ 1"),
@@ -360,3 +337,35 @@ def test_latency_model_docs_show_current_cli_output(monkeypatch: pytest.MonkeyPa
     assert module.render(page) == page, (
         "docs/latency-model.md is stale: run python scripts/latency_model_docs.py"
     )
+
+
+# -- the published anchors ------------------------------------------------------------------------------
+
+
+def test_vllm_llama_8b_h100_anchor_fixed_part_and_slope_within_15_percent() -> None:
+    # vLLM's fit for Llama-3.1-8B (fp8 weights, bf16 KV) on one H100, batch 1:
+    # ITL ≈ 6.44 ms + 43.7 µs per 1k context tokens. The estimate is linear in context; fit it the same way.
+    def itl(context: int) -> float:
+        return estimate(
+            "llama-3.1-8b", gpu="h100", batch=1, context=context, new_tokens=1, weight_dtype="fp8"
+        ).itl_s
+
+    slope_per_1k = (itl(65_536) - itl(1_024)) / 64
+    intercept = itl(1_024) - slope_per_1k
+    assert intercept == pytest.approx(6.44e-3, rel=0.15)
+    assert slope_per_1k == pytest.approx(43.7e-6, rel=0.15)
+    # the fixed part is the documented fixed cost, not a change of bandwidth: the weight reads stay
+    # bytes / (0.8 · 3.35 TB/s)
+    est = estimate("llama-3.1-8b", gpu="h100", batch=1, context=1, new_tokens=1, weight_dtype="fp8")
+    assert est.step.weight_s == pytest.approx(est.step.weight_bytes / 2.68e12)
+    assert est.step.fixed_s == pytest.approx(2.7e-3 + 32 * 12 * 2e-6)
+
+
+def test_llama_70b_on_two_h100_stays_in_its_band() -> None:
+    # bf16, batch 1, 8k context: the weight-read roofline alone is 26.43 ms; with the fixed cost the ITL
+    # must stay within the roofline … +25 % (26.4 – 33.0 ms; ~30 tokens/s per sequence)
+    est = estimate("llama-3.3-70b", gpu="h100", tp=2, batch=1, context=8192, new_tokens=250)
+    floor = est.step.memory_s
+    assert floor == pytest.approx(26.43e-3, rel=1e-3)
+    assert floor < est.itl_s <= 1.25 * floor
+    assert 26.4e-3 < est.itl_s < 33.0e-3

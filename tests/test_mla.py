@@ -21,11 +21,10 @@ import torch
 from attnbench.backend import Backend, ConfigError
 from attnbench.backends.mla import TILES, MLABackend, auto_splits, effective_tile
 from attnbench.backends.naive import NaiveBackend
+from attnbench.costmodel import decode_cost, decode_roofline
 from attnbench.gate import check
 from attnbench.mla import (
     absorb_query,
-    decode_cost,
-    decode_roofline,
     expand_kv,
     expand_output,
     latent_query,

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from attnbench.bench import CheckFailed, measure_decode
+from attnbench.calibration import CalibrationError, find_calibration
 from attnbench.cli.common import (
     add_model_option,
     add_workload_options,
@@ -26,9 +27,9 @@ from attnbench.cli.common import (
     emit_json,
     workloads_from_args,
 )
+from attnbench.costmodel import decode_cost, roofline
 from attnbench.device import DeviceProfile, load_profile
-from attnbench.estimate import measured_gpu
-from attnbench.mla import decode_roofline
+from attnbench.gpuspec import measured_gpu
 from attnbench.registry import load_registry
 from attnbench.workload import Workload
 
@@ -100,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
         profile = load_profile(device, remeasure=args.remeasure)
     with err.status("loading the device's matmul peak (measured once per fingerprint)…"):
         peak = measured_gpu(device).flops  # FLOP/s by dtype, for the compute side of the roofline
+    try:  # this device's calibrated step-time model, for the measured-vs-model column
+        calibration = find_calibration(profile.fingerprint)
+    except CalibrationError as error:
+        err.print(f"[yellow]calibration not used: {escape(str(error))}")
+        calibration = None
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     load_start = os.getloadavg()
     rows: list[dict[str, Any]] = []
@@ -132,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             for backend in backends:
                 label = f"{workload.describe()} · {backend.name}"
                 progress.update(task, description=label)
-                rows.append(_measure_row(backend, workload, args, profile, peak))
+                rows.append(_measure_row(backend, workload, args, profile, peak, calibration))
                 progress.advance(task)
                 if not err.is_terminal:  # a log file: one line per measurement instead of a live bar
                     err.print(f"[{len(rows)}/{total}] {label}: {rows[-1]['status']}")
@@ -173,7 +179,12 @@ def _reconstruct(args: argparse.Namespace) -> str:
 
 
 def _measure_row(
-    backend: Any, workload: Any, args: argparse.Namespace, profile: DeviceProfile, peak: dict[str, float]
+    backend: Any,
+    workload: Any,
+    args: argparse.Namespace,
+    profile: DeviceProfile,
+    peak: dict[str, float],
+    calibration: Any = None,
 ) -> dict[str, Any]:
     base = {
         "workload": workload.describe(),
@@ -208,7 +219,20 @@ def _measure_row(
             "reasons": [f"{type(error).__name__}: {str(error).splitlines()[0]}"],
         }
     row = base | {"status": "timed" if m.timed else "checked-only"} | m.as_dict()
-    return row | _roofline(backend, workload, m, profile, peak)
+    row |= _roofline(backend, workload, m, profile, peak)
+    predicted = (
+        calibration.predict(backend, workload, layers=m.num_layers, kv_bytes=m.kv_bytes)
+        if calibration
+        else None
+    )
+    if predicted is not None:
+        step_s = m.step.median_s if m.step else None
+        row["model"] = {
+            "step_s": predicted[0],
+            "fit": predicted[1].describe(),
+            "measured_over_model": step_s / predicted[0] if step_s else None,
+        }
+    return row
 
 
 def _roofline(
@@ -218,18 +242,15 @@ def _roofline(
     the attention FLOPs (in the backend's own form: absorbed MLA does ~2·H·576 FLOPs per cached
     token) over the measured matmul peak; and how far the measured step is above that floor."""
     layers = m.num_layers or workload.shape.num_layers
-    shaped = Workload(
-        replace(workload.shape, num_layers=layers), workload.context_lens, workload.dtype, workload.device
-    )
     flops_per_s = peak.get(workload.dtype_name) or peak["bf16"]
-    roof = decode_roofline(shaped, bandwidth=profile.bandwidth, peak_flops=flops_per_s, form=backend.kv_form)
-    memory_s = m.kv_bytes / profile.bandwidth
-    floor_s = max(memory_s, roof.compute_s)
+    cost = replace(decode_cost(workload, form=backend.kv_form, num_layers=layers), kv_bytes=m.kv_bytes)
+    roof = roofline(cost, bandwidth=profile.bandwidth, peak_flops=flops_per_s)
     step_s = m.step.median_s if m.step else None
+    floor_s = roof.floor_s
     return {
         "roofline": {
-            "bound": "compute" if roof.compute_s > memory_s else "memory",
-            "memory_floor_s": memory_s,
+            "bound": roof.bound,
+            "memory_floor_s": roof.memory_s,
             "compute_floor_s": roof.compute_s,
             "flops": roof.flops,
             "peak_flops": flops_per_s,
@@ -263,7 +284,8 @@ def _table(report: dict[str, Any]) -> Table:
         )
     )
     columns = ["dtype", "batch", "context", "backend", "rel_l2", "max_abs", "gate", "p50 ms", "p90 ms"]
-    columns += ["KV MB/step", "GB/s", "% BW", "× naive", "bound", "× floor", "layers mat."]
+    columns += ["KV MB/step", "GB/s", "% BW", "× naive", "bound", "× floor", "model ms", "meas/model"]
+    columns += ["layers mat."]
     for col in columns:
         table.add_column(col, justify="left" if col in ("dtype", "backend", "gate") else "right")
     for r in report["results"]:
@@ -299,6 +321,8 @@ def _table(report: dict[str, Any]) -> Table:
             _fmt(r.get("speedup_vs_naive"), ".2f"),
             (r.get("roofline") or {}).get("bound", "—"),
             _fmt((r.get("roofline") or {}).get("x_floor"), ".1f"),
+            _fmt((r.get("model") or {}).get("step_s", 0) * 1e3 or None, ".2f"),
+            _fmt((r.get("model") or {}).get("measured_over_model"), ".2f"),
             f"{r['layers_materialised']}/{r['num_layers']}",
         )
     return table
@@ -317,6 +341,13 @@ def _print_notes(out: Console, report: dict[str, Any]) -> None:
             "layers mat. < layers: the synthetic model cycles its decode calls over that many distinct layer "
             "caches (together several times the last-level cache), so each call still reads from DRAM."
         )
+    fits = sorted({r["model"]["fit"] for r in report["results"] if r.get("model")})
+    if fits:
+        out.print(
+            "model ms: this device's calibrated step-time model (attnbench calibrate) at the bytes read:"
+        )
+        for fit in fits:
+            out.print(f"  {escape(fit)}")
     if any(r.get("llc_flushed") for r in report["results"]):
         out.print(
             "rows with llc_flushed (JSON): the caches are smaller than 4 × the last-level cache, so it was "

@@ -36,11 +36,13 @@ def _fraction(text: str) -> float:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "estimate",
-        help="estimate TTFT, ITL and end-to-end latency from the roofline",
+        help="estimate TTFT, ITL and end-to-end latency from the cost model",
         description=(
-            "Estimate generation latency TTFT + N·ITL for a model on a GPU from the roofline: a decode "
-            "step reads every weight and the whole KV cache once, so ITL ≈ max(bytes / (bandwidth · "
-            "achievable), FLOPs / (peak · achievable)); TTFT comes from the prefill's FLOPs. Shows the "
+            "Estimate generation latency TTFT + N·ITL for a model on a GPU from the cost model: a decode "
+            "step reads every weight and the whole KV cache once, so ITL ≈ fixed + max(bytes / (bandwidth · "
+            "achievable), FLOPs / (peak · achievable)), fixed being kernel launches and the engine's host "
+            "work; on a calibrated device the KV term is the measured model of the backend select() "
+            "chooses. TTFT comes from the prefill's FLOPs. Shows the "
             "split into weight reads, KV reads and the FLOP bound, and the batch × context at which the KV "
             "cache overtakes the weights. All byte and FLOP figures are per GPU of the tensor-parallel "
             "group. The model is described in docs/latency-model.md."
@@ -54,8 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gpu",
         required=True,
-        help=f"GPU preset ({', '.join(list_gpus())}; aliases such as h100 work) or 'this' for the "
-        "measured current device",
+        help=f"GPU preset ({', '.join(list_gpus())}; aliases such as h100 work; datasheet figures), "
+        "'this' for the measured current device (with its calibration when `attnbench calibrate` wrote "
+        "one), or the PATH of a calibration file (calibration-*.yaml)",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     p.add_argument(
@@ -126,15 +129,25 @@ def render(est: Estimate) -> Table:
         _ms(s.weight_s),
         f"at {rate} ({gpu.achievable:g} of {'measured' if gpu.measured else 'datasheet'})",
     )
+    att = est.attention
     t.add_row(
         "KV reads",
         _gb(s.kv_bytes),
         _ms(s.kv_s),
-        f"{est.batch} × {est.context + 1} tokens × {est.kv_bytes_per_token:,} B",
+        f"{est.batch} × {est.context + 1} tokens × {est.kv_bytes_per_token:,} B"
+        if att is None
+        else f"calibrated {att.backend}: {est.batch} × {est.context + 1} tokens × {att.kv_bytes_per_token:,} B",
     )
     t.add_row("memory total", _gb(s.weight_bytes + s.kv_bytes), _ms(s.memory_s), "")
     t.add_row("FLOP bound", f"{s.flops / 1e12:,.3f} TFLOP", _ms(s.flop_s), "matmuls + attention")
-    t.add_row("[bold]ITL (first step)", "", f"[bold]{_ms(est.itl_s)}", f"{s.bound}-bound")
+    if s.fixed_s:
+        t.add_row("fixed per step", "", _ms(s.fixed_s), "kernel launches + engine host work")
+    t.add_row(
+        "[bold]ITL (first step)",
+        "",
+        f"[bold]{_ms(est.itl_s)}",
+        f"{s.bound}-bound" + (" + fixed" if s.fixed_s else ""),
+    )
     t.add_row(
         "ITL (mean over N)",
         "",
@@ -197,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
     out = console()
     out.print(render(est))
     out.print(f"GPU figures: {est.gpu.source}")
+    if est.attention is not None:
+        out.print(f"KV term: {est.attention.fit}; backend chosen: {est.attention.selected}")
     for note in est.notes:
         out.print(f"note: {note}")
     return 0
