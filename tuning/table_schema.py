@@ -110,6 +110,8 @@ class CandidateResult:
             missing=c.get("missing", bool, required=False, default=False),
             extra=c.extra(_known(cls)),
         )
+        if not out.missing and "config" not in c.data:
+            raise c._fail("config", "is missing")
         if not out.missing and out.failed is None and out.step_ms is None:
             raise TableError(f"field '{where}' has neither 'step_ms' (measured) nor 'failed' (its verdict)")
         return out
