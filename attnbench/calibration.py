@@ -270,7 +270,7 @@ class Calibration:
             "format": FORMAT,
             "kind": "attnbench calibration",
             "model": MODEL,
-            "device": self.device,
+            "device": json.loads(json.dumps(self.device, default=str)),  # plain types for YAML
             "written_at": self.written_at,
             "command": self.command,
             "fits": [asdict(f) for f in self.fits],

@@ -1,0 +1,129 @@
+"""``attnbench calibrate`` — fit this device's step-time models from what tune and bench measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from attnbench.cli.common import console, emit_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="fit per-backend step-time models from tuned tables and bench runs",
+        description=(
+            "Fit, per backend and dtype (and per attention geometry with enough points), the step-time "
+            "model t = layers · (t0 + t_seq · batch) + kv_bytes / bw_eff to the decode steps this device's "
+            "tuned table and the given bench JSON files measured (≥ 5 points spanning ≥ 16× in "
+            "batch × context per fit), and write calibration-<device>.yaml beside the tuned table. "
+            "`attnbench estimate --gpu this` and select() beyond the tuned region then use it; "
+            "docs/latency-model.md explains the model."
+        ),
+        epilog="example: attnbench calibrate --bench results/bench-cpu-llama-3.1-8b-1k-8k.json",
+    )
+    p.add_argument(
+        "--results-dir",
+        default=None,
+        help="where the tuned tables live (default $ATTNBENCH_RESULTS_DIR or results/)",
+    )
+    p.add_argument("--table", default=None, help="a tuned table (default: this device's, if any)")
+    p.add_argument(
+        "--bench",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="an `attnbench bench --save` JSON (repeatable)",
+    )
+    p.add_argument(
+        "--out", default=None, help="output file (default: calibration-<device>.yaml beside the table)"
+    )
+    p.add_argument(
+        "--device", default="cpu", help="device whose profile the calibration is for (default cpu)"
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from attnbench.calibration import (
+        Calibration,
+        calibration_path,
+        device_entry,
+        points_from_bench,
+        points_from_table,
+    )
+    from attnbench.device import load_profile
+    from attnbench.gpuspec import device_memory_bytes, measured_flops
+    from attnbench.registry import load_registry
+    from attnbench.tuning.table import hardware_id, table_path
+    from attnbench.tuning.tuner import default_results_dir
+
+    profile = load_profile(args.device)
+    dev = torch.device(args.device)
+    results = Path(args.results_dir or default_results_dir())
+    registry = load_registry()
+    table = Path(args.table) if args.table else table_path(results, profile.fingerprint)
+    points = points_from_table(table, registry) if table.exists() else []
+    for path in args.bench:
+        if not Path(path).exists():
+            raise ValueError(f"--bench {path!r}: no such file")
+        data_device = (json.loads(Path(path).read_text()).get("device") or {}).get("fingerprint")
+        if data_device and hardware_id(data_device) != hardware_id(profile.fingerprint):
+            raise ValueError(
+                f"--bench {path!r} was measured on {data_device.get('name')!r}, not on this device "
+                f"({profile.name!r}): a calibration is per device"
+            )
+        points += points_from_bench(path, registry)
+    if not points:
+        raise ValueError(
+            f"no measured steps to fit: {table} has none and no --bench JSON was given "
+            "(run `attnbench tune` or `attnbench bench --save PREFIX` first)"
+        )
+    device = device_entry(
+        profile,
+        flops=measured_flops(dev, profile_id=profile.id),
+        memory_bytes=device_memory_bytes(dev),
+    )
+    command = "attnbench calibrate" + "".join(f" --bench {b}" for b in args.bench)
+    cal = Calibration.fit(points, device=device, command=command)
+    out = Path(args.out) if args.out else calibration_path(results, profile.fingerprint)
+    cal.save(out)
+    if args.json:
+        emit_json(cal.as_dict() | {"path": str(out)})
+        return 0
+    con = console()
+    t = Table(title=f"calibration of {profile.name} → {out}  (model: {cal.as_dict()['model']})")
+    for col in (
+        "backend",
+        "dtype",
+        "geometry",
+        "t0 µs/layer",
+        "t_seq µs/seq/layer",
+        "bw_eff GB/s",
+        "points",
+        "span",
+        "fit error rms / max",
+    ):
+        t.add_column(col, justify="left" if col in ("backend", "dtype", "geometry") else "right")
+    for f in cal.fits:
+        t.add_row(
+            f.backend,
+            f.dtype,
+            f.geometry or "all",
+            f"{1e6 * f.t0_s:.3g}",
+            f"{1e6 * f.t_seq_s:.3g}",
+            f"{f.bw_eff / 1e9:.3g}",
+            str(f.points),
+            f"{f.span:.0f}×",
+            f"{100 * f.rms_rel_error:.1f}% / {100 * f.max_rel_error:.1f}%",
+        )
+    con.print(t)
+    for s in cal.skipped:
+        con.print(f"not fitted: {s}")
+    return 0
