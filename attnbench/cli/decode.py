@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from attnbench.backend import Backend
 from attnbench.bench import CheckFailed, check_workload
 from attnbench.cli.common import add_model_option, console, emit_json
 from attnbench.decode import SyntheticModel, generate
@@ -32,7 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Run a prompt of --prompt-len tokens, then decode until --new-tokens tokens exist, through "
             "the synthetic attention-only model (every layer of the model's shape, attention and KV "
-            "cache only) with one backend. The backend is checked against float64 attention first. "
+            "cache only) with one backend — or, when --model is a checkpoint directory (config.json + "
+            "safetensors), through the real model, loaded by transformers, its attention routed through "
+            "the backend (attnbench.integrations.transformers; random prompt tokens, greedy). The "
+            "backend is checked against float64 attention first. "
             "Prints TTFT (the prefill, which yields the first token), ITL p50/p90 over the N-1 decode "
             "steps, end-to-end latency and, beside it, TTFT + (N-1)·ITL (mean, and p50): with the mean the "
             "two agree within 10% when the loop adds nothing of its own; the p50 form also needs a quiet "
@@ -49,7 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default="bf16", help="compute/KV dtype: bf16, fp16, fp32 (default bf16)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--layers", type=int, default=None, help="layers per step (default: the model's)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers per step (default: the model's; synthetic model only)",
+    )
     p.add_argument("--warmup-runs", type=int, default=1, help="untimed short runs first (default 1)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness gate (not recommended)")
     p.add_argument(
@@ -96,23 +106,42 @@ def run(args: argparse.Namespace) -> int:
             result_check = check(backend, check_workload(workload, form=backend.kv_form))
         if not result_check.passed:
             raise CheckFailed(result_check)
-    model = SyntheticModel(backend, workload, num_layers=args.layers)
+    checkpoint = _checkpoint_dir(args.model)
+    if checkpoint is not None:
+        if args.layers is not None:
+            raise ValueError(f"--layers applies to the synthetic model; {args.model!r} is a real checkpoint")
+        with err.status(f"loading {checkpoint.name} with transformers…"):
+            model: Any = _real_model(
+                checkpoint, backend, batch=batch, dtype=workload.dtype, device=args.device
+            )
+        prompt = torch.randint(
+            0, model.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0)
+        )
+        inputs: dict[str, Any] = {"prompt": prompt}
+        kind, num_layers, materialised = "transformers (real model)", shape.num_layers, shape.num_layers
+    else:
+        model = SyntheticModel(backend, workload, num_layers=args.layers)
+        inputs = {"prompt_len": prompt_len}
+        kind, num_layers = "synthetic attention-only", model.num_layers
     with err.status("warm-up…"):
         for _ in range(args.warmup_runs):
-            generate(model, prompt_len=prompt_len, new_tokens=min(new_tokens, 4))
+            generate(model, **inputs, new_tokens=min(new_tokens, 4))
     load_start = os.getloadavg()
     with err.status(f"decoding {new_tokens} tokens…"):
-        run_ = generate(model, prompt_len=prompt_len, new_tokens=new_tokens)
+        run_ = generate(model, **inputs, new_tokens=new_tokens)
+    if checkpoint is None:
+        materialised = model.layers_materialised
+        model.release()
     report: dict[str, Any] = {
         "command": _reconstruct(args),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": shape.name,
-        "model_kind": "synthetic attention-only",
+        "model_kind": kind,
         "backend": backend.name,
         "implementation": backend.implementation(workload),
         "dtype": workload.dtype_name,
-        "num_layers": model.num_layers,
-        "layers_materialised": model.layers_materialised,
+        "num_layers": num_layers,
+        "layers_materialised": materialised,
         "device": profile.as_dict(),
         "load_avg_start": list(load_start),
         "load_avg_end": list(os.getloadavg()),
@@ -120,12 +149,36 @@ def run(args: argparse.Namespace) -> int:
         **run_.as_dict(bandwidth=profile.bandwidth),
     }
     report["e2e_within_10pct"] = abs(report["e2e_ratio"] - 1) <= E2E_TOLERANCE
-    model.release()
     if args.json:
         emit_json(report)
         return 0
     _print(console(), report)
     return 0
+
+
+def _checkpoint_dir(model: str) -> Path | None:
+    """``model`` as a checkpoint directory with weights (config.json + safetensors), else ``None``."""
+    path = Path(model)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return None
+    return path if any(path.glob("*.safetensors")) else None
+
+
+def _real_model(checkpoint: Path, backend: Backend, *, batch: int, dtype: torch.dtype, device: str) -> Any:
+    """The checkpoint as a :class:`~attnbench.decode.DecodeModel` whose attention runs through ``backend``."""
+    try:
+        import transformers
+
+        from attnbench.integrations.transformers import TransformersDecodeModel
+    except ImportError as err:
+        raise ValueError(
+            f"--model {str(checkpoint)!r}: running a real model needs transformers ({err})"
+        ) from None
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    except (OSError, KeyError) as err:
+        raise ValueError(f"--model {str(checkpoint)!r}: transformers cannot load it: {err}") from None
+    return TransformersDecodeModel(hf.to(device=device, dtype=dtype).eval(), backend, batch=batch)
 
 
 def _reconstruct(args: argparse.Namespace) -> str:

@@ -1,0 +1,512 @@
+"""transformers models generate through attnbench backends (``attnbench.integrations.transformers``).
+
+Tiny random-initialised models (fp32, hidden 64, 2 layers, vocab 128) of eight architectures plus
+DeepSeek-V3's expanded MLA form. Two prompts of different lengths (8 and 5 tokens) go through one
+left-padded batch with an attention mask; each sequence's 32 greedy tokens must equal transformers'
+own (``sdpa``, fp32) for that prompt alone. Every registered backend runs every model it supports;
+backends whose kernels run interpreted here (Triton on a CPU) run on two of them only, to keep CI
+short. A lossy cache (fp8) is held to naive attention over K/V as it stores them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import attnbench
+from attnbench.backend import Backend, KVCache, StepPlan
+from attnbench.backends.naive import NaiveBackend
+from attnbench.cli import main
+from attnbench.decode import generate
+from attnbench.integrations.transformers import (
+    BackendCache,
+    TransformersDecodeModel,
+    cache_kwarg,
+    use_backend,
+)
+from attnbench.models import UnsupportedModelError
+from attnbench.shapes import ShapeError, load_shape
+from attnbench.workload import Workload
+
+LONG, SHORT = 8, 5  # prompt lengths; the short one is left-padded to LONG
+NEW_TOKENS = 32
+MAX_SEQ_LEN = LONG + NEW_TOKENS
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=128,
+    initializer_range=0.2,  # wide logits: top-1 well clear of top-2, so fp32 rounding cannot flip a token
+    bos_token_id=None,
+    eos_token_id=None,  # never stop early: all 32 tokens are compared
+    pad_token_id=None,
+)
+_GQA = dict(num_attention_heads=4, num_key_value_heads=2, **_COMMON)
+
+
+def _llama() -> transformers.PreTrainedModel:
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(head_dim=16, rope_parameters=rope, **_GQA))
+
+
+def _deepseek() -> transformers.PreTrainedModel:
+    cfg = transformers.DeepseekV3Config(
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,  # Dk = 32 != Dv = 16, as in the real model
+        first_k_dense_replace=2,  # all layers dense
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        **_COMMON,
+    )
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+ARCHITECTURES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
+    "llama": _llama,  # GQA, Llama-3 rope scaling
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=64, **_GQA)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(  # MQA, q/k/v biases, tied embeddings
+        transformers.Qwen2Config(
+            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, **_COMMON
+        )
+    ),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(head_dim=16, **_GQA)
+    ),  # q/k norms
+    "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**_GQA)),  # fused qkv projection
+    "granite": lambda: transformers.GraniteForCausalLM(  # softmax scale 0.5 != 1/sqrt(16)
+        transformers.GraniteConfig(
+            attention_multiplier=0.5,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.7,
+            logits_scaling=0.5,
+            **_GQA,
+        )
+    ),
+    "olmo2": lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**_GQA)),  # post-norms, q/k norms
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(  # scale 1/sqrt(8) != 1/sqrt(16); windows ≥ the run
+        transformers.Gemma3TextConfig(head_dim=16, query_pre_attn_scalar=8, sliding_window=64, **_GQA)
+    ),
+    "deepseek-v3-expanded": _deepseek,
+}
+#: The architectures interpreted (slow) backends run on.
+INTERPRETED_ON = ("llama", "qwen3")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # type: ignore[no-untyped-def]
+    """Tiny matrices: one torch thread is many times faster than several contending for busy cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def hf_model(arch: str) -> transformers.PreTrainedModel:
+    """A seeded tiny model, norm weights and biases randomised too (they are 1 / 0 at initialisation)."""
+    torch.manual_seed(1234)
+    hf = ARCHITECTURES[arch]().eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif pname.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    hf.set_attn_implementation("sdpa")
+    return hf
+
+
+def batch_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids [2, LONG]`` (sequence 1 left-padded with 0s) and the attention mask."""
+    ids = torch.randint(0, 128, (2, LONG), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, : LONG - SHORT] = 0
+    ids[1, : LONG - SHORT] = 0
+    return ids, mask
+
+
+@functools.cache
+def reference_tokens(arch: str) -> torch.Tensor:
+    """transformers' own greedy tokens ``[2, NEW_TOKENS]``, each prompt run alone (sdpa, fp32)."""
+    hf = hf_model(arch)
+    hf.set_attn_implementation("sdpa")
+    ids, mask = batch_inputs()
+    rows = []
+    for i in range(2):
+        prompt = ids[i : i + 1, LONG - int(mask[i].sum()) :]
+        rows.append(hf.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)[0, prompt.shape[1] :])
+    return torch.stack(rows)
+
+
+def generate_through(arch: str, backend: Backend | str, *, config: dict | None = None) -> torch.Tensor:
+    """Greedy tokens ``[2, NEW_TOKENS]`` of the padded batch with attention through ``backend``."""
+    hf = hf_model(arch)
+    ids, mask = batch_inputs()
+    try:
+        cache = use_backend(hf, backend, config=config, batch=2, max_seq_len=MAX_SEQ_LEN)
+        out = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **{cache_kwarg(hf): cache}
+        )
+    finally:
+        hf.set_attn_implementation("sdpa")
+    return out[:, LONG:]
+
+
+class StoredKVNaiveBackend(NaiveBackend):
+    """Test-only: naive attention over K/V exactly as ``lossy`` stores them (its ``reference_kv``)."""
+
+    name = "test_stored_kv_naive"
+
+    def __init__(self, lossy: Backend) -> None:
+        self.lossy = lossy
+
+    def _stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ks, vs = self.lossy.reference_kv(k, v, config=self.lossy.default_config())
+        return ks.to(k.dtype), vs.to(v.dtype)
+
+    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().append(cache, plan, layer=layer, k=self._stored(k, v)[0], v=self._stored(k, v)[1])
+
+    def decode(
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ):  # type: ignore[no-untyped-def]
+        ks, vs = self._stored(k[:, None], v[:, None])
+        return super().decode(cache, plan, layer=layer, q=q, k=ks[:, 0], v=vs[:, 0])
+
+
+def _lossy(backend: Backend) -> bool:
+    k = torch.randn(1, 3, 2, 16)
+    return backend.reference_kv(k, k.clone(), config=backend.default_config()) is not None
+
+
+def _cases() -> list:
+    cases = []
+    for entry in attnbench.load_registry():
+        if entry.cls.kv_form != "expanded":
+            continue  # the latent form runs in attnbench.models (DeepSeek); refused here, tested below
+        probe = entry.cls()
+        interpreted = probe.interpreted(Workload.uniform("tiny-gqa", batch=2, context=64, dtype="fp32"))
+        for arch in ARCHITECTURES:
+            if interpreted and arch not in INTERPRETED_ON:
+                continue
+            cases.append(pytest.param(arch, entry.name, id=f"{arch}-{entry.name}"))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------------
+# greedy tokens: every architecture × every registered backend that supports it
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("arch", "backend_name"), _cases())
+def test_greedy_tokens_equal_transformers(arch: str, backend_name: str) -> None:
+    backend = attnbench.load_registry().get(backend_name)
+    try:
+        tokens = generate_through(arch, backend)
+    except UnsupportedModelError as err:
+        if f"backend {backend_name!r}" in str(err) and "every layer" in str(err):
+            pytest.skip(str(err))  # the backend's supports() refuses this shape (e.g. Dk != Dv)
+        raise
+    if _lossy(backend):  # fp8: exact tokens of naive attention over the K/V it stores
+        want, against = generate_through(arch, StoredKVNaiveBackend(backend)), "naive over its stored K/V"
+    else:
+        want, against = reference_tokens(arch), "transformers (sdpa, each prompt alone)"
+    for i in range(2):
+        same = int((tokens[i] == want[i]).sum())
+        assert torch.equal(tokens[i], want[i]), f"sequence {i}: {same}/{NEW_TOKENS} tokens equal {against}'s"
+
+
+def test_enough_architectures_run_through_naive() -> None:
+    """At least six architectures, and every one of them, match transformers through ``naive``."""
+    matched = [
+        arch for arch in ARCHITECTURES if torch.equal(generate_through(arch, "naive"), reference_tokens(arch))
+    ]
+    assert matched == list(ARCHITECTURES) and len(matched) >= 6
+
+
+class WrongBackend(NaiveBackend):
+    """Planted bug: the decode output of each query head is swapped with its neighbour's."""
+
+    name = "test_wrong"
+
+    def decode(
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ):  # type: ignore[no-untyped-def]
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v).roll(1, dims=1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_planted_wrong_backend_changes_the_tokens(arch: str) -> None:
+    """The model's attention really runs through the backend: a wrong one gives other tokens."""
+    assert torch.equal(generate_through(arch, NaiveBackend()), reference_tokens(arch))
+    assert not torch.equal(generate_through(arch, WrongBackend()), reference_tokens(arch))
+
+
+class CountingBackend(NaiveBackend):
+    name = "test_counting"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def plan(self, cache: KVCache, *, num_new):  # type: ignore[no-untyped-def]
+        self.calls.append(f"plan{list(num_new)}")
+        return super().plan(cache, num_new=num_new)
+
+    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.calls.append(f"append{layer}")
+        super().append(cache, plan, layer=layer, k=k, v=v)
+
+    def decode(
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ):  # type: ignore[no-untyped-def]
+        self.calls.append(f"decode{layer}")
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+def test_one_plan_per_step_one_write_per_token_and_ragged_lengths() -> None:
+    """Prefill plans the ragged lengths (pads stripped), then one plan per step for both layers; the
+    backend's cache holds each sequence's own length, transformers' view holds nothing."""
+    backend = CountingBackend()
+    hf = hf_model("llama")
+    ids, mask = batch_inputs()
+    try:
+        cache = use_backend(hf, backend, batch=2, max_seq_len=MAX_SEQ_LEN)
+        hf.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **{cache_kwarg(hf): cache})
+    finally:
+        hf.set_attn_implementation("sdpa")
+    step = ["plan[1, 1]", "decode0", "decode1"]
+    assert backend.calls == [f"plan[{LONG}, {SHORT}]", "append0", "append1", *step * 3]
+    assert isinstance(cache, BackendCache)
+    assert cache.kv.seq_lens == (LONG + 3, SHORT + 3)  # the last new token is never fed back
+    assert cache.get_seq_length() == LONG + 3
+    assert all(getattr(layer, "keys", None) is None for layer in cache.layers)  # no second copy
+
+
+def test_a_choice_from_select_runs(tmp_path: Path) -> None:
+    hf = hf_model("qwen2")
+    shape = use_shape(hf)
+    choice = attnbench.select(
+        Workload.uniform(shape, batch=2, context=MAX_SEQ_LEN, dtype="fp32"),
+        results_dir=tmp_path,
+        bandwidth=1e10,
+    )
+    backend = choice.build()
+    want = (
+        generate_through("qwen2", StoredKVNaiveBackend(backend))
+        if _lossy(backend)
+        else reference_tokens("qwen2")
+    )
+    assert torch.equal(generate_through("qwen2", choice), want), f"choice {choice.backend} {choice.config}"
+
+
+def use_shape(hf: transformers.PreTrainedModel):  # type: ignore[no-untyped-def]
+    """The shape the integration derives from ``hf``."""
+    try:
+        cache = use_backend(hf, "naive", batch=1, max_seq_len=4)
+    finally:
+        hf.set_attn_implementation("sdpa")
+    return cache.kv.workload.shape
+
+
+def test_shape_read_from_the_model() -> None:
+    shape = use_shape(hf_model("llama"))
+    assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (2, 4, 2, 16)
+    mla = use_shape(hf_model("deepseek-v3-expanded"))
+    assert mla.is_mla and mla.geometry("expanded").v_head_dim == 16 and mla.head_dim == 32
+
+
+def test_decode_loop_times_a_transformers_model() -> None:
+    """The DecodeModel adapter: attnbench.decode.generate's tokens equal transformers' (equal-length prompts)."""
+    hf = hf_model("olmo2")
+    ids = torch.randint(0, 128, (2, LONG), generator=torch.Generator().manual_seed(3))
+    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)[:, LONG:]
+    try:
+        model = TransformersDecodeModel(hf, "naive", batch=2)
+        run = generate(model, prompt=ids, new_tokens=12)
+    finally:
+        hf.set_attn_implementation("sdpa")
+    assert torch.equal(run.tokens, want)
+    assert run.ttft_s > 0 and len(run.itl_samples_s) == 11 and run.kv_bytes_per_step > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# refusals: one error naming the feature, the layer and the backend
+# ---------------------------------------------------------------------------------------------------
+def _per_layer_heads() -> transformers.PreTrainedModel:
+    """A Llama whose layer 1 has one KV head where layer 0 has two."""
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(head_dim=16, **_GQA))
+    attn = hf.model.layers[1].self_attn
+    attn.k_proj = torch.nn.Linear(64, 16, bias=False)
+    attn.v_proj = torch.nn.Linear(64, 16, bias=False)
+    attn.num_key_value_groups = 4
+    return hf
+
+
+_BERT = dict(
+    vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+)
+REFUSED = {
+    "gemma2-softcap": (
+        lambda: transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(head_dim=16, sliding_window=64, **_GQA)
+        ),
+        r"attention logit soft-capping \(attn_logit_softcapping = 50\.0\): every layer",
+    ),
+    "gpt-oss-sinks": (
+        lambda: transformers.GptOssForCausalLM(
+            transformers.GptOssConfig(
+                head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=64, **_GQA
+            )
+        ),
+        r"attention sinks \(s_aux\): layers 0, 1",
+    ),
+    "falcon-alibi": (
+        lambda: transformers.FalconForCausalLM(
+            transformers.FalconConfig(
+                vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True
+            )
+        ),
+        r"ALiBi position biases: every layer",
+    ),
+    "bert-non-causal": (
+        lambda: transformers.BertForMaskedLM(transformers.BertConfig(**_BERT)),
+        r"non-causal \(bidirectional\) attention: layers 0, 1",
+    ),
+    "bert-cross-attention": (
+        lambda: transformers.BertLMHeadModel(
+            transformers.BertConfig(is_decoder=True, add_cross_attention=True, **_BERT)
+        ),
+        r"cross-attention \(an encoder-decoder or add_cross_attention model\)",
+    ),
+    "mistral-short-window": (
+        lambda: transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=16, **_GQA)),
+        rf"sliding-window attention \(window 16 < the run's {MAX_SEQ_LEN} tokens.*\): layers 0, 1",
+    ),
+    "per-layer-heads": (
+        _per_layer_heads,
+        r"per-layer different head counts \(layer 0: 4 query / 2 KV heads .*layer 1: 4 / 1 .*\): layer 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_features_name_the_feature_layer_and_backend(case: str) -> None:
+    build, message = REFUSED[case]
+    torch.manual_seed(0)
+    hf = build().eval()
+    with pytest.raises(UnsupportedModelError, match=rf"cannot run through backend 'naive': .*{message}"):
+        use_backend(hf, "naive", batch=2, max_seq_len=MAX_SEQ_LEN)
+
+
+def test_the_latent_mla_form_is_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"backend 'mla' uses the MLA latent cache"):
+        use_backend(hf_model("deepseek-v3-expanded"), "mla", batch=2, max_seq_len=MAX_SEQ_LEN)
+
+
+def test_a_window_as_long_as_the_run_is_accepted() -> None:
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=16, **_GQA)).eval()
+    try:
+        assert isinstance(use_backend(hf, "naive", batch=1, max_seq_len=16), BackendCache)
+    finally:
+        hf.set_attn_implementation("sdpa")
+
+
+def test_right_padding_is_refused() -> None:
+    hf = hf_model("llama")
+    ids, mask = batch_inputs()
+    try:
+        cache = use_backend(hf, "naive", batch=2, max_seq_len=MAX_SEQ_LEN)
+        with pytest.raises(ValueError, match=r"attention mask is not left-padded"):
+            hf.generate(ids, attention_mask=mask.flip(1), max_new_tokens=2, **{cache_kwarg(hf): cache})
+    finally:
+        hf.set_attn_implementation("sdpa")
+
+
+# ---------------------------------------------------------------------------------------------------
+# --model DIR: shapes and `attnbench decode` on a checkpoint directory
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    hf_model("qwen3").save_pretrained(tmp_path / "tiny-qwen3")
+    return tmp_path / "tiny-qwen3"
+
+
+def test_load_shape_reads_a_checkpoint_directory(checkpoint: Path) -> None:
+    shape = load_shape(checkpoint)
+    assert shape.name == "tiny-qwen3"
+    assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (2, 4, 2, 16)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "num_key_value_heads",
+            "eight",
+            r"field 'num_key_value_heads' = 'eight': must be a positive integer",
+        ),
+        ("head_dim", 0, r"field 'head_dim' = 0: must be a positive integer"),
+        ("num_hidden_layers", None, r"field 'num_hidden_layers' is missing"),
+    ],
+)
+def test_bad_config_fields_are_one_line_errors(
+    checkpoint: Path, field: str, value: object, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = checkpoint / "config.json"
+    config = json.loads(path.read_text())
+    config[field] = value
+    path.write_text(json.dumps(config))
+    with pytest.raises(ShapeError, match=message):
+        load_shape(checkpoint)
+    assert main(["decode", "--model", str(checkpoint), "-p", "4", "-n", "3"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and field in err
+
+
+def test_a_directory_without_config_json(tmp_path: Path) -> None:
+    with pytest.raises(ShapeError, match=r"directory has no config\.json"):
+        load_shape(tmp_path)
+
+
+def test_decode_command_runs_the_real_model(checkpoint: Path, tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    argv = [
+        "decode",
+        "--model",
+        str(checkpoint),
+        "-p",
+        "6",
+        "-n",
+        "5",
+        "-b",
+        "2",
+        "--dtype",
+        "fp32",
+        "--json",
+    ]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["model_kind"].startswith("transformers") and r["decode_steps"] == 4 and r["batch"] == 2
+    assert r["ttft_s"] > 0 and r["e2e_check_s"] == pytest.approx(r["ttft_s"] + 4 * r["itl_mean_s"])
+    assert r["check"]["passed"] and r["num_layers"] == 2
