@@ -204,11 +204,12 @@ def _runnable(registry: Registry, name: str, workload: Workload) -> str:
     """Empty when ``name`` is registered, supports ``workload`` and is not interpreted; else why not."""
     if name not in registry:
         return f"not registered now (registered: {', '.join(registry.names())})"
-    backend = registry.get(name)
-    reasons = backend.supports(workload)
-    if reasons:
-        return "cannot run this workload: " + "; ".join(reasons)
-    if backend.interpreted(workload):
+    from attnbench.probe import ask
+
+    answers = ask(registry.entry(name).cls, workload)  # plugin code: bounded in time, answer cached
+    if answers.reasons:
+        return "cannot run this workload: " + "; ".join(answers.reasons)
+    if answers.interpreted:
         return "would run interpreted here (never timed, never chosen)"
     return ""
 
@@ -377,7 +378,10 @@ def _heuristic(
         from attnbench.device import load_profile
 
         bandwidth = load_profile(workload.device).bandwidth
-    estimate = nbytes / bandwidth * 1e3
+    from attnbench.costmodel import StepCost, roofline
+
+    memory_only = StepCost(form="any", kv_bytes=nbytes, io_bytes=0.0, weight_bytes=0.0, flops=0.0)
+    estimate = roofline(memory_only, bandwidth=bandwidth, peak_flops=float("inf")).floor_s * 1e3
     for b, _, other in scored:
         if other != name:
             why = (
