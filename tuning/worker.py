@@ -191,6 +191,11 @@ def main() -> None:
     _die_with_parent(init["parent"])
     import attnbench.bench  # noqa: F401  (import torch and friends before saying ready)
 
+    if init.get("threads"):  # the parent's thread count (`tune --threads`): its fingerprint says so
+        import torch
+
+        torch.set_num_threads(int(init["threads"]))
+
     proto.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:
         if not line.strip():
@@ -242,7 +247,12 @@ class Worker:
             start_new_session=True,  # Ctrl-C in the terminal reaches only the parent
         )
         self.starts += 1
-        init = {"sys_path": sys.path, "parent": os.getpid(), "memory_limit_bytes": self.memory_limit_bytes}
+        init = {
+            "sys_path": sys.path,
+            "parent": os.getpid(),
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "threads": _torch_threads(),
+        }
         self._send(init)
         reply = self._receive(self.start_timeout)
         if reply is None or not reply.get("ready"):
@@ -345,6 +355,12 @@ class Worker:
         return Outcome(
             ok=False, kind=kind, reason=reason, attrs={"stderr_tail": tail} if tail else {}, wall_s=wall
         )
+
+
+def _torch_threads() -> int | None:
+    """This process's torch thread count, if torch is loaded (the worker is told to use the same)."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else None
 
 
 def _death_reason(code: int) -> str:

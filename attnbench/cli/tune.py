@@ -69,6 +69,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run candidates whose trials failed (e.g. timed out on a busy machine) again",
     )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers per timed decode step (default: the model's); fewer make a long context quicker "
+        "to tune, and the per-layer times are what the backends differ in",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch, here and in every worker (default: torch's choice); part of the "
+        "device fingerprint, so each thread count has its own results table",
+    )
     p.add_argument("--seed", type=int, default=0, help="TPE sampler seed (default 0)")
     p.add_argument(
         "--storage",
@@ -110,6 +124,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
     if args.repeats < 1:
         raise ValueError(f"--repeats {args.repeats} must be ≥ 1")
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers {args.layers} must be ≥ 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads} must be ≥ 1")
+        import torch
+
+        torch.set_num_threads(args.threads)  # the fingerprint reads it; the workers take the parent's
     if args.heartbeat < 1:
         raise ValueError(f"--heartbeat {args.heartbeat} must be ≥ 1 second")
     workloads = workloads_from_args(args)
@@ -121,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_seconds=args.max_seconds,
         retry_failed=args.retry_failed,
+        num_layers=args.layers,
         heartbeat_s=args.heartbeat,
         **({"host_id": host} if (host := args.host_id or os.environ.get("ATTNBENCH_HOST_ID")) else {}),
     )
