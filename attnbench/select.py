@@ -65,6 +65,8 @@ class Choice:
     estimate_ms: float | None = None  # calibrated prediction, or the roofline floor (heuristic)
     table: str | None = None
     warnings: list[str] = field(default_factory=list)
+    #: when the backend is an engine's kernel (e.g. vLLM's): the engine's settings that run it there
+    engine_setting: str | None = None
 
     def build(self, registry: Registry | None = None) -> Backend:
         """A fresh instance of the chosen backend (pass :attr:`config` to ``create_cache``)."""
@@ -86,6 +88,7 @@ class Choice:
             "rejected": [r.as_dict() for r in self.rejected],
             "table": self.table,
             "warnings": self.warnings,
+            "engine_setting": self.engine_setting,
         }
 
     def explain(self) -> str:
@@ -94,6 +97,8 @@ class Choice:
             f"chosen: {self.backend} ({cfg}) for {self.workload.describe()} [{self.source}]",
             f"  why: {self.reason}",
         ]
+        if self.engine_setting:
+            lines.append(f"  engine setting: {self.engine_setting}")
         if self.tuned_key:
             where = (
                 "exact bucket" if not self.distance_octaves else f"{self.distance_octaves:.2g} octaves away"
@@ -192,6 +197,7 @@ def select(
     if choice is None:
         choice = _heuristic(workload, registry, failed_gate=failed_gate, bandwidth=bandwidth)
     choice.warnings = notes + choice.warnings
+    choice.engine_setting = _engine_setting(registry, choice)
     for w in choice.warnings:
         warnings.warn(w, stacklevel=2)
     return choice
@@ -303,6 +309,27 @@ def _from_table(table: Any, workload: Workload, registry: Registry) -> Choice | 
         table=table.path.name,
         warnings=warns,
     )
+
+
+def _engine_setting(registry: Registry, choice: Choice) -> str | None:
+    """The engine settings that run the chosen kernel in its engine (``None``: not an engine's kernel).
+
+    A backend that wraps an engine's kernel declares ``engine_setting(config) -> str`` (the plugin
+    checks the names against the installed engine, e.g. vLLM's attention-backend enum); see
+    docs/engines.md.
+    """
+    if choice.backend not in registry:
+        return None
+    setting = getattr(registry.get(choice.backend), "engine_setting", None)
+    if not callable(setting):
+        return None
+    try:
+        return str(setting(choice.config))
+    except Exception as err:  # e.g. the installed engine lacks the name: say so, keep the choice
+        choice.warnings.append(
+            f"{choice.backend}: cannot name its engine setting ({type(err).__name__}: {err})"
+        )
+        return None
 
 
 def _gate_failures(table: Any, workload: Workload) -> dict[str, str]:

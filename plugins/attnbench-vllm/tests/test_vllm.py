@@ -143,3 +143,21 @@ def test_tune_picks_among_vllm_candidates(tmp_path: Path) -> None:
     assert len(vllm) == len(ISAS) * 3 * 2, entry["candidates"]
     assert all(c["backend"] in ("naive", "vllm_cpu") for c in timed)
     assert entry["winner"]["backend"] in ("naive", "vllm_cpu")
+    # select() from that table: with naive unregistered the tuned vllm_cpu entry is chosen, and the
+    # choice names the vLLM settings that run it; a choice of naive names none
+    from attnbench.registry import load_registry
+    from attnbench.select import select
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tuned table belongs to the 1-thread fingerprint
+    try:
+        w = Workload.uniform("llama-3.1-8b", batch=1, context=64, dtype="bf16")
+        engine_only = select(w, results_dir=results, registry=load_registry(builtins=False))
+        full = select(w, results_dir=results)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine_only.source == "tuned" and engine_only.backend == "vllm_cpu", engine_only.explain()
+    assert engine_only.engine_setting and "--attention-backend CPU_ATTN" in engine_only.engine_setting
+    assert f"engine setting: {engine_only.engine_setting}" in engine_only.explain()
+    assert engine_only.as_dict()["engine_setting"] == engine_only.engine_setting
+    assert (full.engine_setting is not None) == (full.backend == "vllm_cpu"), full.explain()
