@@ -1,24 +1,27 @@
-"""Real decoders: Llama-family and DeepSeek-V3 MLA models whose attention runs through a backend.
+"""Real decoders whose attention runs through a backend where transformers cannot express the form.
 
-Weights come from a transformers model object or a checkpoint directory (config.json + safetensors);
-everything but attention (embeddings, RMSNorm, RoPE, MLP, LM head) is plain torch. Greedy tokens are
-checked against transformers' own ``generate`` in the tests. See ``docs/real-models.md``.
+DeepSeek-V3's absorbed MLA latent form (:class:`DeepseekDecoder`): transformers' module decompresses
+the latent to per-head K/V before attention, so the latent cache (``kv_form = "latent"``, e.g. ``mla``)
+needs a decoder of its own. Weights come from a transformers model object or a checkpoint directory
+(config.json + safetensors); everything but attention is plain torch. Greedy tokens are checked
+against transformers' own ``generate`` in the tests.
+
+Every other decoder (Llama, Mistral, Qwen2/3, Phi-3, Granite, OLMo-2, Gemma-3, DeepSeek's expanded
+form, ...) runs through transformers' own modeling code with
+:func:`attnbench.integrations.transformers.use_backend`. See ``docs/real-models.md``.
 """
 
 from __future__ import annotations
 
 from attnbench.models.base import Decoder, RopeSpec, UnsupportedModelError
 from attnbench.models.deepseek import DEEPSEEK_FAMILY, DeepseekDecoder
-from attnbench.models.llama import LLAMA_FAMILY, LlamaDecoder
 from attnbench.models.loading import SUPPORTED_MODEL_TYPES, from_transformers, load_model, read_checkpoint
 
 __all__ = [
     "DEEPSEEK_FAMILY",
-    "LLAMA_FAMILY",
     "SUPPORTED_MODEL_TYPES",
     "Decoder",
     "DeepseekDecoder",
-    "LlamaDecoder",
     "RopeSpec",
     "UnsupportedModelError",
     "from_transformers",

@@ -2,8 +2,8 @@
 
 A real decoder computes embeddings, norms, RoPE, projections, the MLP and the LM head in plain
 torch from loaded weights, and hands attention to an attnbench :class:`~attnbench.Backend`; the
-backend owns the KV cache. Subclasses (:mod:`attnbench.models.llama`, :mod:`attnbench.models.deepseek`)
-implement one layer's attention around the backend call.
+backend owns the KV cache. Subclasses (:mod:`attnbench.models.deepseek`) implement one layer's
+attention around the backend call.
 
 A decoder is a :class:`attnbench.decode.DecodeModel`, so :func:`attnbench.decode.generate` drives
 and times it (gpt-fast shaped)::
@@ -270,7 +270,6 @@ class Decoder:
     eps: float
     rope: RopeSpec
     rope_dim: int
-    sliding_window: int | None = None
 
     def __init__(
         self,
@@ -324,11 +323,6 @@ class Decoder:
         if self.backend.kv_form == "latent" and not self.shape.is_mla:
             reasons.append(
                 f"backend {self.backend.name!r} uses the MLA latent cache; {self.shape.name} is not an MLA model"
-            )
-        if self.sliding_window is not None and max_seq_len > self.sliding_window:
-            reasons.append(
-                f"{self.shape.name}: sliding-window attention (window {self.sliding_window}) is not supported; "
-                f"sequences of {max_seq_len} tokens must fit in the window, where it equals full attention"
             )
         return reasons or self.backend.supports(self.workload(batch=batch, max_seq_len=max_seq_len))
 

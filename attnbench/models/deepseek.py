@@ -1,19 +1,19 @@
-"""A DeepSeek-V3-style MLA decoder (all-dense layers) with attention through an attnbench backend.
+"""A DeepSeek-V3-style MLA decoder (all-dense layers) in the absorbed latent form, attention through a backend.
 
 Multi-head latent attention, as transformers' ``DeepseekV3Attention`` computes it: the query comes
 from ``q_proj`` (or the low-rank ``q_a_proj → RMSNorm → q_b_proj``), split into ``q_nope`` and
 ``q_pe``; the hidden state is compressed to a latent ``c = RMSNorm(kv_a_proj[:kv_lora_rank])`` plus one
-shared RoPE key ``k_pe``. RoPE is interleaved or not (``rope_interleave``). Two cache forms, chosen by
-the backend's ``kv_form``:
+shared RoPE key ``k_pe``. RoPE is interleaved or not (``rope_interleave``). The cache holds the
+latent (backends with ``kv_form = "latent"``, e.g. ``mla``): absorbed, ``q = [q_nope @ W_UK | q_pe]`` per
+head, one shared KV head ``k = [c | k_pe]``, ``v = c``; the output latent is projected by ``W_UV`` per
+head, then ``o_proj``. transformers' own module cannot express this form (it decompresses the latent
+to per-head K/V before attention), which is why this decoder exists; the expanded form runs through
+transformers' module itself with :func:`attnbench.integrations.transformers.use_backend`.
 
-- ``"expanded"`` — per head ``K = [c @ W_UK^T | k_pe]`` and ``V = c @ W_UV^T`` (what transformers
-  attends over): ``Dk = qk_nope + qk_rope``, ``Dv = v_head_dim``;
-- ``"latent"`` — absorbed: ``q = [q_nope @ W_UK | q_pe]`` per head, one shared KV head
-  ``k = [c | k_pe]``, ``v = c``; the output latent is projected by ``W_UV`` per head, then ``o_proj``.
-
-Both use the model's softmax scale ``1 / sqrt(qk_nope + qk_rope)``. Refused with
+The softmax scale is the model's ``1 / sqrt(qk_nope + qk_rope)``. Refused with
 :class:`UnsupportedModelError`: MoE layers (``first_k_dense_replace < num_hidden_layers``), yarn and
-other rope scalings, an mscale that changes the softmax scale, ``num_key_value_heads != num_attention_heads``.
+other rope scalings, an mscale that changes the softmax scale, ``num_key_value_heads != num_attention_heads``,
+and backends with the expanded cache form.
 """
 
 from __future__ import annotations
@@ -152,7 +152,6 @@ class DeepseekDecoder(Decoder):
             kv_b = w.get(a + "kv_b_proj.weight", shape=(heads * (nope + v_dim), rank)).view(
                 heads, nope + v_dim, rank
             )
-            layer["kv_b_proj"] = kv_b.reshape(heads * (nope + v_dim), rank)  # expanded form
             layer["w_uk"] = kv_b[:, :nope].contiguous()  # [H, nope, rank]: absorbed into the query
             layer["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v_dim, rank]: applied to the output latent
             layer["o_proj"] = w.get(a + "o_proj.weight", shape=(hidden, heads * v_dim))
@@ -169,6 +168,15 @@ class DeepseekDecoder(Decoder):
         w.ignore(lambda n: n.endswith("rotary_emb.inv_freq"))
         w.check_all_used()
         return self
+
+    def unsupported(self, *, batch: int | None = None, max_seq_len: int) -> list[str]:
+        if self.backend.kv_form != "latent":
+            return [
+                f"backend {self.backend.name!r} keeps the expanded per-head cache; this decoder runs DeepSeek's "
+                "absorbed latent form only (latent backends, e.g. 'mla'); run the expanded form through "
+                "transformers' own module with attnbench.integrations.transformers.use_backend"
+            ]
+        return super().unsupported(batch=batch, max_seq_len=max_seq_len)
 
     def _attention(
         self,
@@ -198,16 +206,9 @@ class DeepseekDecoder(Decoder):
         q_pe = apply_rope(q_pe, cos, sin, interleaved=self.interleaved)
         k_pe = apply_rope(k_pe, cos, sin, interleaved=self.interleaved)
 
-        if self.backend.kv_form == "latent":
-            q_lat = torch.einsum("bthn,hnc->bthc", q_nope, layer["w_uk"])  # [B, T, H, rank]
-            q = torch.cat((q_lat, q_pe), dim=-1)  # [B, T, H, rank + rope]
-            k = torch.cat((c[:, :, None], k_pe), dim=-1)  # [B, T, 1, rank + rope]
-            out_lat = self._attend(index, q, k, k[..., :rank], plan, decode=decode)  # [B, T, H, rank]
-            out = torch.einsum("bthc,hvc->bthv", out_lat, layer["w_uv"])  # [B, T, H, v_dim]
-        else:
-            kv = F.linear(c, layer["kv_b_proj"]).view(b, t, heads, nope + s.v_head_dim)
-            k = torch.cat((kv[..., :nope], k_pe.expand(b, t, heads, self.rope_dim)), dim=-1)
-            v = kv[..., nope:].contiguous()
-            q = torch.cat((q_nope, q_pe), dim=-1)
-            out = self._attend(index, q, k, v, plan, decode=decode)  # [B, T, H, v_dim]
+        q_lat = torch.einsum("bthn,hnc->bthc", q_nope, layer["w_uk"])  # [B, T, H, rank]
+        q = torch.cat((q_lat, q_pe), dim=-1)  # [B, T, H, rank + rope]
+        k = torch.cat((c[:, :, None], k_pe), dim=-1)  # [B, T, 1, rank + rope]
+        out_lat = self._attend(index, q, k, k[..., :rank], plan, decode=decode)  # [B, T, H, rank]
+        out = torch.einsum("bthc,hvc->bthv", out_lat, layer["w_uv"])  # [B, T, H, v_dim]
         return F.linear(out.reshape(b, t, -1), layer["o_proj"], layer["o_proj_bias"])

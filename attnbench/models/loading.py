@@ -1,15 +1,16 @@
-"""Load a real decoder from a transformers model object or a local checkpoint directory.
+"""Load the DeepSeek latent-form decoder from a transformers model object or a local checkpoint directory.
 
 A checkpoint directory holds ``config.json`` and safetensors weights (``model.safetensors`` or shards
 listed in ``model.safetensors.index.json``), as ``save_pretrained`` writes them. transformers itself
 is not needed to load a directory. The architecture is chosen by ``model_type``::
 
     >>> from attnbench.models import load_model
-    >>> model = load_model("path/to/checkpoint", backend="naive", dtype=torch.float32, batch=2)
+    >>> model = load_model("path/to/checkpoint", backend="mla", dtype=torch.float32, batch=2)
     >>> run = attnbench.decode.generate(model, prompt=prompt_ids, new_tokens=32)   # greedy
     >>> run.tokens                                                                  # [2, 32]
 
-Anything the decoders do not implement raises :class:`UnsupportedModelError` naming the feature.
+Anything the decoders do not implement raises :class:`UnsupportedModelError` naming the feature; other
+architectures are pointed to :func:`attnbench.integrations.transformers.use_backend`.
 """
 
 from __future__ import annotations
@@ -24,14 +25,10 @@ import torch
 from attnbench.backend import Backend
 from attnbench.models.base import Decoder, UnsupportedModelError
 from attnbench.models.deepseek import DEEPSEEK_FAMILY, DeepseekDecoder
-from attnbench.models.llama import LLAMA_FAMILY, LlamaDecoder
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "from_transformers", "load_model", "read_checkpoint"]
 
-_DECODERS: dict[str, type[Decoder]] = {
-    **{t: LlamaDecoder for t in LLAMA_FAMILY},
-    **{t: DeepseekDecoder for t in DEEPSEEK_FAMILY},
-}
+_DECODERS: dict[str, type[Decoder]] = dict.fromkeys(DEEPSEEK_FAMILY, DeepseekDecoder)
 #: ``model_type`` values :func:`load_model` accepts.
 SUPPORTED_MODEL_TYPES = tuple(_DECODERS)
 
@@ -117,8 +114,9 @@ def load_model(
     if model_type not in _DECODERS:
         archs = ", ".join(config.get("architectures") or []) or "unknown architecture"
         raise UnsupportedModelError(
-            f"{name}: model_type {model_type!r} ({archs}) is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{name}: model_type {model_type!r} ({archs}) has no hand-written decoder (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}); run it through transformers' own modeling code with "
+            "attnbench.integrations.transformers.use_backend"
         )
     return _DECODERS[model_type].from_weights(
         config,
