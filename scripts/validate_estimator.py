@@ -20,7 +20,8 @@ Writes ``<out>.json`` (every number, the machine, load averages), ``<out>.md``, 
 plot, with the ``plot`` extra; ``python scripts/plot_latency_model.py --validation <out>.json``
 redraws it) and ``<out>-calibration.yaml`` (the fit).
 
-    python scripts/validate_estimator.py --out results/estimator-validation-cpu
+    python scripts/validate_estimator.py --out results/costmodel-validation-cpu \
+        --doc-plot docs/img/costmodel-validation-cpu.png
     python scripts/validate_estimator.py --quick --out /tmp/validation-smoke   # a tiny smoke run
 """
 
@@ -80,7 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the interleaved order")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run (tiny shapes, few points)")
-    p.add_argument("--out", default="results/estimator-validation-cpu", help="output path without extension")
+    p.add_argument("--out", default="results/costmodel-validation-cpu", help="output path without extension")
+    p.add_argument(
+        "--doc-plot",
+        default=None,
+        help="also write the plot here (e.g. docs/img/costmodel-validation-cpu.png)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -347,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         from plot_latency_model import plot_validation
 
         plot_validation(doc, out.with_suffix(".png"))
+        if args.doc_plot:
+            plot_validation(doc, args.doc_plot)
     except ImportError as err:  # matplotlib is the `plot` extra
         print(f"no plot ({err}); install the plot extra: pip install 'attnbench[plot]'", file=sys.stderr)
     print(markdown(doc))
