@@ -1,8 +1,9 @@
 """Greedy tokens and logits of a tiny Llama with the fp8 KV cache, against transformers in bf16.
 
 A seeded random tiny Llama (GQA, 2 layers, hidden 64; built by transformers, no download) generates
-64 tokens greedily in transformers (bf16) and in attnbench's Llama decoder (bf16) with the ``fp8``
-backend, and with ``naive`` (bf16 cache) for comparison. Reported per backend: the share of the
+64 tokens greedily in transformers (bf16, sdpa) and in the same transformers model with its attention
+routed through the ``fp8`` backend (``attnbench.integrations.transformers``), and through ``naive``
+(bf16 cache) for comparison. Reported per backend: the share of the
 64 × batch tokens equal to transformers', the first step where each sequence diverges, and the logit
 error teacher-forced (fed transformers' own tokens, so one flipped token does not compound).
 Usage::
@@ -25,7 +26,7 @@ from attnbench.backends.fp8 import FP8Backend
 from attnbench.backends.naive import NaiveBackend
 from attnbench.decode import generate
 from attnbench.device import fingerprint
-from attnbench.models import load_model
+from attnbench.integrations.transformers import TransformersDecodeModel
 from attnbench.reference import compare
 
 PROMPT_LEN = 8
@@ -63,9 +64,9 @@ def compare_greedy(
 ) -> dict[str, Any]:
     """transformers bf16 greedy output vs attnbench bf16 with each backend (default: fp8 and naive)."""
     backends = backends or {"fp8": FP8Backend(), "naive": NaiveBackend()}
-    hf = tiny_llama()
     prompt = torch.randint(0, 128, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
     hf16 = tiny_llama().to(torch.bfloat16)
+    hf16.set_attn_implementation("sdpa")
     out = hf16.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),
@@ -78,7 +79,7 @@ def compare_greedy(
     ref_logits = torch.stack(out.logits, dim=1).double()  # [B, N, V]
     report: dict[str, Any] = {"new_tokens": new_tokens, "batch": batch, "backends": {}}
     for name, backend in backends.items():
-        model = load_model(hf, backend=backend, dtype=torch.bfloat16, batch=batch)
+        model = TransformersDecodeModel(hf16, backend, batch=batch)
         run = generate(model, prompt=prompt, new_tokens=new_tokens)
         same = run.tokens.cpu() == ref_tokens
         first_diff = [int(row.logical_not().nonzero()[0]) if not row.all() else None for row in same]
@@ -86,6 +87,7 @@ def compare_greedy(
         forced = [model.prefill(prompt)]
         forced += [model.decode_step(ref_tokens[:, j]) for j in range(new_tokens - 1)]
         stats = compare(torch.stack(forced, dim=1), ref_logits)
+        hf16.set_attn_implementation("sdpa")
         report["backends"][name] = {
             "equal_tokens": int(same.sum()),
             "total_tokens": same.numel(),

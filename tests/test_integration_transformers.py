@@ -28,6 +28,7 @@ from attnbench.integrations.transformers import (
     BackendCache,
     TransformersDecodeModel,
     cache_kwarg,
+    shape_of,
     use_backend,
 )
 from attnbench.models import UnsupportedModelError
@@ -232,9 +233,30 @@ def test_greedy_tokens_equal_transformers(arch: str, backend_name: str) -> None:
         want, against = generate_through(arch, StoredKVNaiveBackend(backend)), "naive over its stored K/V"
     else:
         want, against = reference_tokens(arch), "transformers (sdpa, each prompt alone)"
+    same = [int((tokens[i] == want[i]).sum()) for i in range(2)]
+    workload = Workload.uniform(shape_of(hf_model(arch)), batch=2, context=MAX_SEQ_LEN, dtype="fp32")
+    print(
+        f"\n{arch} × {backend_name} [{backend.implementation(workload)}]: tokens {same} of {NEW_TOKENS} equal {against}'s"
+    )
     for i in range(2):
-        same = int((tokens[i] == want[i]).sum())
-        assert torch.equal(tokens[i], want[i]), f"sequence {i}: {same}/{NEW_TOKENS} tokens equal {against}'s"
+        assert torch.equal(tokens[i], want[i]), (
+            f"sequence {i}: {same[i]}/{NEW_TOKENS} tokens equal {against}'s"
+        )
+
+
+def test_fp8_triton_path() -> None:
+    """fp8's Triton kernel (its torch path is the CPU default), interpreted here, through the integration."""
+    fp8 = attnbench.load_registry().get("fp8")
+    triton_fp8 = type("FP8TritonPath", (type(fp8),), {"kernel": "triton"})()
+    hf = hf_model("llama")
+    try:
+        cache = use_backend(hf, triton_fp8, batch=2, max_seq_len=MAX_SEQ_LEN)
+    finally:
+        hf.set_attn_implementation("sdpa")
+    path = str(cache.kv.config.get("implementation") or getattr(cache.kv, "path", "?"))
+    assert path == "triton", f"expected the Triton path, ran {path}"
+    want = generate_through("llama", StoredKVNaiveBackend(triton_fp8))
+    assert torch.equal(generate_through("llama", triton_fp8), want)
 
 
 def test_enough_architectures_run_through_naive() -> None:
@@ -305,7 +327,7 @@ def test_one_plan_per_step_one_write_per_token_and_ragged_lengths() -> None:
 
 def test_a_choice_from_select_runs(tmp_path: Path) -> None:
     hf = hf_model("qwen2")
-    shape = use_shape(hf)
+    shape = shape_of(hf)
     choice = attnbench.select(
         Workload.uniform(shape, batch=2, context=MAX_SEQ_LEN, dtype="fp32"),
         results_dir=tmp_path,
@@ -320,19 +342,10 @@ def test_a_choice_from_select_runs(tmp_path: Path) -> None:
     assert torch.equal(generate_through("qwen2", choice), want), f"choice {choice.backend} {choice.config}"
 
 
-def use_shape(hf: transformers.PreTrainedModel):  # type: ignore[no-untyped-def]
-    """The shape the integration derives from ``hf``."""
-    try:
-        cache = use_backend(hf, "naive", batch=1, max_seq_len=4)
-    finally:
-        hf.set_attn_implementation("sdpa")
-    return cache.kv.workload.shape
-
-
 def test_shape_read_from_the_model() -> None:
-    shape = use_shape(hf_model("llama"))
+    shape = shape_of(hf_model("llama"))
     assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (2, 4, 2, 16)
-    mla = use_shape(hf_model("deepseek-v3-expanded"))
+    mla = shape_of(hf_model("deepseek-v3-expanded"))
     assert mla.is_mla and mla.geometry("expanded").v_head_dim == 16 and mla.head_dim == 32
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "BackendCache",
     "TransformersDecodeModel",
     "cache_kwarg",
+    "shape_of",
     "use_backend",
 ]
 
@@ -356,6 +357,16 @@ def use_backend(
             setattr(module, _BINDING, cache)
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
     return cache
+
+
+def shape_of(model: Any) -> ModelShape:
+    """The attention shape of a transformers model (layers, heads, head dims; MLA fields for DeepSeek),
+    read from one probing forward — what :func:`attnbench.select` needs in a workload."""
+    layers = inspect_attention(model)
+    reasons = refusals(model, layers, max_seq_len=1)
+    if not layers or any(r.startswith(("per-layer", "attention calls")) for r in reasons):
+        raise UnsupportedModelError(f"{model_name(model)}: no single attention shape: {'; '.join(reasons)}")
+    return model_shape(model, layers, model_name(model))
 
 
 def cache_kwarg(model: Any) -> str:
