@@ -68,6 +68,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="CPU threads for torch (default: torch's choice); part of the device fingerprint",
     )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="add a 'matmul_probe' row: the naive math as one batched matmul over the whole contiguous "
+        "cache buffer (nothing copied), the bandwidth a plain matmul reaches on this device",
+    )
     p.add_argument("--remeasure", action="store_true", help="measure the device's bandwidth again")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument(
@@ -95,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     reg = load_registry()
     names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else reg.names()
     backends = [reg.get(n) for n in names]  # an unknown name raises, listing the registered ones
+    if args.probe:
+        from attnbench.backends.matmul_probe import MatmulProbeBackend
+
+        backends.append(MatmulProbeBackend())
     err = Console(stderr=True)
     device = workloads[0].device
     with err.status("measuring device bandwidth…" if args.remeasure else "loading device profile…"):
@@ -175,6 +185,8 @@ def _reconstruct(args: argparse.Namespace) -> str:
     ]:
         if value != default:
             parts.append(f"{flag} {value}")
+    if args.probe:
+        parts.append("--probe")
     return " ".join(parts)
 
 
@@ -243,7 +255,8 @@ def _roofline(
     token) over the measured matmul peak; and how far the measured step is above that floor."""
     layers = m.num_layers or workload.shape.num_layers
     flops_per_s = peak.get(workload.dtype_name) or peak["bf16"]
-    cost = replace(decode_cost(workload, form=backend.kv_form, num_layers=layers), kv_bytes=m.kv_bytes)
+    cost = decode_cost(workload, form=backend.kv_form, num_layers=layers)
+    cost = replace(cost, kv_bytes=m.kv_bytes, io_bytes=0.0)  # the floor: the cache bytes the loop read
     roof = roofline(cost, bandwidth=profile.bandwidth, peak_flops=flops_per_s)
     step_s = m.step.median_s if m.step else None
     floor_s = roof.floor_s
