@@ -1,9 +1,11 @@
 """``attnbench.select()``: the backend and config to use for a workload on this device.
 
 From the device's tuned results table when it holds the model and dtype (the nearest bucket in batch
-and context, measured in octaves), else from a roofline heuristic: the candidate that reads the fewest
-KV-cache bytes per step wins, ties going to the default backend (``flash``, else ``naive``) — what a
-user gets without tuning. A candidate that failed the correctness gate is never chosen, and a table
+and context, measured in octaves). Outside the tuned region (batch or context bucket beyond the tuned
+ones, or nothing tuned) the device's calibrated step-time models choose when ``attnbench calibrate``
+wrote them (:mod:`attnbench.calibrated`), else a roofline heuristic: the candidate that reads the
+fewest KV-cache bytes per step wins, ties going to the default backend (``flash``, else ``naive``) —
+what a user gets without tuning. A candidate that failed the correctness gate is never chosen, and a table
 tuned on another device is refused::
 
     >>> choice = attnbench.select(model="llama-3.1-8b", batch=8, context="8k", dtype="bf16")
