@@ -68,6 +68,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="CPU threads for torch (default: torch's choice); part of the device fingerprint",
     )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="add a 'matmul_probe' row: the naive math as one batched matmul over the whole contiguous "
+        "cache buffer (nothing copied), the bandwidth a plain matmul reaches on this device",
+    )
     p.add_argument("--remeasure", action="store_true", help="measure the device's bandwidth again")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument(
@@ -95,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     reg = load_registry()
     names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else reg.names()
     backends = [reg.get(n) for n in names]  # an unknown name raises, listing the registered ones
+    if args.probe:
+        from attnbench.backends.matmul_probe import MatmulProbeBackend
+
+        backends.append(MatmulProbeBackend())
     err = Console(stderr=True)
     device = workloads[0].device
     with err.status("measuring device bandwidth…" if args.remeasure else "loading device profile…"):
@@ -175,6 +185,8 @@ def _reconstruct(args: argparse.Namespace) -> str:
     ]:
         if value != default:
             parts.append(f"{flag} {value}")
+    if args.probe:
+        parts.append("--probe")
     return " ".join(parts)
 
 

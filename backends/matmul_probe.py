@@ -1,0 +1,55 @@
+"""``matmul_probe`` — the naive math over *contiguous* per-head K/V: a bandwidth probe for ``bench --probe``.
+
+Not registered (``tune`` and ``select()`` never see it): ``attnbench bench --probe`` adds it as one
+more row, so every run shows what a plain batched matmul reaches when nothing is copied. Its cache
+is :class:`~attnbench.kvcache.ContiguousKVCache` (heads first), and decode multiplies against the
+*whole* per-layer buffer ``k[layer]: [B, Hkv, S_max, D]`` — a contiguous tensor, which torch's
+batched matmul reads in place — masking the slots past each sequence's length. It therefore reads
+``max_seq_len`` slots per sequence, not the sequence's length: in ``bench`` that is the context plus
+the few tokens the timed steps append (e.g. 8192 + 14), so its bytes match the row's KV bytes to
+within a fraction of a percent; with a cache sized far beyond the context it would waste reads,
+which is why it is a probe and not a backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from attnbench.backend import KVCache, StepPlan, base_plan
+from attnbench.backends.naive import NaiveBackend
+from attnbench.kvcache import ContiguousKVCache
+from attnbench.workload import Workload
+
+
+class MatmulProbeBackend(NaiveBackend):
+    """``naive``'s cache, dtypes and rounding (its error bound too); only decode's matmul differs."""
+
+    name = "matmul_probe"
+    description = "probe: batched torch.matmul over the whole contiguous cache buffer (bench --probe only)"
+
+    def implementation(self, workload: Workload) -> str:
+        return "torch.matmul[contiguous K/V]"
+
+    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:
+        plan = base_plan(cache, num_new)
+        cols = torch.arange(cache.max_seq_len, device=cache.device)
+        plan.extra["mask"] = (cols[None, :] >= plan.device_lens[:, None])[
+            :, None, None, :
+        ]  # [B, 1, 1, S_max]
+        return plan
+
+    def decode(
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        assert isinstance(cache, ContiguousKVCache)
+        cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
+        g = cache.geometry
+        b = q.shape[0]
+        qg = q.view(b, g.num_kv_heads, g.group_size, g.qk_head_dim)  # [B, Hkv, G, Dk]
+        scores = torch.matmul(qg, cache.k[layer].transpose(-1, -2)).float() * g.scale  # [B, Hkv, G, S_max]
+        scores = scores.masked_fill(plan.extra["mask"], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(cache.dtype)
+        out = torch.matmul(probs, cache.v[layer])  # [B, Hkv, G, Dv]
+        return out.view(b, g.num_q_heads, g.v_head_dim)
