@@ -288,6 +288,9 @@ class Calibration:
         text += yaml.safe_dump(self.as_dict(), sort_keys=False, allow_unicode=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
             tmp.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp.name, 0o666 & ~umask)  # as an ordinary file would be: follow the umask
         os.replace(tmp.name, path)
         self.path = path
         return path

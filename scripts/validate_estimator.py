@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from attnbench.bench import measure_decode
+from attnbench.bench import CheckFailed, measure_decode
 from attnbench.calibration import Calibration, CalibrationPoint, device_entry, geometry_key
 from attnbench.costmodel import decode_roofline
 from attnbench.device import load_profile
@@ -321,13 +321,23 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
     checked: set[tuple[str, str, str]] = set()
+    failed: dict[tuple[str, str, str], str] = {}
     t_start = time.perf_counter()
     for i, point in enumerate(points, 1):
         combo = (point["model"], point["backend"], point["dtype"])
         t0 = time.perf_counter()
         try:
-            row = measure_point(point, args=args, reg=reg, profile=profile, check=combo not in checked)
-            checked.add(combo)
+            if combo in failed:
+                row = dict(point) | {
+                    "status": "skipped",
+                    "reason": f"failed the correctness gate: {failed[combo]}",
+                }
+            else:
+                row = measure_point(point, args=args, reg=reg, profile=profile, check=combo not in checked)
+                checked.add(combo)
+        except CheckFailed as err:  # never timed; the other points of this backend and dtype are skipped
+            failed[combo] = str(err)
+            row = dict(point) | {"status": "failed-check", "reason": str(err)}
         except Exception as err:  # a failed point is recorded with its error, the run goes on
             row = dict(point) | {"status": "error", "reason": f"{type(err).__name__}: {err}"}
         row["wall_s"] = time.perf_counter() - t0
