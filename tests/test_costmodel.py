@@ -276,3 +276,34 @@ def test_calibrate_fits_from_a_bench_json(tmp_path, capsys) -> None:
     (fit,) = [f for f in cal.fits if f.backend == "naive"]
     assert fit.bw_eff == pytest.approx(1e9, rel=1e-3) and math.isfinite(fit.rms_rel_error)
     assert "naive" in capsys.readouterr().out
+
+
+def test_bench_prints_measured_vs_model_per_row(tmp_path, monkeypatch, capsys) -> None:
+    import attnbench.device as device_mod
+
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ATTNBENCH_RESULTS_DIR", str(tmp_path))
+    real = device_mod.measure_bandwidth
+    monkeypatch.setattr(
+        device_mod, "measure_bandwidth", lambda device="cpu", *, nbytes=None: real(device, nbytes=2**24)
+    )
+    cal = _calibration(tmp_path)
+    argv = (
+        "bench --model tiny-gqa --batch 1 --context 64 --dtype bf16 --backends flash --repeats 2 --warmup 1"
+    )
+    assert main([*argv.split(), "--layers", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (row,) = report["results"]
+    w = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="bf16")
+    fit = cal.lookup("flash", "bf16", geometry_key(load_registry().get("flash"), w))
+    assert row["model"]["step_s"] == pytest.approx(fit.predict_s(batch=1, kv_bytes=row["kv_bytes"], layers=1))
+    assert row["model"]["measured_over_model"] == pytest.approx(
+        row["step"]["median_s"] / row["model"]["step_s"]
+    )
+    from rich.console import Console
+
+    from attnbench.cli.bench import _table
+
+    console = Console(width=250, record=True)
+    console.print(_table(report))
+    assert "meas/model" in console.export_text()
