@@ -307,3 +307,23 @@ def test_bench_prints_measured_vs_model_per_row(tmp_path, monkeypatch, capsys) -
     console = Console(width=250, record=True)
     console.print(_table(report))
     assert "meas/model" in console.export_text()
+
+
+def test_points_from_a_tuned_table_recover_bytes_and_layers(tmp_path) -> None:
+    from attnbench.calibration import points_from_table
+
+    p = _profile()
+    rows = {}
+    for b, c in FIT_GRID:
+        w = Workload.uniform("tiny-gqa", batch=b, context=c)
+        (plan,) = plan_studies([w], backend_refs(only=["naive"]), profile=p, options=TuneOptions())
+        step = w.kv_bytes_per_step() / 2e9  # planted: the step streams at exactly 2 GB/s
+        cand = Candidate("naive", plan.space.backends["naive"].cls.default_config())
+        rec = TrialRecord(0, cand, True, step, "", "", {"gbps": 2.0})
+        rows[plan.key.row] = summarize(KeyResult(plan, [rec]), profile=p)
+    path = table_path(tmp_path, p.fingerprint)
+    ResultsTable(path, {}).save(rows, profile=p)
+    pts = points_from_table(path, load_registry())
+    assert len(pts) == 6 and {pt.layers for pt in pts} == {load_shape("tiny-gqa").num_layers}
+    fit = fit_points(pts)
+    assert fit.bw_eff == pytest.approx(2e9, rel=1e-3)
