@@ -212,11 +212,12 @@ def _runnable(registry: Registry, name: str, workload: Workload) -> str:
     """Empty when ``name`` is registered, supports ``workload`` and is not interpreted; else why not."""
     if name not in registry:
         return f"not registered now (registered: {', '.join(registry.names())})"
-    backend = registry.get(name)
-    reasons = backend.supports(workload)
-    if reasons:
-        return "cannot run this workload: " + "; ".join(reasons)
-    if backend.interpreted(workload):
+    from attnbench.probe import ask
+
+    answers = ask(registry.entry(name).cls, workload)  # plugin code: bounded in time, answer cached
+    if answers.reasons:
+        return "cannot run this workload: " + "; ".join(answers.reasons)
+    if answers.interpreted:
         return "would run interpreted here (never timed, never chosen)"
     return ""
 

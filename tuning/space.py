@@ -241,16 +241,15 @@ def build_space(
     backends: dict[str, BackendRef] = {}
     tunables: dict[str, tuple[Tunable, ...]] = {}
     excluded: list[Excluded] = []
-    for ref in refs:
-        try:
-            backend = ref.cls()
-            reasons = list(backend.supports(workload))
-            if not reasons and backend.interpreted(workload) and not allow_interpreted:
-                reasons = ["kernels would run in an interpreter here: checked for correctness, never timed"]
-            if not reasons:
-                tunables[ref.name] = tuple(backend.tunables_for(workload))
-        except Exception as err:  # a backend whose supports() itself breaks is left out, with the error
-            reasons = [f"supports() raised {type(err).__name__}: {err}"]
+    from attnbench.probe import ask_many
+
+    # plugin code answers in a child process, bounded in time (a hang holding the GIL included)
+    for ref, answers in zip(refs, ask_many([r.cls for r in refs], workload), strict=True):
+        reasons = list(answers.reasons)
+        if not reasons and answers.interpreted and not allow_interpreted:
+            reasons = ["kernels would run in an interpreter here: checked for correctness, never timed"]
+        if not reasons:
+            tunables[ref.name] = answers.tunables
         if reasons:
             excluded.append(Excluded(ref.name, tuple(reasons)))
         else:

@@ -101,14 +101,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _status(backend: Backend, workload: Workload) -> dict[str, Any]:
     """Whether ``backend`` can run ``workload``; a backend that raises here is reported, not fatal."""
-    try:
-        reasons = backend.supports(workload)
-        return {
-            "runnable": not reasons,
-            "reasons": reasons,
-            "implementation": backend.implementation(workload),
-            "interpreted": bool(not reasons and backend.interpreted(workload)),
-        }
-    except Exception as err:
-        msg = f"{type(err).__name__} raised while asking {backend.name!r} about this workload: {err}"
-        return {"runnable": False, "reasons": [msg], "implementation": "error", "interpreted": False}
+    from attnbench.probe import ask
+
+    answers = ask(type(backend), workload)  # plugin code: in a child process, bounded in time
+    return {
+        "runnable": not answers.reasons,
+        "reasons": list(answers.reasons),
+        "implementation": answers.implementation,
+        "interpreted": bool(not answers.reasons and answers.interpreted),
+    }

@@ -1,0 +1,50 @@
+"""Faults planted in plugin code that the parent process calls: a ``supports()`` that hangs holding
+the GIL must not hang ``tune``, ``backends`` or ``select()``; answers are cached so the next call is fast."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+from attnbench.backends.naive import NaiveBackend
+from attnbench.probe import ask, ask_many
+from attnbench.tuning import BackendRef, build_space
+from attnbench.workload import Workload
+
+W = Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp32")
+
+
+class HangingSupports(NaiveBackend):
+    """A plugin whose supports() sleeps in C with the GIL held (no thread of the process runs)."""
+
+    name = "planted_hanging_supports"
+
+    def supports(self, workload):
+        ctypes.PyDLL(None).sleep(3600)
+        return []
+
+
+class Answering(NaiveBackend):
+    name = "planted_answering"
+
+
+def test_a_hanging_supports_is_bounded_and_the_other_backends_still_answer(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
+    t0 = time.monotonic()
+    hung, fine = ask_many([HangingSupports, Answering], W, timeout=3)
+    took = time.monotonic() - t0
+    assert took < 3 + 60, took  # the deadline (plus starting the child), not an hour
+    assert "gave no answer to supports() within 3 s" in hung.reasons[0]
+    assert fine.reasons == () and not fine.interpreted
+    space = build_space(W, [BackendRef.of(Answering), BackendRef.of(HangingSupports)])
+    assert list(space.backends) == ["planted_answering"]  # cached: no second wait
+    assert "gave no answer" in space.excluded[0].reasons[0]
+
+
+def test_answers_are_cached_so_select_stays_fast(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
+    first = ask(Answering, W, timeout=60)
+    assert list((tmp_path / "probes").glob("*.json"))
+    t0 = time.perf_counter()
+    again = ask(Answering, W, timeout=60)
+    assert time.perf_counter() - t0 < 0.5 and again == first
