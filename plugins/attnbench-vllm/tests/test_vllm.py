@@ -84,13 +84,16 @@ def test_isa_follows_the_cpu_flags() -> None:
     fp32 = Workload.uniform("llama-3.1-8b", batch=1, context=64, dtype="fp32")
     want = "amx" if HAS_AMX else "vec"
     impl = VllmCpuBackend().implementation(bf16)
-    assert f"[{want} (" in impl, impl
-    assert "[vec (" in VllmCpuBackend().implementation(fp32)  # amx is bf16-only
+    assert f"[auto: {want} (" in impl, impl
+    assert "[auto: vec (" in VllmCpuBackend().implementation(fp32)  # amx is bf16-only
     library = "AVX-512" if "avx512f" in FLAGS else "AVX2"
     assert library in impl, impl
     # what a cache actually runs with
     cache = VllmCpuBackend().create_cache(bf16, config={}, num_layers=1, max_seq_len=64)
     assert cache.isa == want
+    for isa in ISAS:  # an explicit variant is the one that runs
+        cache = VllmCpuBackend().create_cache(bf16, config={"isa": isa}, num_layers=1, max_seq_len=64)
+        assert cache.isa == isa
     choices = dict((t.name, t.choices) for t in VllmCpuBackend().tunables_for(bf16))
     assert set(choices["isa"]) == {"auto", *(i for i in ISAS if i != want)}
 

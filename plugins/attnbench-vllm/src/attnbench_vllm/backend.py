@@ -141,15 +141,17 @@ class VllmCpuBackend(Backend):
         return isa_mod.resolve_isa(config["isa"], dtype=workload.dtype, head_dim=g.qk_head_dim)
 
     def implementation(self, workload: Workload) -> str:
-        """The kernel and ISA variant the default config runs on this CPU (``auto``: vLLM's pick)."""
+        """The kernel and the ISA variant ``isa=auto`` (the default) runs on this CPU.
+
+        A config with an explicit ``isa`` runs that variant (``create_cache`` refuses one this CPU
+        lacks); ``cache.isa`` is the variant a cache runs, whichever way it was chosen.
+        """
         reasons = self.supports(workload)
         if reasons:
             return "unavailable: " + "; ".join(reasons)
         isa = self._isa(workload, self.default_config())
         cache = "" if not self.fp8 else f", {self.kv_cache_dtype} cache"
-        return (
-            f"vllm {isa_mod.vllm_version()} cpu_attention_with_kv_cache[{isa_mod.describe_isa(isa)}{cache}]"
-        )
+        return f"vllm {isa_mod.vllm_version()} cpu_attention_with_kv_cache[auto: {isa_mod.describe_isa(isa)}{cache}]"
 
     def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
         """``isa`` offers ``auto`` plus the variants this CPU has that ``auto`` does not already pick."""
