@@ -1,0 +1,188 @@
+"""Engines' kernels against attnbench's: the tune record and the targets of the vLLM CPU issue.
+
+Two subcommands, each writing ``results/<name>.json`` and ``results/<name>.md`` with the command,
+the machine, the date and the load average:
+
+``tune``
+    runs ``attnbench tune ... --json`` with the arguments after ``--`` and records, per tuned point,
+    the winner, the fastest timed candidate and whether the winner is the fastest or within the
+    entry's switch margin of it (the dispatch-map margin policy)::
+
+        python scripts/engines_report.py tune --name tune-vllm-bf16-t1 -- \\
+            --model llama-3.1-8b --batch 1,8 --context 1k,8k --dtype bf16 --threads 1 --layers 4
+
+``targets``
+    reads ``attnbench bench --save`` JSON files and checks, at bf16, context ≥ 8k and 1 thread:
+    ``naive`` ≥ 0.9 × the ``matmul_probe`` row's bandwidth (``bench --probe``), and the best exact
+    candidate ≥ 70 % of the device's measured *read* bandwidth (the profile in the same file)::
+
+        python scripts/engines_report.py targets --name vllm-targets results/bench-vllm-bf16-t1-b*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+NAIVE_OVER_PROBE = 0.9
+BEST_SHARE_OF_READ = 0.70
+LOSSY = {"fp8", "vllm_cpu_fp8"}
+
+
+def _header(command: str, load_start: tuple[float, ...]) -> dict[str, Any]:
+    return {
+        "command": command,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {"platform": platform.platform(terse=True), "cpu_count": os.cpu_count()},
+        "load_avg_start": list(load_start),
+        "load_avg_end": list(os.getloadavg()),
+    }
+
+
+def _write(name: str, data: dict[str, Any], lines: list[str], *, out: Path = RESULTS) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    head = [
+        f"`{data['command']}`",
+        "",
+        f"{data['date']} · {data['host']['platform']} · {data['host']['cpu_count']} CPUs · load average "
+        f"{data['load_avg_start'][0]:.2f} → {data['load_avg_end'][0]:.2f}",
+        "",
+    ]
+    (out / f"{name}.md").write_text("\n".join(head + lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out / name}.json and .md")
+
+
+def run_tune(name: str, tune_args: list[str], *, out: Path = RESULTS) -> int:
+    load = os.getloadavg()
+    cmd = [sys.executable, "-m", "attnbench", "tune", *tune_args, "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        print(res.stderr[-4000:], file=sys.stderr)
+        return res.returncode
+    report = json.loads(res.stdout)
+    points = []
+    for row, entry in report["entries"].items():
+        timed = [c for c in entry.get("candidates", []) if c.get("step_ms") is not None]
+        winner = entry.get("winner")
+        fastest = min(timed, key=lambda c: c["step_ms"]) if timed else None
+        margin = float(entry.get("switch_margin", 0.0))
+        ok = bool(winner and fastest and winner["step_ms"] <= fastest["step_ms"] * (1 + margin) + 1e-12)
+        points.append({"row": row, "winner": winner, "fastest": fastest, "switch_margin": margin, "ok": ok})
+    data = _header("attnbench tune " + shlex.join(tune_args), load) | {"points": points, "tune": report}
+    lines = [
+        "| point | winner | ms | % copy bw | fastest | ms | winner within margin |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in points:
+        w, f = p["winner"] or {}, p["fastest"] or {}
+        lines.append(
+            f"| {p['row']} | {_label(w)} | {w.get('step_ms', '-')} | {w.get('pct_of_bandwidth', '-')} | "
+            f"{_label(f)} | {f.get('step_ms', '-')} | {'yes' if p['ok'] else 'NO'} "
+            f"({p['switch_margin']:.0%}) |"
+        )
+    _write(name, data, lines, out=out)
+    return 0 if all(p["ok"] for p in points) else 1
+
+
+def _label(c: dict[str, Any]) -> str:
+    cfg = ",".join(f"{k}={v}" for k, v in c.get("config", {}).items())
+    return f"{c.get('backend', '-')}" + (f"[{cfg}]" if cfg else "")
+
+
+def run_targets(name: str, files: list[Path], *, out: Path = RESULTS) -> int:
+    load = os.getloadavg()
+    checks = []
+    for path in files:
+        bench = json.loads(path.read_text())
+        device = bench["device"]
+        threads = device["fingerprint"].get("threads")
+        read_bw = float(device["read_bandwidth"])
+        rows = [r for r in bench["results"] if r.get("status") == "timed" and r.get("gbps")]
+        points = sorted({(r["batch"], r["context"]) for r in rows if r["dtype"] == "bf16"})
+        for batch, context in points:
+            at = {r["backend"]: r for r in rows if (r["batch"], r["context"]) == (batch, context)}
+            naive, probe = at.get("naive"), at.get("matmul_probe")
+            exact = [r for b, r in at.items() if b not in LOSSY and b != "matmul_probe"]
+            best = max(exact, key=lambda r: r["gbps"]) if exact else None
+            scored = threads == 1 and context >= 8192
+            checks.append(
+                {
+                    "file": path.name,
+                    "threads": threads,
+                    "batch": batch,
+                    "context": context,
+                    "read_bandwidth_gbps": read_bw / 1e9,
+                    "naive_over_probe": naive["gbps"] / probe["gbps"] if naive and probe else None,
+                    "best": best["backend"] if best else None,
+                    "best_share_of_read": best["gbps"] * 1e9 / read_bw if best else None,
+                    "scored": scored,
+                }
+            )
+    failures = [
+        c
+        for c in checks
+        if c["scored"]
+        and (
+            c["naive_over_probe"] is None
+            or c["naive_over_probe"] < NAIVE_OVER_PROBE
+            or (c["best_share_of_read"] or 0) < BEST_SHARE_OF_READ
+        )
+    ]
+    scored = [c for c in checks if c["scored"]]
+    verdict = (
+        "NO SCORED POINT (needs 1 thread, bf16, context ≥ 8k)"
+        if not scored
+        else ("NO" if failures else "yes")
+    )
+    data = _header("python scripts/engines_report.py targets " + " ".join(f.name for f in files), load)
+    data |= {"targets": {"naive_over_probe": NAIVE_OVER_PROBE, "best_share_of_read": BEST_SHARE_OF_READ}}
+    data |= {"checks": checks, "met": bool(scored) and not failures}
+    lines = [
+        f"Targets at bf16, context ≥ 8k, 1 thread: naive ≥ {NAIVE_OVER_PROBE} × matmul_probe; best exact "
+        f"candidate ≥ {BEST_SHARE_OF_READ:.0%} of the measured read bandwidth. Met: {verdict}",
+        "",
+        "| file | threads | batch | context | read GB/s | naive / probe | best | best / read bw | scored |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in checks:
+        ratio = f"{c['naive_over_probe']:.2f}" if c["naive_over_probe"] is not None else "-"
+        share = f"{c['best_share_of_read']:.0%}" if c["best_share_of_read"] is not None else "-"
+        lines.append(
+            f"| {c['file']} | {c['threads']} | {c['batch']} | {c['context']} | {c['read_bandwidth_gbps']:.3g} "
+            f"| {ratio} | {c['best']} | {share} | {'yes' if c['scored'] else ''} |"
+        )
+    _write(name, data, lines, out=out)
+    return 0 if scored and not failures else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tune", help="run attnbench tune (arguments after --) and record it")
+    t.add_argument("--name", required=True, help="results/<name>.json and .md")
+    t.add_argument("tune_args", nargs=argparse.REMAINDER, help="-- then attnbench tune's arguments")
+    g = sub.add_parser("targets", help="check the issue's targets in bench --save JSON files")
+    g.add_argument("--name", required=True, help="results/<name>.json and .md")
+    g.add_argument("files", nargs="+", type=Path)
+    for sp in (t, g):
+        sp.add_argument("--out", type=Path, default=RESULTS, help="where to write (default results/)")
+    args = p.parse_args(argv)
+    if args.cmd == "tune":
+        rest = args.tune_args[1:] if args.tune_args[:1] == ["--"] else args.tune_args
+        return run_tune(args.name, rest, out=args.out)
+    return run_targets(args.name, args.files, out=args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
