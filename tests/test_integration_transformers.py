@@ -402,8 +402,12 @@ REFUSED = {
         ),
         r"ALiBi position biases: every layer",
     ),
-    "bert-non-causal": (
-        lambda: transformers.BertForMaskedLM(transformers.BertConfig(**_BERT)),
+    "gemma3-bidirectional": (  # EmbeddingGemma-style: every layer attends both ways
+        lambda: transformers.Gemma3ForCausalLM(
+            transformers.Gemma3TextConfig(
+                head_dim=16, sliding_window=64, use_bidirectional_attention=True, **_GQA
+            )
+        ),
         r"non-causal \(bidirectional\) attention: layers 0, 1",
     ),
     "bert-cross-attention": (

@@ -11,6 +11,7 @@ transformers' own modules: ``tests/test_integration_transformers.py``.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 from dataclasses import dataclass
@@ -276,9 +277,10 @@ def test_older_config_format_rope_scaling(tmp_path: Path) -> None:
     ref.hf.save_pretrained(tmp_path)
     path = tmp_path / "config.json"
     config = json.loads(path.read_text())
-    rope = dict(config.pop("rope_parameters"))
-    config["rope_theta"] = rope.pop("rope_theta")
-    config["rope_scaling"] = rope
+    if "rope_parameters" in config:  # transformers 5 writes the new form; transformers 4 the old one already
+        rope = dict(config.pop("rope_parameters"))
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = rope
     path.write_text(json.dumps(config))
     tokens, _ = run_greedy("deepseek-v3-dense", LatentNaiveBackend(), source=tmp_path)
     assert torch.equal(tokens, ref.tokens)
@@ -302,20 +304,23 @@ def test_older_config_format_rope_scaling(tmp_path: Path) -> None:
 def test_rope_frequencies_equal_transformers(params: dict) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        rope: dict = {"rope_parameters": dict(params)}
+    else:  # transformers 4: top-level rope_theta, rope_scaling without the theta
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        rope = {"rope_theta": params["rope_theta"], "rope_scaling": scaling if len(scaling) > 1 else None}
     cfg = transformers.LlamaConfig(
-        hidden_size=1024,
-        num_attention_heads=8,
-        head_dim=128,
-        rope_parameters=dict(params),
-        max_position_embeddings=131072,
+        hidden_size=1024, num_attention_heads=8, head_dim=128, max_position_embeddings=131072, **rope
     )
     ours = RopeSpec.from_config(cfg.to_dict(), model="test").inv_freq(128)
-    if params["rope_type"] == "default":
-        theirs, _ = (
-            transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters(cfg)
-        )
+    init = ROPE_INIT_FUNCTIONS.get(params["rope_type"])
+    if init is None:  # transformers 5 computes the default frequencies in the rotary module
+        rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding
+        theirs, _ = rotary.compute_default_rope_parameters(cfg)
+    elif "device" in inspect.signature(init).parameters:  # transformers 4
+        theirs, _ = init(cfg, None)
     else:
-        theirs, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg)
+        theirs, _ = init(cfg)
     assert torch.equal(ours, theirs)
 
 
