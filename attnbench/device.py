@@ -222,7 +222,7 @@ def busy_note(profile: DeviceProfile) -> str | None:
     return (
         f"device profile {profile.id} was measured at load average {load[0]:.1f} on {cpus} CPUs: its "
         f"bandwidth ({profile.bandwidth / 1e9:.2f} GB/s) is likely low and every % of bandwidth high; "
-        "measure again on a quiet machine (--remeasure)"
+        "measure again on a quiet machine (`attnbench bench --remeasure`)"
     )
 
 

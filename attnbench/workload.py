@@ -76,9 +76,15 @@ class Workload:
             )
         object.__setattr__(self, "dtype", dtype)
         try:
-            torch.device(self.device)
+            kind = torch.device(self.device).type
         except RuntimeError as err:
             raise ValueError(f"workload: field 'device' = {self.device!r}: {err}") from None
+        if kind == "cuda" and not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(
+                f"workload: field 'device' = {self.device!r}: {why} (torch {torch.__version__}); "
+                "use --device cpu, or install a CUDA build of torch on a machine with an NVIDIA GPU"
+            )
 
     @classmethod
     def uniform(

@@ -70,12 +70,43 @@ def workloads_from_args(args: argparse.Namespace) -> list[Workload]:
     batches = parse_int_list(args.batch, field="--batch")
     contexts = parse_int_list(args.context, field="--context")
     dtypes = [d.strip() for d in str(args.dtype).split(",") if d.strip()]
-    return [
+    workloads = [
         Workload.uniform(shape, batch=b, context=c, dtype=d, device=args.device)
         for d in dtypes
         for b in batches
         for c in contexts
     ]
+    for w in workloads:
+        _check_fits(w)
+    return workloads
+
+
+def _available_bytes(device: str) -> int | None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_fits(workload: Workload) -> None:
+    """Refuse a workload whose KV cache cannot be allocated even for one layer (e.g. ``--context 200m``)."""
+    layers = max(1, int(getattr(workload.shape, "num_layers", 1) or 1))
+    one_layer = workload.kv_bytes_per_step() // layers
+    available = _available_bytes(workload.device)
+    if available is not None and one_layer > available:
+        raise ValueError(
+            f"--context/--batch: {workload.describe()} needs {one_layer / 1e9:.3g} GB of KV cache for a single "
+            f"layer, more than the {available / 1e9:.3g} GB available on {workload.device}; accepted: a batch "
+            "and context whose cache fits in memory"
+        )
 
 
 class _StdoutToStderr(io.TextIOBase):

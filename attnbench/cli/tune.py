@@ -177,9 +177,16 @@ def run(args: argparse.Namespace) -> int:
             description=f"{plan.workload.describe()}: {record.candidate.label()} {verdict}",
         )
 
+    from attnbench.registry import load_registry
+
+    registry = load_registry()
+    broken = [f"{f}; its backends are not tuned (`attnbench backends` shows why)" for f in registry.failures]
+    for line in broken if not args.json else ():
+        out.print(f"[yellow]{line}[/yellow]")
     with progress:
         report = tune(
             workloads,
+            registry=registry,
             backends=_split(args.backends),
             results_dir=args.results,
             storage=args.storage,
@@ -196,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
                 "interrupted": report.interrupted,
                 "trials_run": report.trials_run,
                 "messages": report.messages,
+                "plugin_failures": broken,
                 "entries": report.entries,
             }
         )
