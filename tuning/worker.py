@@ -6,7 +6,10 @@ backend that prints cannot corrupt the protocol). A worker serves candidates one
 candidate crashes the process (``os._exit``, a segfault, the kernel's out-of-memory killer), hangs past
 its timeout, or the pipe breaks, the parent records the reason, kills the worker's process group and
 starts a fresh one for the next candidate. An exception, an out-of-memory error, a failed correctness
-gate or a NaN is reported by the worker itself, which stays alive.
+gate or a NaN is reported by the worker itself, which stays alive. The worker asks the kernel for
+SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), so it never outlives a killed tuner, even while a
+backend holds the GIL in C code. The parent keeps the worker's stderr in a temporary file and reads
+only its tail, from the end, so a backend's endless output costs disk, never the tuner's memory.
 
 Backends are loaded by import path (``"package.module:Class"``), or by registry name, so a backend
 registered only in a test's registry, or by a plugin, reaches the worker the same way.
