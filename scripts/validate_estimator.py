@@ -22,7 +22,7 @@ redraws it) and ``<out>-calibration.yaml`` (the fit).
 
     python scripts/validate_estimator.py --out results/costmodel-validation-cpu \
         --doc-plot docs/img/costmodel-validation-cpu.png
-    python scripts/validate_estimator.py --quick --out /tmp/validation-smoke   # a tiny smoke run
+    python scripts/validate_estimator.py --quick --out results/validation-smoke   # a tiny smoke run (do not commit it)
 """
 
 from __future__ import annotations
