@@ -88,7 +88,9 @@ def _attention(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) runs attn_implementation "
             f"{ATTENTION_IMPLEMENTATION!r} but no attnbench cache is bound to it; call use_backend() first"
         )
-    return cache.attend(module, query, key, value, attention_mask)
+    if dropout and getattr(module, "training", False):
+        raise ValueError(f"attention dropout {dropout} in training mode is not supported; call model.eval()")
+    return cache.attend(module, query, key, value, attention_mask, scaling=scaling)
 
 
 def _register() -> None:
@@ -163,14 +165,16 @@ class BackendCache(Cache):
         self.model = model
         self.num_attention_layers = len(layers)
         self.seen_tokens = 0
-        g = kv.geometry
-        # the model's softmax scale, folded into q: backends scale by 1/sqrt(Dk)
-        self.q_factor = [
-            1.0 if math.isclose(f, 1.0, rel_tol=1e-12) else f for f in (la.scaling / g.scale for la in layers)
-        ]
+        # the model's softmax scale (as the probe saw it), folded into q: backends scale by 1/sqrt(Dk)
+        self.q_factor = [self._fold(la.scaling) for la in layers]
         self._plan: StepPlan | None = None
         self._pending: int | None = None
         self._shift: torch.Tensor | None = None  # [B] left-padding width at prefill
+
+    def _fold(self, scaling: float) -> float:
+        """The factor on ``q`` that turns the backend's ``1/sqrt(Dk)`` into the model's ``scaling``."""
+        factor = scaling / self.kv.geometry.scale
+        return 1.0 if math.isclose(factor, 1.0, rel_tol=1e-12) else factor
 
     # -- transformers' Cache API ------------------------------------------------------------------
     def update(
@@ -234,7 +238,11 @@ class BackendCache(Cache):
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        *,
+        scaling: float | None = None,
     ) -> tuple[torch.Tensor, None]:
+        """One layer's attention for this step (``q [B, Hq, T, Dk]`` → ``[B, T, Hq, Dv]``); plans at
+        layer 0, commits after the last layer."""
         layer = int(module.layer_idx)
         if self._pending != layer:
             raise RuntimeError(
@@ -248,8 +256,9 @@ class BackendCache(Cache):
         plan = self._plan
         assert plan is not None
         q = query.transpose(1, 2)  # [B, T, Hq, Dk]
-        if self.q_factor[layer] != 1.0:
-            q = q * self.q_factor[layer]
+        factor = self.q_factor[layer] if scaling is None else self._fold(float(scaling))
+        if factor != 1.0:
+            q = q * factor
         k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, T, Hkv, Dk], [B, T, Hkv, Dv]
         if self._shift is None:  # decode: one token per sequence
             out = self.backend.decode(
