@@ -52,10 +52,14 @@ from attnbench.models.base import UnsupportedModelError
 from attnbench.shapes import ModelShape
 from attnbench.workload import Workload
 
-try:  # transformers ≥ 4.56 keeps a list of per-layer objects in every Cache
+try:  # transformers ≥ 4.56: per-layer cache objects and a registrable mask builder
     from transformers.cache_utils import CacheLayerMixin
-except ImportError:  # pragma: no cover - older transformers
-    CacheLayerMixin = object  # type: ignore[assignment,misc]
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as err:  # pragma: no cover - older transformers
+    raise ImportError(
+        f"attnbench.integrations.transformers needs transformers >= 4.56 ({err}); "
+        'pip install -e ".[transformers]"'
+    ) from None
 
 __all__ = [
     "ATTENTION_IMPLEMENTATION",
@@ -95,14 +99,11 @@ def _attention(
 
 def _register() -> None:
     AttentionInterface.register(ATTENTION_IMPLEMENTATION, _attention)
-    try:  # a boolean padding mask at prefill (None when nothing is padded), as SDPA gets it
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    except ImportError:  # pragma: no cover - transformers < 4.53
-        return
+    # the padding mask at prefill as SDPA gets it: boolean, or None when nothing is padded
     AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, sdpa_mask)
 
 
-class _BackendLayer(CacheLayerMixin):  # type: ignore[misc,valid-type]
+class _BackendLayer(CacheLayerMixin):
     """transformers' view of one layer: it stores nothing; the backend's cache holds the tokens."""
 
     is_compileable = False
@@ -110,8 +111,7 @@ class _BackendLayer(CacheLayerMixin):  # type: ignore[misc,valid-type]
     supports_early_init = False
 
     def __init__(self, owner: BackendCache) -> None:
-        if CacheLayerMixin is not object:
-            super().__init__()
+        super().__init__()
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -154,12 +154,7 @@ class BackendCache(Cache):
         layers: list[LayerAttention],
         model: str,
     ) -> None:
-        per_layer = [_BackendLayer(self) for _ in layers]
-        try:
-            super().__init__(layers=per_layer)
-        except TypeError:  # pragma: no cover - transformers without per-layer objects
-            super().__init__()
-            self.layers = per_layer
+        super().__init__(layers=[_BackendLayer(self) for _ in layers])
         self.backend = backend
         self.kv = kv
         self.model = model
