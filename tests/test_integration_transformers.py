@@ -449,6 +449,17 @@ def test_a_window_as_long_as_the_run_is_accepted() -> None:
         hf.set_attn_implementation("sdpa")
 
 
+def test_generating_without_the_cache_is_a_clear_error() -> None:
+    hf = hf_model("llama")
+    ids, mask = batch_inputs()
+    try:
+        use_backend(hf, "naive", batch=2, max_seq_len=MAX_SEQ_LEN)
+        with pytest.raises(RuntimeError, match=r"layer 0: the model did not hand its K/V to this cache"):
+            hf.generate(ids, attention_mask=mask, max_new_tokens=2)  # transformers' own cache instead
+    finally:
+        hf.set_attn_implementation("sdpa")
+
+
 def test_right_padding_is_refused() -> None:
     hf = hf_model("llama")
     ids, mask = batch_inputs()

@@ -5,9 +5,10 @@ the model to it (``model.set_attn_implementation``) and returns a :class:`Backen
 transformers ``Cache`` backed by the backend's own KV cache. Pass that cache to ``generate``::
 
     import attnbench
-    from attnbench.integrations.transformers import use_backend
+    from attnbench.integrations.transformers import shape_of, use_backend
 
-    choice = attnbench.select(model="llama-3.1-8b", batch=2, context=4096, dtype="bf16")
+    workload = attnbench.Workload.uniform(shape_of(hf_model), batch=2, context=4096, dtype="bf16")
+    choice = attnbench.select(workload)
     cache = use_backend(hf_model, choice, batch=2, max_seq_len=4096)
     out = hf_model.generate(input_ids, attention_mask=mask, past_key_values=cache,
                             max_new_tokens=32, do_sample=False)
