@@ -538,3 +538,33 @@ def test_decode_command_runs_the_real_model(checkpoint: Path, tmp_path: Path, mo
     assert r["model_kind"].startswith("transformers") and r["decode_steps"] == 4 and r["batch"] == 2
     assert r["ttft_s"] > 0 and r["e2e_check_s"] == pytest.approx(r["ttft_s"] + 4 * r["itl_mean_s"])
     assert r["check"]["passed"] and r["num_layers"] == 2
+
+
+def test_estimate_accepts_a_checkpoint_directory(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(["estimate", "--model", str(checkpoint), "--gpu", "h100", "-c", "1k", "-n", "32", "--json"]) == 0
+    )
+    assert "tiny-qwen3" in capsys.readouterr().out
+
+
+def test_the_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/real-models.md's example, from select() to generate(), runs as written."""
+    import runpy
+
+    from attnbench import device as device_mod
+
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ATTNBENCH_RESULTS_DIR", str(tmp_path / "results"))
+    real = device_mod.measure_bandwidth
+    monkeypatch.setattr(
+        device_mod, "measure_bandwidth", lambda device="cpu", *, nbytes=None: real(device, nbytes=2**22)
+    )
+    text = (Path(__file__).parents[1] / "docs" / "real-models.md").read_text()
+    example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    namespace = runpy.run_path(str(script))
+    out, cache = namespace["out"], namespace["cache"]
+    assert out.shape == (2, 8 + 32) and cache.kv.seq_lens == (39, 36)
