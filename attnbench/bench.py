@@ -10,22 +10,30 @@ Order of work:
 
 1. ``backend.supports(workload)`` — a backend that cannot run the workload raises ``ValueError``
    naming the reasons.
-2. The correctness gate (:func:`attnbench.gate.check`, two layers, fresh random inputs) on the same
-   shape, dtype and context; when the full batch would not fit the gate's memory budget (it keeps a
-   float64 copy of the history) the batch is reduced first, then the context, and the checked
-   workload is recorded in ``check.workload``. A failed check raises :class:`CheckFailed`, which
+2. The correctness gate (:func:`attnbench.gate.check`, two layers, fresh random inputs with needle
+   probes, bounds calibrated per metric) on the same shape, dtype and the workload's full context;
+   when the full batch would not fit the gate's memory budget the batch is reduced first, then the
+   KV heads (never the context), and the checked workload is recorded in ``check.workload``. A
+   failed check raises :class:`CheckFailed`, which
    carries the :class:`~attnbench.gate.CheckResult` (``err.check``) so that callers such as the tuner
    can record the numbers. Nothing that failed is ever timed.
 3. Backends whose kernels would run in an interpreter (``backend.interpreted(workload)``) stop here:
    the measurement has ``timed=False``, ``step=None`` and says why. Interpreted timings mean nothing.
-4. The synthetic attention-only model (:class:`attnbench.decode.SyntheticModel`) is filled to the
+4. The synthetic attention-only model (:class:`attnbench.synthetic.SyntheticModel`) is filled to the
    workload's context (untimed), then whole decode steps — ``plan()``, every layer's ``decode()``,
    ``commit()`` — are timed with :func:`attnbench.timing.measure`. The model materialises
    ``layers_materialised`` distinct layer caches and cycles the ``num_layers`` calls over them (see
-   :mod:`attnbench.decode`), so every call reads its cache from DRAM. When all materialised caches
+   :mod:`attnbench.synthetic`), so every call reads its cache from DRAM. When all materialised caches
    together are smaller than 4 × the last-level cache (short contexts, small batches), a buffer of
    twice the LLC is written before each timed step, outside the timer (``llc_flushed``), because in
    a real model the weights read between two steps would have evicted the cache.
+
+5. The timed run is checked too: one layer, chosen at random before timing, keeps a copy of its
+   output at every step; afterwards one timed step is chosen at random and compared with float64
+   attention on that call's own inputs (the model rebuilds the history it attended over), with the
+   gate's calibrated bound (a failure raises :class:`CheckFailed`). A step that read its KV bytes
+   faster than :data:`PLAUSIBLE_MARGIN` × the measured read bandwidth raises :class:`Implausible`.
+   Neither is ever a result.
 
 Each step appends a token, so the context grows by one per step during the run (``warmup + repeats``
 tokens at most, e.g. 12 on a 1024-token context); ``kv_bytes`` is the mean of what the timed steps
@@ -34,9 +42,11 @@ actually read.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,15 +56,25 @@ import torch
 from attnbench.backend import Backend
 from attnbench.decode import SyntheticModel
 from attnbench.device import DeviceProfile, last_level_cache_bytes
-from attnbench.gate import CheckResult
+from attnbench.gate import CheckResult, Judge
 from attnbench.gate import check as gate_check
 from attnbench.timing import Timing, measure
 from attnbench.workload import Workload
 
-__all__ = ["CheckFailed", "DecodeMeasurement", "check_workload", "measure_decode"]
+__all__ = [
+    "CheckFailed",
+    "DecodeMeasurement",
+    "Implausible",
+    "check_workload",
+    "measure_decode",
+    "plausibility",
+]
 
 #: Host memory the gate may use by default (it holds the cache, the history and a float64 copy).
 CHECK_BUDGET_BYTES = 3 * 2**30
+
+#: A step whose KV bytes / time exceeds this multiple of the measured read bandwidth is refused.
+PLAUSIBLE_MARGIN = 1.5
 
 
 class CheckFailed(RuntimeError):
@@ -95,6 +115,7 @@ class DecodeMeasurement:
     batch: int = 0
     context: int = 0
     llc_flushed: bool = False  # the last-level cache was evicted before each timed step (small caches)
+    timed_check: CheckResult | None = None  # one timed step and layer, checked after timing
     load_avg: tuple[float, float, float] = field(default_factory=lambda: os.getloadavg())
 
     @property
@@ -121,6 +142,8 @@ class DecodeMeasurement:
             "gbps": None if math.isnan(self.gbps) else self.gbps,
             "pct_of_bandwidth": self.pct_of_bandwidth,
             "check": self.check.as_dict() if self.check else None,
+            "timed_check": self.timed_check.as_dict() if self.timed_check else None,
+            "lossy": self.check.lossy if self.check else "",
             "load_avg": list(self.load_avg),
         }
 
@@ -145,26 +168,57 @@ def check_workload(
 ) -> Workload:
     """The workload the gate runs for ``workload``: the same one when it fits ``budget_bytes``.
 
-    Otherwise the batch is reduced first (keeping the full context, where kernels differ most), then
-    the context is halved until it fits.
+    Otherwise the batch is reduced first, then the number of KV heads (keeping the query heads per KV
+    head, and at least two KV heads so a wrong head mapping still shows) — never the context, where
+    long-context bugs live.
     """
     g = workload.geometry(form)
-    values = g.qk_head_dim if form == "latent" else g.num_kv_heads * (g.qk_head_dim + g.v_head_dim)
     itemsize = workload.dtype.itemsize
 
-    def estimate(lens: tuple[int, ...]) -> int:
-        per_layer = values * itemsize * (max(lens) + 2) * len(lens)
-        # 2 layers of cache + 2 of history + transient copies + the float64 reference of one layer
-        return per_layer * (6 + 2 * 8 // itemsize)
+    def estimate(batch: int, kv_heads: int) -> int:
+        values = g.qk_head_dim if form == "latent" else kv_heads * (g.qk_head_dim + g.v_head_dim)
+        tokens = (workload.context + 64) * batch
+        # 2 layers of cache + 2 of float32 history while planting, 2 in the dtype, float64 of one head
+        per_token = values * (2 * itemsize + 2 * 4 + 2 * itemsize) + 3 * 8 * (g.qk_head_dim + g.v_head_dim)
+        return per_token * tokens
 
-    lens = workload.context_lens
-    while len(lens) > 1 and estimate(lens) > budget_bytes:
-        lens = lens[: max(1, len(lens) // 2)]
-    while max(lens) > 16 and estimate(lens) > budget_bytes:
-        lens = tuple(max(1, n // 2) for n in lens)
-    if lens == workload.context_lens:
+    batch, heads = workload.batch, workload.shape.num_kv_heads
+    while batch > 1 and estimate(batch, heads) > budget_bytes:
+        batch = max(1, batch // 2)
+    while form != "latent" and heads > 2 and estimate(batch, heads) > budget_bytes:
+        heads = max(2, heads // 2)
+    if (batch, heads) == (workload.batch, workload.shape.num_kv_heads):
         return workload
-    return Workload(workload.shape, lens, workload.dtype, workload.device)
+    shape = workload.shape
+    if heads != shape.num_kv_heads:
+        group = shape.num_heads // shape.num_kv_heads
+        shape = dataclasses.replace(shape, num_kv_heads=heads, num_heads=heads * group)
+    return Workload(shape, workload.context_lens[:batch], workload.dtype, workload.device)
+
+
+class Implausible(RuntimeError):
+    """A timed step read its KV cache faster than the device can: a measurement bug, never a winner."""
+
+
+def plausibility(
+    *, kv_bytes: int, seconds: float, profile: DeviceProfile | None, margin: float = PLAUSIBLE_MARGIN
+) -> str:
+    """Why a step of ``kv_bytes`` in ``seconds`` is implausible on ``profile``'s device ('' if it is not).
+
+    The bound is the read bandwidth measured at the same thread count (it is part of the device
+    fingerprint), times ``margin`` for what the measurement of the bandwidth itself may miss.
+    """
+    if profile is None or not profile.read_bandwidth or seconds <= 0:
+        return ""
+    rate = kv_bytes / seconds
+    limit = margin * profile.read_bandwidth
+    if rate <= limit:
+        return ""
+    return (
+        f"implausible: {kv_bytes / 1e6:.1f} MB of KV cache in {seconds * 1e3:.3g} ms is "
+        f"{rate / 1e9:.1f} GB/s, over {margin:g} × the measured read bandwidth "
+        f"{profile.read_bandwidth / 1e9:.1f} GB/s"
+    )
 
 
 def measure_decode(
@@ -234,6 +288,8 @@ def measure_decode(
     model = SyntheticModel(
         backend, workload, config=cfg, num_layers=layers, materialise_bytes=materialise_bytes
     )
+    spot = random.Random(os.urandom(8))
+    model.record_layer = spot.randrange(layers) if check else None
     try:
         model.fill(extra_tokens=max(warmup, 1) + repeats + 1)
         start_bytes = model.kv_bytes_per_step()
@@ -250,12 +306,18 @@ def measure_decode(
             before=evict,
         )
         materialised = model.layers_materialised
+        timed_check = _check_timed_step(backend, model, cfg, first=timing.warmup, rng=spot) if check else None
     finally:
         model.release()
         evict = None
         gc.collect()
     # step j of the run reads start_bytes + j · growth; the timed ones follow the warm-up
     kv_bytes = int(start_bytes + (timing.warmup + (timing.repeats - 1) / 2) * growth)
+    if timed_check is not None and not timed_check.passed:
+        raise CheckFailed(timed_check)
+    why = plausibility(kv_bytes=kv_bytes, seconds=timing.median_s, profile=profile)
+    if why:
+        raise Implausible(f"backend {backend.name!r} {cfg} on {workload.describe()}: {why}")
     bytes_per_s = kv_bytes / timing.median_s
     return DecodeMeasurement(
         **base,
@@ -266,4 +328,48 @@ def measure_decode(
         check=result,
         layers_materialised=materialised,
         llc_flushed=timed_with_flush,
+        timed_check=timed_check,
+    )
+
+
+def _check_timed_step(
+    backend: Backend, model: SyntheticModel, config: dict[str, Any], *, first: int, rng: random.Random
+) -> CheckResult | None:
+    """Check one timed step (the recorded layer's output, a step chosen at random) against float64.
+
+    The history that call attended over is rebuilt from the model's generators; the bound is the
+    gate's, calibrated on these inputs. ``None`` when nothing was recorded.
+    """
+    timed = [(step, out) for step, out in model.recorded if step >= first]
+    layer = model.record_layer
+    if not timed or layer is None:
+        return None
+    step, out = rng.choice(timed)
+    q, hk, hv, lens = model.history_for(layer, step)
+    dtype = model.workload.dtype
+    judge = Judge(
+        backend=backend,
+        config=config,
+        dtype=dtype,
+        scale=model.geometry.scale,
+        multiple=backend.error_multiple(dtype, config=config),
+    )
+    judge.add(out, q, hk, hv, lens)
+    failures, _, _ = judge.failures()
+    exact_tol, stored_tol = judge.tolerances()
+    return CheckResult(
+        backend=backend.name,
+        config=config,
+        workload=f"{model.workload.describe()}, timed step {step} layer {layer}",
+        seed=model.seed,
+        error=judge.exact.stats(),
+        tolerance=exact_tol,
+        failures=[f"timed step {step} layer {layer}: {f}" for f in failures],
+        calibration=judge.calib.stats(),
+        multiple=judge.multiple,
+        decode_steps=1,
+        lossy=backend.lossy,
+        stored_error=judge.stored.stats() if judge.stored else None,
+        stored_calibration=judge.stored_calib.stats() if judge.stored_calib else None,
+        stored_tolerance=stored_tol,
     )

@@ -8,7 +8,47 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["ErrorStats", "compare", "reference_decode", "reference_prefill"]
+__all__ = [
+    "ErrorStats",
+    "calibration_decode",
+    "compare",
+    "reference_decode",
+    "reference_pair",
+    "reference_prefill",
+]
+
+
+def _decode_by_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: Sequence[int],
+    *,
+    scale: float,
+    calibration: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float64 decode attention and, if asked, the calibration reference, one sequence at a time.
+
+    Working one sequence at a time keeps the float64 copies small (a 128k-token sequence with 8 KV
+    heads of 128 dims is 1 GiB), so the gate can check the workload's full context.
+    """
+    b, hq, _ = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    ref = torch.empty(b, hq, v.shape[-1], dtype=torch.float64, device=q.device)
+    cal = torch.empty(b, hq, v.shape[-1], dtype=torch.float32, device=q.device) if calibration else None
+    for i in range(b):
+        n = int(lengths[i])
+        kd = k[i, :n].double().transpose(0, 1)  # [Hkv, n, Dk]
+        vd = kd[..., : v.shape[-1]] if v.data_ptr() == k.data_ptr() else v[i, :n].double().transpose(0, 1)
+        qd = q[i].double().view(hkv, g, -1)  # [Hkv, G, Dk]
+        probs = torch.softmax(torch.matmul(qd, kd.transpose(1, 2)) * scale, dim=-1)  # [Hkv, G, n]
+        ref[i] = torch.matmul(probs, vd).reshape(hq, -1)
+        if cal is not None:
+            kf, vf, qf = kd.float(), vd.float(), q[i].float().view(hkv, g, -1)
+            pf = torch.softmax(torch.matmul(qf, kf.transpose(1, 2)) * scale, dim=-1)
+            cal[i] = torch.matmul(pf, vf).reshape(hq, -1)
+    return ref, cal
 
 
 def reference_decode(
@@ -19,18 +59,30 @@ def reference_decode(
     ``q [B, Hq, Dk]``; ``k [B, S, Hkv, Dk]`` and ``v [B, S, Hkv, Dv]`` hold each sequence's whole
     history (the new token included) in its first ``lengths[i]`` rows. Returns ``[B, Hq, Dv]`` float64.
     """
-    q, k, v = q.double(), k.double(), v.double()
-    b, hq, dk = q.shape
-    s, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qg = q.view(b, hkv, g, dk)
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * scale  # [B, Hkv, G, S]
-    lens = torch.as_tensor(list(lengths), device=q.device)
-    valid = torch.arange(s, device=q.device)[None, :] < lens[:, None]  # [B, S]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgs,bshd->bhgd", probs, v)
-    return out.reshape(b, hq, -1)
+    return _decode_by_sequence(q, k, v, lengths, scale=scale, calibration=False)[0]
+
+
+def calibration_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], *, scale: float
+) -> torch.Tensor:
+    """Decode attention rounded as a careful kernel in the inputs' dtype rounds it.
+
+    Inputs stay in their dtype (``q``, ``k``, ``v`` as given); q·kᵀ is accumulated in float32 and kept
+    float32, the softmax is float32, P stays float32 and P·V is accumulated in float32; the output is
+    rounded once to the inputs' dtype. Its error against :func:`reference_decode` on the same inputs is
+    what the correctness gate calibrates its bounds with: the error that an implementation which does
+    everything right in this dtype still makes.
+    """
+    return reference_pair(q, k, v, lengths, scale=scale)[1]
+
+
+def reference_pair(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], *, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference_decode` and :func:`calibration_decode` of the same inputs, converted once."""
+    ref, cal = _decode_by_sequence(q, k, v, lengths, scale=scale, calibration=True)
+    assert cal is not None
+    return ref, cal.to(q.dtype)
 
 
 def reference_prefill(

@@ -98,7 +98,8 @@ def test_failed_check_raises_with_numbers_and_is_never_timed() -> None:
         measure_decode(NoisyNaive(), workload)
     check = info.value.check
     assert not check.passed and check.error.max_abs > 1e-2
-    gate_calls = 2 * 2  # two decode steps over two layers in the gate, nothing more
+    assert check.decode_steps >= 2  # a random step and at least one needle-probe step
+    gate_calls = check.decode_steps * 2  # the gate's decode steps over two layers, nothing more
     assert NoisyNaive.timed_calls == gate_calls
 
 
@@ -121,13 +122,17 @@ def test_unsupported_workload_names_the_reason() -> None:
         measure_decode(FlashBackend(), workload)
 
 
-def test_check_workload_shrinks_batch_first_then_context() -> None:
+def test_check_workload_shrinks_batch_then_kv_heads_never_the_context() -> None:
     big = Workload.uniform("llama-3.1-8b", batch=8, context="32k", dtype="fp32")
-    per_seq = big.shape.kv_values_per_token_layer() * 4 * (32768 + 2)
-    smaller = check_workload(big, budget_bytes=per_seq * 10 * 2)  # room for two sequences
-    assert smaller.batch == 2 and smaller.context == 32768
-    tiny = check_workload(big, budget_bytes=per_seq * 10 // 3)
-    assert tiny.batch == 1 and tiny.context == 8192
+    full = check_workload(big, budget_bytes=2**50)
+    assert full is big
+    smaller = check_workload(big, budget_bytes=3 * 2**30)
+    assert smaller.batch < 8 and smaller.context == 32768 and smaller.shape.num_kv_heads == 8
+    long = Workload.uniform("llama-3.1-8b", batch=4, context="128k", dtype="fp32")
+    tiny = check_workload(long, budget_bytes=2**30)
+    assert tiny.batch == 1 and tiny.context == 131072  # the full context, always
+    assert 2 <= tiny.shape.num_kv_heads < 8  # fewer KV heads, at least two (a head mix-up shows)
+    assert tiny.shape.num_heads // tiny.shape.num_kv_heads == 4  # query heads per KV head kept
     same = Workload.uniform("tiny-gqa", batch=4, context=64)
     assert check_workload(same) is same
 
