@@ -93,8 +93,10 @@ def test_sigterm_during_tune_marks_the_trial_interrupted_and_writes_the_table(tm
         sys.argv = ["attnbench", "tune", "--model", "tiny-gqa", "--batch", "1", "--context", "64,128,256,512",
                     "--dtype", "fp32", "--repeats", "3", "--results", {str(tmp_path)!r}]
         def later():
-            while not any(p.name.startswith("tuning-") for p in os.scandir({str(tmp_path)!r})):
+            folder = {str(tmp_path)!r}
+            while not any(p.name.startswith("tuning-") and p.name.endswith(".yaml") for p in os.scandir(folder)):
                 time.sleep(0.05)
+            time.sleep(0.5)  # the second key's first candidate: SIGTERM while a trial runs
             os.kill(os.getpid(), signal.SIGTERM)
         threading.Thread(target=later, daemon=True).start()
         from attnbench.cli import main

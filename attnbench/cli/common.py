@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, TextIO
 
@@ -158,12 +159,30 @@ def emit_json(data: Any) -> None:
     out.flush()
 
 
+_STORAGE_CODE = (
+    f"{os.sep}optuna{os.sep}storages{os.sep}",
+    f"{os.sep}sqlalchemy{os.sep}",
+    f"{os.sep}psycopg{os.sep}",
+    f"{os.sep}tuning{os.sep}table.py",  # a results table being saved
+)
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Treat SIGTERM like Ctrl-C while the block runs (main thread only): the running trial is
-    marked interrupted and what was measured is written, as on Ctrl-C."""
+    marked interrupted and what was measured is written, as on Ctrl-C. A SIGTERM that arrives inside
+    Optuna's storage code or a table save is delivered again 0.1 s later, so a journal line, its lock
+    or a table is never left half-done."""
 
     def interrupt(signum: int, frame: Any) -> None:
+        # never in the middle of a storage write (a journal line, its lock, a database call): there,
+        # the signal is sent again shortly, once the write is done
+        f = frame
+        while f is not None:
+            if any(part in f.f_code.co_filename for part in _STORAGE_CODE):
+                threading.Timer(0.1, os.kill, (os.getpid(), signum)).start()
+                return
+            f = f.f_back
         raise KeyboardInterrupt
 
     try:
