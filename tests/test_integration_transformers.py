@@ -475,6 +475,19 @@ def test_right_padding_is_refused() -> None:
 # --model DIR: shapes and `attnbench decode` on a checkpoint directory
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture
+def small_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A private device-profile cache whose bandwidth measurement uses a small buffer (fast)."""
+    from attnbench import device as device_mod
+
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ATTNBENCH_LLC_BYTES", str(2**20))
+    real = device_mod.measure_bandwidth
+    monkeypatch.setattr(
+        device_mod, "measure_bandwidth", lambda device="cpu", *, nbytes=None: real(device, nbytes=2**22)
+    )
+
+
+@pytest.fixture
 def checkpoint(tmp_path: Path) -> Path:
     hf_model("qwen3").save_pretrained(tmp_path / "tiny-qwen3")
     return tmp_path / "tiny-qwen3"
@@ -517,8 +530,7 @@ def test_a_directory_without_config_json(tmp_path: Path) -> None:
         load_shape(tmp_path)
 
 
-def test_decode_command_runs_the_real_model(checkpoint: Path, tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path / "cache"))
+def test_decode_command_runs_the_real_model(checkpoint: Path, small_profile: None, capsys) -> None:  # type: ignore[no-untyped-def]
     argv = [
         "decode",
         "--model",
@@ -549,18 +561,11 @@ def test_estimate_accepts_a_checkpoint_directory(
     assert "tiny-qwen3" in capsys.readouterr().out
 
 
-def test_the_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_docs_example_runs(tmp_path: Path, small_profile: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/real-models.md's example, from select() to generate(), runs as written."""
     import runpy
 
-    from attnbench import device as device_mod
-
-    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("ATTNBENCH_RESULTS_DIR", str(tmp_path / "results"))
-    real = device_mod.measure_bandwidth
-    monkeypatch.setattr(
-        device_mod, "measure_bandwidth", lambda device="cpu", *, nbytes=None: real(device, nbytes=2**22)
-    )
     text = (Path(__file__).parents[1] / "docs" / "real-models.md").read_text()
     example = text.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "example.py"
@@ -568,3 +573,12 @@ def test_the_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     namespace = runpy.run_path(str(script))
     out, cache = namespace["out"], namespace["cache"]
     assert out.shape == (2, 8 + 32) and cache.kv.seq_lens == (39, 36)
+
+
+def test_decode_command_runs_deepseek_latent_form(tmp_path: Path, small_profile: None, capsys) -> None:  # type: ignore[no-untyped-def]
+    """With the MLA latent cache (``mla``) a DeepSeek checkpoint runs in the latent decoder instead."""
+    hf_model("deepseek-v3-expanded").save_pretrained(tmp_path / "tiny-ds")
+    argv = ["decode", "--model", str(tmp_path / "tiny-ds"), "-p", "4", "-n", "3", "--dtype", "fp32"]
+    assert main([*argv, "--backend", "mla", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["model_kind"].startswith("DeepSeek latent decoder") and r["check"]["passed"]

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "the synthetic attention-only model (every layer of the model's shape, attention and KV "
             "cache only) with one backend — or, when --model is a checkpoint directory (config.json + "
             "safetensors), through the real model, loaded by transformers, its attention routed through "
-            "the backend (attnbench.integrations.transformers; random prompt tokens, greedy). The "
+            "the backend (attnbench.integrations.transformers; for the MLA latent cache, the DeepSeek "
+            "latent decoder; random prompt tokens, greedy). The "
             "backend is checked against float64 attention first. "
             "Prints TTFT (the prefill, which yields the first token), ITL p50/p90 over the N-1 decode "
             "steps, end-to-end latency and, beside it, TTFT + (N-1)·ITL (mean, and p50): with the mean the "
@@ -118,7 +119,12 @@ def run(args: argparse.Namespace) -> int:
             0, model.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0)
         )
         inputs: dict[str, Any] = {"prompt": prompt}
-        kind, num_layers, materialised = "transformers (real model)", shape.num_layers, shape.num_layers
+        kind = (
+            "transformers (real model)"
+            if backend.kv_form != "latent"
+            else "DeepSeek latent decoder (real model)"
+        )
+        num_layers = materialised = shape.num_layers
     else:
         model = SyntheticModel(backend, workload, num_layers=args.layers)
         inputs = {"prompt_len": prompt_len}
@@ -165,7 +171,13 @@ def _checkpoint_dir(model: str) -> Path | None:
 
 
 def _real_model(checkpoint: Path, backend: Backend, *, batch: int, dtype: torch.dtype, device: str) -> Any:
-    """The checkpoint as a :class:`~attnbench.decode.DecodeModel` whose attention runs through ``backend``."""
+    """The checkpoint as a :class:`~attnbench.decode.DecodeModel` whose attention runs through ``backend``:
+    transformers' own model through the integration, or for a latent-cache backend (``mla``) the
+    DeepSeek latent decoder (transformers' module cannot express that form)."""
+    if backend.kv_form == "latent":
+        from attnbench.models import load_model
+
+        return load_model(checkpoint, backend=backend, dtype=dtype, device=device, batch=batch)
     try:
         import transformers
 
