@@ -114,12 +114,17 @@ def test_a_fleet_of_three_tuners_survives_a_sigkill(fresh_database, tmp_path, ca
             continue
         running = [(n, t) for n, t in trials if t.state.name == "RUNNING" and "backend" in t.user_attrs]
         if running:
-            study, trial = running[0]
-            victim = trial.user_attrs["host"]
-            time.sleep(0.3)  # inside its candidate
+            victim = running[0][1].user_attrs["host"]
             os.kill(procs[victim].pid, signal.SIGKILL)
             procs[victim].wait()
-            killed = (victim, study, trial.number)
+            _, trials = _states(url)  # what the dead tuner left running (its candidate may have ended)
+            left = [
+                (n, t) for n, t in trials if t.state.name == "RUNNING" and t.user_attrs.get("host") == victim
+            ]
+            if not left:  # killed between two trials: no abandoned trial to prove anything with
+                procs[victim] = _tuner(url, victim, results[victim], env)
+                continue
+            killed = (victim, left[0][0], left[0][1].number)
         time.sleep(0.1)
     before, _ = _states(url)
     with capsys.disabled():

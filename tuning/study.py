@@ -276,6 +276,8 @@ def run_study(
                     study.enqueue_trial(plan.space.params(c))
             enqueued_defaults = True
         trial = study.ask()
+        if heartbeats_enabled(study._storage):  # at once: a tuner killed from here on is found stale
+            study._storage.record_heartbeat(trial._trial_id)
         cand = plan.space.suggest(trial)
         trial.set_user_attr("backend", cand.backend)
         trial.set_user_attr("config", dict(cand.config))
