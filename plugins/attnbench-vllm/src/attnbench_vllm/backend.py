@@ -130,11 +130,11 @@ class VllmCpuBackend(Backend):
         isa = isa_mod.resolve_isa("auto", dtype=workload.dtype, head_dim=g.qk_head_dim)
         return isa_mod.isa_reasons(isa, dtype=workload.dtype, head_dim=g.qk_head_dim, fp8=self.fp8)
 
-    def error_multiple(self, dtype: torch.dtype) -> float:
+    def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
         """fp32: 6× the calibration error. vLLM's vector kernels compute ``exp`` with a polynomial
         approximation and accumulate in blocks, a few fp32 ulp (about 4× the calibration reference,
         ~1e-6 relative) on the gate's inputs; bf16 and fp16 are at the default."""
-        return 6.0 if dtype == torch.float32 else super().error_multiple(dtype)
+        return 6.0 if dtype == torch.float32 else super().error_multiple(dtype, config=config)
 
     def _isa(self, workload: Workload, config: Mapping[str, Any]) -> str:
         g = workload.geometry(self.kv_form)
