@@ -114,3 +114,25 @@ def test_sigterm_during_tune_marks_the_trial_interrupted_and_writes_the_table(tm
     (path,) = tmp_path.glob("tuning-*.yaml")
     entries = ResultsTable.load(path).typed()
     assert entries and len(entries) < 4  # written up to the interruption, not beyond
+
+
+def test_tune_names_a_broken_plugin_and_keeps_json_clean(tmp_path):
+    site = tmp_path / "site"
+    (site / "broken_plugin").mkdir(parents=True)
+    (site / "broken_plugin" / "__init__.py").write_text(
+        "print('half-initialised'); raise ImportError('planted')\n"
+    )
+    dist = site / "broken_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[attnbench.backends]\nbroken = broken_plugin\n")
+    env = dict(os.environ, PYTHONPATH=str(site), ATTNBENCH_PLUGINS="broken")
+    env.pop("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", None)
+    argv = [sys.executable, "-m", "attnbench", "tune", *TINY, "--backends", "naive", "--repeats", "3"]
+    proc = subprocess.run(
+        [*argv, "--results", str(tmp_path), "--json"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)  # the plugin's print went to stderr
+    (failure,) = report["plugin_failures"]
+    assert "plugin 'broken'" in failure and "planted" in failure and "half-initialised" in proc.stderr
