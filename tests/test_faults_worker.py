@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 from attnbench.backends.naive import NaiveBackend
-from attnbench.tuning import Worker, WorkerTask
+from attnbench.tuning import WorkerTask
 from attnbench.tuning.worker import workload_to_dict
 from attnbench.workload import Workload
 
@@ -94,14 +93,31 @@ def test_a_worker_stuck_in_c_holding_the_gil_dies_with_its_killed_tuner(tmp_path
 
 
 def test_fifty_megabytes_of_output_keep_the_tuner_small_and_the_tail_whole():
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    with Worker() as w:
-        outcome = w.run(_task(LoudBackend), timeout=120)
-    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    assert outcome.kind == "crash" and "exited with code 9" in outcome.reason
-    tail = outcome.attrs["stderr_tail"].splitlines()
+    """In a fresh process, so that its peak RSS (``ru_maxrss``) starts from this test alone."""
+    script = textwrap.dedent(
+        f"""
+        import json, resource, sys
+        sys.path.insert(0, {str(HERE)!r})
+        from test_faults_worker import LoudBackend, _task
+        from attnbench.tuning import Worker
+        with Worker() as w:
+            w.start()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+            outcome = w.run(_task(LoudBackend), timeout=120)
+            after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps({{"grew_kib": after - before, "kind": outcome.kind, "reason": outcome.reason,
+                          "tail": outcome.attrs.get("stderr_tail", "")}}))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["kind"] == "crash" and "exited with code 9" in result["reason"]
+    tail = result["tail"].splitlines()
     assert tail[-1] == "the last line" and len(tail) == 15 and set(tail[0]) == {"x"}
-    assert rss_after - rss_before < 20 * 1024, f"the tuner grew by {rss_after - rss_before} KiB"
+    assert result["grew_kib"] < 20 * 1024, (
+        f"the tuner grew by {result['grew_kib']} KiB reading 50 MB of output"
+    )
 
 
 PRINTING_PLUGIN = """
