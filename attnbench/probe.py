@@ -7,8 +7,12 @@ process (``python -m attnbench.probe``) with a deadline: a backend that gives no
 left out with that reason, and the others still answer. Built-in backends are asked directly.
 
 Answers are cached as JSON under ``$ATTNBENCH_CACHE_DIR/probes``, keyed by the backend's import path
-and code hash, the workload, the torch version and the device, so ``select()`` pays the subprocess
-once and then reads a small file. A backend that gave no answer is asked again after an hour.
+and code hash, the workload's shape, dtype and device, its batch and context *buckets* (as tuning keys
+are), and the torch version, so ``select()`` pays for the child process once per bucket and then reads
+a small file. The price: a backend whose answer changes inside one bucket (a context limit that is
+not a power of two) is answered for the first workload seen there; the worker asks ``supports()``
+again on the exact workload before a candidate runs. A backend that gave no answer is asked again
+after an hour.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from attnbench.backend import Backend, Tunable
-from attnbench.workload import Workload
+from attnbench.workload import Workload, bucket
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Answers", "ask", "ask_many"]
 
@@ -119,9 +123,12 @@ def _cache_file(cls: type[Backend], workload: Workload) -> Path:
         code = code_hash([cls])
     except Exception:
         code = "?"
-    key = json.dumps(
-        ["probe-1", _ref(cls), code, workload_to_dict(workload), str(torch.__version__)], default=str
-    )
+    # keyed by bucket, as tuning is: serving code calling select() for every new batch and context
+    # pays for the child process once per bucket, not once per request shape
+    where = workload_to_dict(workload) | {
+        "context_lens": [bucket(max(1, workload.batch)), bucket(max(1, max(workload.context_lens)))]
+    }
+    key = json.dumps(["probe-2", _ref(cls), code, where, str(torch.__version__)], default=str)
     return cache_dir() / "probes" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 

@@ -48,3 +48,13 @@ def test_answers_are_cached_so_select_stays_fast(tmp_path, monkeypatch):
     t0 = time.perf_counter()
     again = ask(Answering, W, timeout=60)
     assert time.perf_counter() - t0 < 0.5 and again == first
+
+
+def test_one_child_process_per_bucket_not_per_request_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
+    ask(Answering, Workload.uniform("tiny-gqa", batch=8, context=1000, dtype="fp32"), timeout=60)
+    for batch, context in ((7, 1000), (8, 1100), (9, 900)):  # the same buckets (8, 1024)
+        t0 = time.perf_counter()
+        ask(Answering, Workload.uniform("tiny-gqa", batch=batch, context=context, dtype="fp32"), timeout=60)
+        assert time.perf_counter() - t0 < 0.5
+    assert len(list((tmp_path / "probes").glob("*.json"))) == 1
