@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from attnbench.backend import Backend
+from attnbench.backend import DEFAULT_ERROR_MULTIPLE, Backend
 from attnbench.decode import SyntheticModel
 from attnbench.device import DeviceProfile, last_level_cache_bytes
 from attnbench.gate import CheckResult, Judge
@@ -234,6 +234,8 @@ def measure_decode(
     num_layers: int | None = None,
     materialise_bytes: int | None = None,
     check_budget_bytes: int = CHECK_BUDGET_BYTES,
+    error_multiple: float | None = None,
+    accuracy_budget: float | None = None,
 ) -> DecodeMeasurement:
     """Check ``backend`` on ``workload``, then time its decode step through the synthetic model.
 
@@ -244,7 +246,10 @@ def measure_decode(
         check: run the correctness gate first (raises :class:`CheckFailed` on failure).
         num_layers: layers per step (default: the shape's ``num_layers``).
         materialise_bytes: budget for distinct layer caches (default: see
-            :func:`attnbench.decode.materialised_layers`).
+            :func:`attnbench.synthetic.materialised_layers`).
+        error_multiple: the gate's multiple of the calibration error for a backend that declares
+            none of its own (default: the backend's ``error_multiple``).
+        accuracy_budget: for a lossy cache, the largest rel_l2 against exact attention accepted.
 
     Raises:
         ValueError: the backend cannot run the workload (the message lists why).
@@ -268,8 +273,12 @@ def measure_decode(
     result: CheckResult | None = None
     if check:
         checked = check_workload(workload, form=backend.kv_form, budget_bytes=check_budget_bytes)
-        result = gate_check(backend, checked, config=cfg, num_layers=2)
+        multiple = _multiple(backend, workload.dtype, cfg, error_multiple)
+        result = gate_check(backend, checked, config=cfg, num_layers=2, multiple=multiple)
         gc.collect()
+        if accuracy_budget is not None and backend.lossy and not result.error.rel_l2 <= accuracy_budget:
+            over = f"lossy ({backend.lossy}): rel_l2 {result.error.rel_l2:.3g} against exact attention > the accuracy budget {accuracy_budget:g}"
+            result = dataclasses.replace(result, failures=[*result.failures, over])
         if not result.passed:
             raise CheckFailed(result)
     if backend.interpreted(workload):
@@ -306,7 +315,18 @@ def measure_decode(
             before=evict,
         )
         materialised = model.layers_materialised
-        timed_check = _check_timed_step(backend, model, cfg, first=timing.warmup, rng=spot) if check else None
+        timed_check = (
+            _check_timed_step(
+                backend,
+                model,
+                cfg,
+                first=timing.warmup,
+                rng=spot,
+                multiple=_multiple(backend, workload.dtype, cfg, error_multiple),
+            )
+            if check
+            else None
+        )
     finally:
         model.release()
         evict = None
@@ -332,8 +352,22 @@ def measure_decode(
     )
 
 
+def _multiple(backend: Backend, dtype: Any, config: dict[str, Any], default: float | None) -> float:
+    """The backend's declared multiple where it declares one beyond the default, else ``default``."""
+    own = backend.error_multiple(dtype, config=config)
+    if default is None or own != DEFAULT_ERROR_MULTIPLE:
+        return own
+    return default
+
+
 def _check_timed_step(
-    backend: Backend, model: SyntheticModel, config: dict[str, Any], *, first: int, rng: random.Random
+    backend: Backend,
+    model: SyntheticModel,
+    config: dict[str, Any],
+    *,
+    first: int,
+    rng: random.Random,
+    multiple: float,
 ) -> CheckResult | None:
     """Check one timed step (the recorded layer's output, a step chosen at random) against float64.
 
@@ -352,7 +386,7 @@ def _check_timed_step(
         config=config,
         dtype=dtype,
         scale=model.geometry.scale,
-        multiple=backend.error_multiple(dtype, config=config),
+        multiple=multiple,
     )
     judge.add(out, q, hk, hv, lens)
     failures, _, _ = judge.failures()

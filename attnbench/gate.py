@@ -266,25 +266,27 @@ class Judge:
         lens: tuple[int, ...],
         *,
         probes: Sequence[Probe] = (),
-        expected: tuple[torch.Tensor, torch.Tensor] | None = None,
+        expected: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> None:
         """One call's output ``out [B, Hq, Dv]`` for query ``q`` over history ``hk``/``hv``.
 
         ``expected``: the float64 and calibration outputs of these inputs, when already computed.
         """
-        ref, cal = expected if expected is not None else reference_pair(q, hk, hv, lens, scale=self.scale)
+        ref, cals = expected if expected is not None else reference_pair(q, hk, hv, lens, scale=self.scale)
         ref_max = float(ref.abs().max()) if ref.numel() else 0.0
         self.exact.add(compare(out, ref), ref_max)
-        self.calib.add(compare(cal, ref), ref_max)
+        for cal in cals:  # each metric's worst over the calibration orders, as over steps and layers
+            self.calib.add(compare(cal, ref), ref_max)
         stored = self.backend.reference_kv(hk, hv, config=self.config)
         sref = None
         if stored is not None:
-            sref, scal = reference_pair(q, stored[0], stored[1], lens, scale=self.scale)
+            sref, scals = reference_pair(q, stored[0], stored[1], lens, scale=self.scale)
             s_max = float(sref.abs().max()) if sref.numel() else 0.0
             self.stored = self.stored or _Worst()
             self.stored_calib = self.stored_calib or _Worst()
             self.stored.add(compare(out, sref), s_max)
-            self.stored_calib.add(compare(scal, sref), s_max)
+            for scal in scals:
+                self.stored_calib.add(compare(scal, sref), s_max)
         for probe in probes:
             sl = (probe.seq, slice(*probe.q_heads))
             exact = compare(out[sl], ref[sl])
@@ -338,7 +340,7 @@ class Judge:
 class GateCase:
     """A gate run's inputs and expected outputs, built once and usable for many candidates.
 
-    ``expected[(step, layer)] = (float64 output, calibration output)`` of each decode call.
+    ``expected[(step, layer)] = (float64 output, [calibration outputs])`` of each decode call.
     """
 
     workload: Workload
@@ -346,7 +348,7 @@ class GateCase:
     num_layers: int
     seed: int
     inputs: GateInputs
-    expected: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+    expected: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]]
 
     def matches(self, workload: Workload, form: str) -> bool:
         return (self.workload, self.form) == (workload, form)

@@ -18,6 +18,10 @@ __all__ = [
 ]
 
 
+#: Tokens per tile of the online-softmax calibration order (a typical flash-decoding tile).
+CALIBRATION_BLOCK = 64
+
+
 def _decode_by_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -26,8 +30,8 @@ def _decode_by_sequence(
     *,
     scale: float,
     calibration: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float64 decode attention and, if asked, the calibration reference, one sequence at a time.
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Float64 decode attention and, if asked, the calibration references, one sequence at a time.
 
     Working one sequence at a time keeps the float64 copies small (a 128k-token sequence with 8 KV
     heads of 128 dims is 1 GiB), so the gate can check the workload's full context.
@@ -35,20 +39,47 @@ def _decode_by_sequence(
     b, hq, _ = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    ref = torch.empty(b, hq, v.shape[-1], dtype=torch.float64, device=q.device)
-    cal = torch.empty(b, hq, v.shape[-1], dtype=torch.float32, device=q.device) if calibration else None
+    dv = v.shape[-1]
+    ref = torch.empty(b, hq, dv, dtype=torch.float64, device=q.device)
+    cals = [
+        torch.empty(b, hq, dv, dtype=torch.float32, device=q.device) for _ in range(2 if calibration else 0)
+    ]
     for i in range(b):
         n = int(lengths[i])
         kd = k[i, :n].double().transpose(0, 1)  # [Hkv, n, Dk]
-        vd = kd[..., : v.shape[-1]] if v.data_ptr() == k.data_ptr() else v[i, :n].double().transpose(0, 1)
+        vd = kd[..., :dv] if v.data_ptr() == k.data_ptr() else v[i, :n].double().transpose(0, 1)
         qd = q[i].double().view(hkv, g, -1)  # [Hkv, G, Dk]
         probs = torch.softmax(torch.matmul(qd, kd.transpose(1, 2)) * scale, dim=-1)  # [Hkv, G, n]
         ref[i] = torch.matmul(probs, vd).reshape(hq, -1)
-        if cal is not None:
+        if calibration:
             kf, vf, qf = kd.float(), vd.float(), q[i].float().view(hkv, g, -1)
-            pf = torch.softmax(torch.matmul(qf, kf.transpose(1, 2)) * scale, dim=-1)
-            cal[i] = torch.matmul(pf, vf).reshape(hq, -1)
-    return ref, cal
+            scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hkv, G, n], float32
+            cals[0][i] = torch.matmul(torch.softmax(scores, dim=-1), vf).reshape(hq, -1)
+            cals[1][i] = _blocked(scores, vf).reshape(hq, -1)
+    return ref, cals
+
+
+def _blocked(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Flash-decoding's order in float32: tiles of :data:`CALIBRATION_BLOCK` tokens, each tile's max,
+    sum and P·V, folded into a running output that is rescaled as the running max grows."""
+    hkv, g, n = scores.shape
+    blk = CALIBRATION_BLOCK
+    nb = -(-n // blk)
+    pad = nb * blk - n
+    s = torch.nn.functional.pad(scores, (0, pad), value=-math.inf).view(hkv, g, nb, blk)
+    vb = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(hkv, nb, blk, -1)  # [Hkv, nb, blk, Dv]
+    m_t = s.amax(dim=-1, keepdim=True)  # [Hkv, G, nb, 1]
+    p = torch.exp(s - m_t)
+    l_t = p.sum(dim=-1, keepdim=True)
+    o_t = torch.einsum("hgbt,hbtd->hgbd", p, vb)  # [Hkv, G, nb, Dv]
+    m, denom, acc = m_t[:, :, 0], l_t[:, :, 0], o_t[:, :, 0]
+    for t in range(1, nb):  # the online rescaling, tile by tile, in float32
+        m_new = torch.maximum(m, m_t[:, :, t])
+        old, new = torch.exp(m - m_new), torch.exp(m_t[:, :, t] - m_new)
+        acc = acc * old + o_t[:, :, t] * new
+        denom = denom * old + l_t[:, :, t] * new
+        m = m_new
+    return acc / denom
 
 
 def reference_decode(
@@ -64,25 +95,28 @@ def reference_decode(
 
 def calibration_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], *, scale: float
-) -> torch.Tensor:
-    """Decode attention rounded as a careful kernel in the inputs' dtype rounds it.
+) -> list[torch.Tensor]:
+    """Decode attention rounded as careful kernels in the inputs' dtype round it, in two orders.
 
     Inputs stay in their dtype (``q``, ``k``, ``v`` as given); q·kᵀ is accumulated in float32 and kept
     float32, the softmax is float32, P stays float32 and P·V is accumulated in float32; the output is
-    rounded once to the inputs' dtype. Its error against :func:`reference_decode` on the same inputs is
-    what the correctness gate calibrates its bounds with: the error that an implementation which does
-    everything right in this dtype still makes.
+    rounded once to the inputs' dtype. Two accumulation orders: one matmul over the whole sequence,
+    and flash-decoding's tiles of :data:`CALIBRATION_BLOCK` tokens with the running output rescaled
+    as the running max grows (the online softmax). In
+    16-bit dtypes the output rounding dominates and both agree; in float32 the order is the error, and
+    two equally careful orders differ by a random factor. The error of the worse of the two against
+    :func:`reference_decode` is what the correctness gate calibrates its bounds with: the error that
+    an implementation doing everything right in this dtype still makes.
     """
     return reference_pair(q, k, v, lengths, scale=scale)[1]
 
 
 def reference_pair(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], *, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """:func:`reference_decode` and :func:`calibration_decode` of the same inputs, converted once."""
-    ref, cal = _decode_by_sequence(q, k, v, lengths, scale=scale, calibration=True)
-    assert cal is not None
-    return ref, cal.to(q.dtype)
+    ref, cals = _decode_by_sequence(q, k, v, lengths, scale=scale, calibration=True)
+    return ref, [c.to(q.dtype) for c in cals]
 
 
 def reference_prefill(

@@ -69,6 +69,23 @@ class Choice:
     warnings: list[str] = field(default_factory=list)
     #: when the backend is an engine's kernel (e.g. vLLM's): the engine's settings that run it there
     engine_setting: str | None = None
+    #: what a lossy cache loses (e.g. "fp8 e4m3 K/V"); empty for exact attention
+    lossy: str = ""
+    #: the correctness gate's numbers for the choice when it was tuned (error, calibration, ratios)
+    gate: dict[str, Any] | None = None
+
+    def _accuracy(self) -> str:
+        """One line: exact or lossy, with the gate's measured error where the table has it."""
+        g = self.gate or {}
+        err, cal = g.get("error") or {}, g.get("calibration") or {}
+        measured = ""
+        if err.get("rel_l2") is not None:
+            measured = f"; gate: rel_l2 {err['rel_l2']:.3g} against float64"
+            if cal.get("rel_l2") and not self.lossy:
+                measured += f" ({err['rel_l2'] / cal['rel_l2']:.2g}× the calibration error {cal['rel_l2']:.3g}, ×{g.get('multiple', 2):g} allowed)"
+        if self.lossy:
+            return f"lossy ({self.lossy}), error against exact attention{measured or ': not measured here'}"
+        return "exact" + measured
 
     def build(self, registry: Registry | None = None) -> Backend:
         """A fresh instance of the chosen backend (pass :attr:`config` to ``create_cache``)."""
@@ -91,6 +108,8 @@ class Choice:
             "table": self.table,
             "warnings": self.warnings,
             "engine_setting": self.engine_setting,
+            "lossy": self.lossy,
+            "gate": self.gate,
         }
 
     def explain(self) -> str:
@@ -101,6 +120,7 @@ class Choice:
         ]
         if self.engine_setting:
             lines.append(f"  engine setting: {self.engine_setting}")
+        lines.append(f"  accuracy: {self._accuracy()}")
         if self.tuned_key:
             where = (
                 "exact bucket" if not self.distance_octaves else f"{self.distance_octaves:.2g} octaves away"
@@ -140,6 +160,7 @@ def select(
     table: str | Path | None = None,
     registry: Registry | None = None,
     bandwidth: float | None = None,
+    allow_lossy: bool = False,
 ) -> Choice:
     """The backend and config to use for ``workload`` (or ``model`` + ``batch`` + ``context`` + ``dtype``).
 
@@ -149,6 +170,8 @@ def select(
             when tuned on another device).
         registry: the backends to choose from (default: the full registry).
         bandwidth: bytes/s for the heuristic's roofline (default: the device profile's, measured once).
+        allow_lossy: a lossy KV cache (``Backend.lossy``, e.g. fp8 K/V) may be chosen — from the table
+            when it was measured fastest, never by the heuristic; the choice then says it is lossy.
     """
     from attnbench.calibrated import beyond_tuned, calibrated_choice
     from attnbench.calibration import CalibrationError, find_calibration
@@ -178,10 +201,10 @@ def select(
         notes.append(f"{err}; ignoring it (re-run `attnbench tune` to rewrite it)")
         loaded = None
     failed_gate = _gate_failures(loaded, workload) if loaded else {}
-    choice = _from_table(loaded, workload, registry) if loaded else None
+    choice = _from_table(loaded, workload, registry, allow_lossy=allow_lossy) if loaded else None
     outside = beyond_tuned(loaded, workload)
     if outside:  # the measured map wins inside the tuned region; beyond it, the calibrated model
-        lossy = [e.name for e in registry if _stores_lossily(e.cls)]
+        lossy = [] if allow_lossy else [e.name for e in registry if _stores_lossily(e.cls)]
         try:
             calibration = find_calibration(fp, results_dir=path.parent)
         except CalibrationError as err:
@@ -222,7 +245,7 @@ def _runnable(registry: Registry, name: str, workload: Workload) -> str:
     return ""
 
 
-def _from_table(table: Any, workload: Workload, registry: Registry) -> Choice | None:
+def _from_table(table: Any, workload: Workload, registry: Registry, *, allow_lossy: bool) -> Choice | None:
     from attnbench.tuning.key import TuningKey, bucket_distance
     from attnbench.tuning.space import code_hash
 
@@ -265,6 +288,9 @@ def _from_table(table: Any, workload: Workload, registry: Registry) -> Choice | 
     chosen = None
     for c in ordered:
         why_not = _runnable(registry, c["backend"], workload)
+        lossy = c.get("lossy") or (registry.entry(c["backend"]).cls.lossy if c["backend"] in registry else "")
+        if not why_not and lossy and not allow_lossy:
+            why_not = f"lossy ({lossy}): chosen only with allow_lossy=True (--allow-lossy)"
         if why_not:
             rejected.append(Rejected(c["backend"], why_not, c["config"], c.get("step_ms")))
             continue
@@ -301,6 +327,9 @@ def _from_table(table: Any, workload: Workload, registry: Registry) -> Choice | 
     return Choice(
         backend=chosen["backend"],
         config=dict(chosen["config"]),
+        lossy=chosen.get("lossy")
+        or (registry.entry(chosen["backend"]).cls.lossy if chosen["backend"] in registry else ""),
+        gate=chosen.get("gate"),
         source="tuned",
         workload=workload,
         reason=reason,
@@ -359,8 +388,8 @@ def _kv_bytes(backend: Backend, workload: Workload) -> int:
 
 
 def _stores_lossily(cls: type[Backend]) -> bool:
-    """A backend that overrides ``reference_kv`` stores K/V other than as given (quantised)."""
-    return getattr(cls, "reference_kv", None) is not Backend.reference_kv
+    """A backend that declares a lossy cache (``Backend.lossy``, e.g. ``"fp8 e4m3 K/V"``)."""
+    return bool(getattr(cls, "lossy", ""))
 
 
 def _heuristic(
@@ -385,12 +414,11 @@ def _heuristic(
             else len(DEFAULT_BACKENDS) + i
         )
         scored.append((_kv_bytes(registry.get(entry.name), workload), rank, entry.name))
-    if not scored:  # only lossy caches can run it: then they compete like the others
-        scored = [(_kv_bytes(registry.get(n), workload), i, n) for i, n in enumerate(lossy)]
-        lossy = []
     rejected += [
         Rejected(
-            n, "stores K/V lossily (e.g. fp8): chosen only when tuning measured it, never by the heuristic"
+            n,
+            f"lossy ({registry.entry(n).cls.lossy}): chosen only from a tuned table with allow_lossy=True, "
+            "never by the heuristic",
         )
         for n in lossy
     ]

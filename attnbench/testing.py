@@ -11,9 +11,18 @@ In a plugin's own tests::
 
 pytest then runs, for every case shape (MHA, GQA, MQA, and MLA for MLA-capable backends) × dtype ×
 config: a ragged prefill followed by several decode steps against the float64 reference, the
-correctness gate at a longer ragged context, and contract checks. Every run draws fresh random
-inputs (the seed is printed on failure). A case the backend's ``supports()`` refuses is skipped with
-that reason; at least one case must be supported.
+correctness gate (calibrated bounds and needle probes, :mod:`attnbench.gate`) at a longer ragged
+context, and contract checks; and, in the backend's default config, the gate over a long ragged
+*decode context* (:data:`LONG_CASES`: the cache filled to 5,003 tokens directly, then decode steps —
+where chunk-combining and split bugs live). Every run draws fresh random inputs; a failure prints
+the seed and the case, and ``ATTNBENCH_SEED=<seed>`` replays it. A case the backend's
+``supports()`` refuses is skipped with that reason; at least one case must be supported.
+
+Adding a case: subclass and extend ``cases`` (or ``long_cases``) with a :class:`ConformanceCase`::
+
+    class TestMyBackend(BackendConformance):
+        backend = MyBackend
+        cases = (*CASES, ConformanceCase("wide", my_shape, prompt_lens=(5, 70), gate_lens=(300, 17)))
 
 Outside pytest, :func:`run_case` runs one case and raises ``AssertionError`` on a mismatch.
 """
@@ -21,7 +30,6 @@ Outside pytest, :func:`run_case` runs one case and raises ``AssertionError`` on 
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,12 +38,20 @@ from typing import Any, ClassVar
 import torch
 
 from attnbench.backend import Backend, ConfigError
-from attnbench.gate import check, random_step_inputs, within
+from attnbench.gate import check, gate_seed, random_step_inputs, within
 from attnbench.reference import compare, reference_decode, reference_prefill
 from attnbench.shapes import ModelShape, load_shape, parse_dtype
 from attnbench.workload import Workload
 
-__all__ = ["CASES", "BackendConformance", "ConformanceCase", "conformance_configs", "run_case"]
+__all__ = [
+    "CASES",
+    "LONG_CASES",
+    "BackendConformance",
+    "ConformanceCase",
+    "conformance_configs",
+    "replay_hint",
+    "run_case",
+]
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,13 @@ CASES: tuple[ConformanceCase, ...] = (
     ConformanceCase("mla", load_shape("tiny-mla"), (9, 21, 2), (64, 131)),
 )
 
+#: Long ragged decode contexts: the gate fills the cache directly (no 5,000-token prefill), then runs
+#: one random and one needle-probe decode step; in each backend's default config and first dtype.
+LONG_CASES: tuple[ConformanceCase, ...] = (
+    ConformanceCase("long-gqa", _shape("conf-gqa", 8, 2, 64), (), (5003, 1290), decode_steps=2),
+    ConformanceCase("long-mla", load_shape("tiny-mla"), (), (5003, 777), decode_steps=2),
+)
+
 
 def conformance_configs(backend: type[Backend]) -> list[dict[str, Any]]:
     """The default config, then each tunable's other choices one at a time (others at default)."""
@@ -81,8 +104,9 @@ def conformance_configs(backend: type[Backend]) -> list[dict[str, Any]]:
     return configs
 
 
-def _fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
+def replay_hint(seed: int, case: str) -> str:
+    """How to run a failed case again with the same inputs."""
+    return f"seed {seed} (replay: ATTNBENCH_SEED={seed} pytest -k {case!r})"
 
 
 def run_case(
@@ -99,7 +123,7 @@ def run_case(
     Raises ``AssertionError`` naming the step, layer and error numbers on any mismatch. Returns the
     worst errors seen (for reporting).
     """
-    seed = _fresh_seed() if seed is None else seed
+    seed = gate_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     workload = Workload(case.shape, case.prompt_lens, parse_dtype(dtype), device)
     reasons = backend.supports(workload)
@@ -113,7 +137,7 @@ def run_case(
     cache = backend.create_cache(
         workload, config=cfg, num_layers=layers, max_seq_len=max(case.prompt_lens) + case.decode_steps
     )
-    where = f"backend {backend.name!r} case {case.id} {dtype} config {cfg} seed {seed}"
+    where = f"backend {backend.name!r} case {case.id} {dtype} config {cfg} {replay_hint(seed, case.id)}"
     worst: dict[str, Any] = {"prefill_rel_l2": 0.0, "decode_rel_l2": 0.0}
 
     plan = backend.plan(cache, num_new=case.prompt_lens)
@@ -197,12 +221,16 @@ class BackendConformance:
     device: ClassVar[str] = "cpu"
     configs: ClassVar[list[dict[str, Any]] | None] = None
     cases: ClassVar[tuple[ConformanceCase, ...]] = CASES
+    long_cases: ClassVar[tuple[ConformanceCase, ...]] = LONG_CASES
 
     @classmethod
-    def _cases(cls) -> list[ConformanceCase]:
+    def _cases(cls, cases: tuple[ConformanceCase, ...] | None = None) -> list[ConformanceCase]:
+        """The cases for this backend's form; the long ones keep MLA shapes for latent backends only."""
+        long = cases is not None
+        cases = cls.cases if cases is None else cases
         if cls.backend.kv_form == "latent":
-            return [c for c in cls.cases if c.shape.is_mla]
-        return list(cls.cases)
+            return [c for c in cases if c.shape.is_mla]
+        return [c for c in cases if not (long and c.shape.is_mla)]
 
     @classmethod
     def _configs(cls) -> list[dict[str, Any]]:
@@ -213,6 +241,9 @@ class BackendConformance:
         if "case" in metafunc.fixturenames:
             cases = cls._cases()
             metafunc.parametrize("case", cases, ids=[c.id for c in cases])
+        if "long_case" in metafunc.fixturenames:
+            cases = cls._cases(cls.long_cases)
+            metafunc.parametrize("long_case", cases, ids=[c.id for c in cases])
         if "dtype" in metafunc.fixturenames:
             metafunc.parametrize("dtype", list(cls.dtypes))
         if "config" in metafunc.fixturenames:
@@ -274,8 +305,20 @@ class BackendConformance:
         workload = Workload(case.shape, case.gate_lens, parse_dtype(dtype), self.device)
         result = check(backend, workload, config=config)
         assert result.passed, (
-            f"{backend.name} {case.id} {dtype} {config} seed {result.seed}: {result.summary()}"
+            f"{backend.name} {case.id} {dtype} {config} {replay_hint(result.seed, case.id)}: {result.summary()}"
         )
+        assert result.probes > 0 and result.retrieval == 1.0
+
+    def test_long_decode_context(self, long_case: ConformanceCase) -> None:
+        """The gate over a ragged cache filled to 5,003 tokens, default config, first dtype."""
+        dtype = self.dtypes[0]
+        backend = self._instance_for(long_case, dtype, long_case.gate_lens)
+        workload = Workload(long_case.shape, long_case.gate_lens, parse_dtype(dtype), self.device)
+        result = check(backend, workload, decode_steps=long_case.decode_steps)
+        assert result.passed, (
+            f"{backend.name} {long_case.id} {dtype} {replay_hint(result.seed, long_case.id)}: {result.summary()}"
+        )
+        assert result.retrieval == 1.0 and result.probes >= 4
 
     def test_fresh_inputs_each_run(self, case: ConformanceCase) -> None:
         """Two runs draw different inputs (guards against a suite that tests one fixed draw)."""

@@ -78,7 +78,7 @@ _TL_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16
 
 # -- accuracy, as data (how these were chosen: docs/fp8.md, scripts/fp8_accuracy.py) ---------------
 #: against the exact float64 reference: the fp8 rounding itself (any compute dtype)
-EXACT_TOLERANCE = Tolerance(max_abs=0.3, rel_l2=0.09, min_cosine=0.995)
+EXACT_TOLERANCE = Tolerance(max_abs=0.4, rel_l2=0.15, min_cosine=0.99)
 #: against float64 attention over the dequantised bytes: only the attention arithmetic
 STORED_TOLERANCE = {
     torch.float32: Tolerance(max_abs=2e-5, rel_l2=1e-5, min_cosine=0.999_999),
@@ -278,14 +278,13 @@ class FP8Backend(Backend):
     # -- accuracy --------------------------------------------------------------------------------
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
         """Against the K/V as stored (dequantised): the torch path multiplies in fp16 (fp8 bytes are
-        exact in fp16), so fp16 scores are rounded before the softmax — 14 in fp16, 4 in bf16 (fp16's
-        finer rounding under bf16's coarser output); the Triton kernel rounds P for its P·V dot, 6 in
-        16-bit dtypes. fp32: the default 2."""
-        if dtype not in (torch.float16, torch.bfloat16):
-            return super().error_multiple(dtype)
+        exact in fp16), so in fp16 the scores are rounded before the softmax — up to ~12× the
+        calibration error on needle probes at 32k–128k, hence 16; bf16 (fp16's finer rounding under
+        bf16's coarser output) 4; fp32 4 (the dequantisation multiplies by a bias and a scale, one
+        rounding more than the reference). The Triton kernel rounds P for its P·V dot: 6 in 16-bit."""
         if self.kernel == "triton" or (self.kernel == "auto" and triton_mode("cuda")[0] == "native"):
-            return 6.0
-        return 14.0 if dtype == torch.float16 else 4.0
+            return 6.0 if dtype in (torch.float16, torch.bfloat16) else 4.0
+        return 16.0 if dtype == torch.float16 else 4.0
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
         return EXACT_TOLERANCE
@@ -455,6 +454,10 @@ def _gather_scales(cache: FP8KVCache, plan: PagedStepPlan, layer: int) -> tuple[
     return ks, vs
 
 
+#: Scale of the fp16 attention weights in the torch path (see :func:`_decode_torch`).
+_P_LIFT = 2.0**13
+
+
 def _decode_torch(cache: FP8KVCache, plan: PagedStepPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
     g = cache.geometry
     b = q.shape[0]
@@ -469,8 +472,11 @@ def _decode_torch(cache: FP8KVCache, plan: PagedStepPlan, layer: int, q: torch.T
     scores = scores.masked_fill(plan.extra["masked"], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     v_max = vs.amax(-1, keepdim=True) if vs.dim() else vs  # keep fp16 weights ≤ 1
-    weights = (probs * (vs / v_max)).to(work)
-    out = torch.matmul(weights, values).float() * (v_max * FP16_BIAS)  # [B, Hkv, G, Dv]
+    # × 2^13 so that small probabilities stay in fp16's normal range (at 128k context a background
+    # token's is ~2e-6, an fp16 subnormal with a few bits left); the output stays ≤ 2^13 · 448/256
+    lift = 1.0 if work == torch.float32 else _P_LIFT
+    weights = (probs * (vs / v_max) * lift).to(work)
+    out = torch.matmul(weights, values).float() * (v_max * (FP16_BIAS / lift))  # [B, Hkv, G, Dv]
     return out.to(q.dtype).view(b, g.num_q_heads, g.v_head_dim)
 
 

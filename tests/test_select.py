@@ -150,6 +150,7 @@ def test_the_heuristic_never_picks_a_lossy_cache_untuned(tmp_path):
 
     class Halved(NaiveBackend):  # pretends to quantise: fewer bytes per token, lossy K/V
         name = "halved"
+        lossy = "int4 K/V"
 
         def reference_kv(self, k, v, *, config):
             return k, v
@@ -166,4 +167,5 @@ def test_the_heuristic_never_picks_a_lossy_cache_untuned(tmp_path):
         model="tiny-gqa", batch=1, context=64, results_dir=tmp_path, registry=reg, bandwidth=1e10
     )
     assert choice.backend == "naive"
-    assert any(r.backend == "halved" and "lossily" in r.reason for r in choice.rejected)
+    assert any(r.backend == "halved" and "lossy (int4 K/V)" in r.reason for r in choice.rejected)
+    assert choice.lossy == "" and "accuracy: exact" in choice.explain()

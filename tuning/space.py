@@ -235,9 +235,16 @@ def _suggest_choice(trial: Any, name: str, choices: Sequence[Any]) -> Any:
 
 
 def build_space(
-    workload: Workload, refs: Sequence[BackendRef], *, allow_interpreted: bool = False
+    workload: Workload,
+    refs: Sequence[BackendRef],
+    *,
+    allow_interpreted: bool = False,
+    allow_lossy: bool = False,
 ) -> SearchSpace:
-    """The space for ``workload``: every backend in ``refs`` that can run it and is not interpreted."""
+    """The space for ``workload``: every backend in ``refs`` that can run it and is not interpreted.
+
+    A lossy cache (``Backend.lossy``, e.g. fp8 K/V) takes part only with ``allow_lossy``.
+    """
     backends: dict[str, BackendRef] = {}
     tunables: dict[str, tuple[Tunable, ...]] = {}
     excluded: list[Excluded] = []
@@ -248,6 +255,9 @@ def build_space(
         reasons = list(answers.reasons)
         if not reasons and answers.interpreted and not allow_interpreted:
             reasons = ["kernels would run in an interpreter here: checked for correctness, never timed"]
+        lossy = getattr(ref.cls, "lossy", "")
+        if not reasons and lossy and not allow_lossy:
+            reasons = [f"lossy ({lossy}): competes only with --allow-lossy or --accuracy-budget"]
         if not reasons:
             tunables[ref.name] = answers.tunables
         if reasons:

@@ -69,6 +69,9 @@ class TuneOptions:
     retry_failed: bool = False  # run failed candidates again (e.g. after a timeout on a busy machine)
     host_id: str = field(default_factory=socket.gethostname)  # who runs a trial (fleet progress)
     heartbeat_s: int = 10  # RDB storages: heartbeat interval; a trial silent for 3x this is abandoned
+    allow_lossy: bool = False  # lossy caches (fp8 K/V) compete only when allowed
+    accuracy_budget: float | None = None  # or: lossy caches within this rel_l2 of exact attention compete
+    error_multiple: float | None = None  # the gate's multiple for backends that declare none of their own
 
 
 @dataclass
@@ -158,7 +161,7 @@ def plan_studies(
         if key.row in plans:
             continue
         rep = key.representative(w)
-        space = build_space(rep, refs)
+        space = build_space(rep, refs, allow_lossy=options.allow_lossy or options.accuracy_budget is not None)
         code = code_hash(r.cls for r in space.backends.values())
         size = space.size()
         exhaustive = size <= options.grid_limit if options.trials is None else options.trials >= size
@@ -302,6 +305,8 @@ def run_study(
             max_seconds=options.max_seconds,
             num_layers=options.num_layers,
             materialise_bytes=options.materialise_bytes,
+            error_multiple=options.error_multiple,
+            accuracy_budget=options.accuracy_budget,
         )
         try:
             with heartbeat(study._storage, trial._trial_id):

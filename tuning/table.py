@@ -91,8 +91,35 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 4)
 
 
+def _gate_summary(check: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The gate's numbers a table keeps: worst error, calibration error, their ratio, the bound."""
+    if not check:
+        return None
+
+    def few(d: dict[str, Any] | None) -> dict[str, Any] | None:
+        keys = ("max_abs", "rel_l2", "cosine")
+        return {k: float(f"{d[k]:.4g}") for k in keys if isinstance(d.get(k), (int, float))} if d else None
+
+    out = {
+        "error": few(check.get("error")),
+        "calibration": few(check.get("calibration")),
+        "multiple": check.get("multiple"),
+        "ratios": {k: float(f"{v:.3g}") for k, v in (check.get("ratios") or {}).items()},
+        "retrieval": check.get("retrieval"),
+        "workload": check.get("workload"),
+    }
+    if check.get("stored_error"):
+        out["stored_error"] = few(check.get("stored_error"))
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def _cand(r: TrialRecord) -> dict[str, Any]:
     out: dict[str, Any] = {"backend": r.candidate.backend, "config": dict(r.candidate.config)}
+    gate = _gate_summary(r.attrs.get("check"))
+    if gate:
+        out["gate"] = gate
+    if r.attrs.get("lossy") or (r.attrs.get("check") or {}).get("lossy"):
+        out["lossy"] = r.attrs.get("lossy") or r.attrs["check"]["lossy"]
     if r.ok:
         m = r.attrs
         out |= {"step_ms": _ms(r.value)}

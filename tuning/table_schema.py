@@ -88,6 +88,8 @@ class CandidateResult:
     reason: str | None = None
     error: dict[str, Any] | None = None
     missing: bool = False
+    gate: dict[str, Any] | None = None  # the correctness gate's numbers: error, calibration, ratios
+    lossy: str | None = None  # what a lossy cache loses, e.g. "fp8 e4m3 K/V"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -108,6 +110,8 @@ class CandidateResult:
             reason=c.get("reason", str, required=False),
             error=c.get("error", Mapping, required=False),
             missing=c.get("missing", bool, required=False, default=False),
+            gate=c.get("gate", Mapping, required=False),
+            lossy=c.get("lossy", str, required=False),
             extra=c.extra(_known(cls)),
         )
         if not out.missing and "config" not in c.data:
@@ -121,7 +125,8 @@ class CandidateResult:
         if self.missing:
             return out | {"missing": True} | self.extra
         out["config"] = dict(self.config)
-        for name in ("step_ms", "gbps", "pct_of_bandwidth", "implementation", "failed", "reason", "error"):
+        names = ("step_ms", "gbps", "pct_of_bandwidth", "implementation", "failed", "reason", "error")
+        for name in (*names, "gate", "lossy"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out | self.extra

@@ -49,6 +49,8 @@ class WorkerTask:
     max_seconds: float | None = None
     num_layers: int | None = None
     materialise_bytes: int | None = None
+    error_multiple: float | None = None
+    accuracy_budget: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -58,7 +60,8 @@ class WorkerTask:
 class Outcome:
     """What came of one candidate: ``ok`` with ``value`` (median step seconds), or a failure.
 
-    ``kind`` of a failure: ``gate`` (wrong values), ``nan`` (non-finite output or time), ``exception``,
+    ``kind`` of a failure: ``gate`` (wrong values, in the gate or in the timed run), ``implausible``
+    (faster than the measured read bandwidth allows), ``nan`` (non-finite output or time), ``exception``,
     ``oom``, ``crash`` (the process died), ``timeout`` (hang), ``unsupported``, ``not-timed``,
     ``interrupted`` (Ctrl-C; not a verdict on the candidate).
     """
@@ -101,7 +104,7 @@ def _classify(err: BaseException) -> str:
 
 def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     """Check, then time, one candidate (runs in the worker). Returns a JSON-able verdict."""
-    from attnbench.bench import CheckFailed, measure_decode
+    from attnbench.bench import CheckFailed, Implausible, measure_decode
     from attnbench.device import DeviceProfile
     from attnbench.tuning.space import load_backend_class
 
@@ -123,10 +126,14 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
             check=True,
             num_layers=task["num_layers"],
             materialise_bytes=task["materialise_bytes"],
+            error_multiple=task.get("error_multiple"),
+            accuracy_budget=task.get("accuracy_budget"),
         )
     except CheckFailed as err:
         kind = "nan" if err.check.error.nonfinite else "gate"
         return {"ok": False, "kind": kind, "reason": str(err), "attrs": {"check": err.check.as_dict()}}
+    except Implausible as err:  # faster than the device can read: a measurement bug, never a winner
+        return {"ok": False, "kind": "implausible", "reason": str(err)}
     except Exception as err:  # the candidate's own failure: report it, stay alive for the next one
         tb = traceback.format_exc().strip().splitlines()
         return {

@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from attnbench.bench import CheckFailed, measure_decode
+from attnbench.bench import CheckFailed, Implausible, measure_decode
 from attnbench.calibration import CalibrationError, find_calibration
 from attnbench.cli.common import (
     add_model_option,
@@ -27,6 +27,7 @@ from attnbench.cli.common import (
     emit_json,
     workloads_from_args,
 )
+from attnbench.cli.gate_options import gate_options
 from attnbench.costmodel import decode_cost, roofline
 from attnbench.device import DeviceProfile, load_profile
 from attnbench.gpuspec import measured_gpu
@@ -75,6 +76,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "cache buffer (nothing copied), the bandwidth a plain matmul reaches on this device",
     )
     p.add_argument("--remeasure", action="store_true", help="measure the device's bandwidth again")
+    p.add_argument(
+        "--tolerance-multiple",
+        type=str,
+        metavar="M",
+        help="the gate accepts M × the error of a calibration reference that rounds as carefully as the "
+        "dtype allows, per metric (default 2; backends that declare a larger multiple keep it)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument(
         "--save",
@@ -90,6 +98,7 @@ def _positive(value: int | None, field: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    gate_options(args)  # a bad --tolerance-multiple: one line, before anything is measured
     _positive(args.repeats, "--repeats")
     _positive(args.layers, "--layers")
     if args.warmup < 0:
@@ -218,6 +227,7 @@ def _measure_row(
             repeats=args.repeats,
             max_seconds=args.max_seconds,
             num_layers=args.layers,
+            error_multiple=gate_options(args).error_multiple,
         )
     except CheckFailed as fail:
         return base | {
@@ -225,6 +235,8 @@ def _measure_row(
             "check": fail.check.as_dict(),
             "reasons": fail.check.failures,
         }
+    except Implausible as error:  # faster than the device can read: refused, never a result
+        return base | {"status": "error", "reasons": [str(error)]}
     except (RuntimeError, MemoryError) as error:  # e.g. out of memory: report it, go on with the rest
         return base | {
             "status": "error",
@@ -307,11 +319,10 @@ def _table(report: dict[str, Any]) -> Table:
         errors = ["—", "—", "—"]
         if check:
             e = check["error"]
-            errors = [
-                f"{e['rel_l2']:.1e}",
-                f"{e['max_abs']:.1e}",
-                "pass" if check["passed"] else "[red]FAIL[/red]",
-            ]
+            verdict = "pass" if check["passed"] else "[red]FAIL[/red]"
+            if check.get("lossy"):  # the error shown is against exact attention
+                verdict += f" · lossy ({escape(check['lossy'])})"
+            errors = [f"{e['rel_l2']:.1e}", f"{e['max_abs']:.1e}", verdict]
         if r["status"] in ("unsupported", "failed-check", "error"):
             why = {"unsupported": "cannot run", "failed-check": "failed", "error": "error"}[r["status"]]
             reason = escape(f"{why}: {'; '.join(r['reasons'])}")

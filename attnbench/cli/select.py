@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Answer from this device's tuned results table (the nearest batch/context bucket of the same "
             "model and dtype), or, when nothing is tuned, from a roofline heuristic: the candidate that reads "
             "the fewest KV-cache bytes, ties going to the default backend (flash, else naive). A candidate that "
-            "failed the correctness gate is never chosen; a table from another device is refused."
+            "failed the correctness gate is never chosen, a lossy KV cache (fp8) only with --allow-lossy; a table from "
+            "another device is refused."
         ),
     )
     add_model_option(p, required=True)
@@ -31,6 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--results", metavar="DIR", help="where the tuned tables live (default results/)")
     p.add_argument("--table", metavar="PATH", help="use this table file (refused if tuned on another device)")
     p.add_argument("--explain", action="store_true", help="say what was chosen, what was rejected and why")
+    p.add_argument(
+        "--allow-lossy",
+        action="store_true",
+        help="a lossy KV cache (fp8 e4m3 K/V) may be chosen when it was measured fastest (default: exact only)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -44,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the warnings are printed with the choice below
         for w in workloads_from_args(args):
-            choices.append(select(w, results_dir=args.results, table=args.table))
+            choices.append(
+                select(w, results_dir=args.results, table=args.table, allow_lossy=args.allow_lossy)
+            )
     if args.json:
         emit_json([c.as_dict() for c in choices])
         return 0

@@ -17,6 +17,7 @@ from attnbench.cli.common import (
     emit_json,
     workloads_from_args,
 )
+from attnbench.cli.gate_options import add_gate_options, gate_options
 
 DEFAULT_BATCH = "1"
 DEFAULT_CONTEXT = "1k,4k"
@@ -104,6 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "for 3*S (its tuner died) runs again (default 10)",
     )
     p.add_argument("--results", metavar="DIR", help="where the table and the journal live (default results/)")
+    add_gate_options(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -134,8 +136,12 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)  # the fingerprint reads it; the workers take the parent's
     if args.heartbeat < 1:
         raise ValueError(f"--heartbeat {args.heartbeat} must be ≥ 1 second")
+    gate = gate_options(args)
     workloads = workloads_from_args(args)
     options = TuneOptions(
+        allow_lossy=gate.allow_lossy,
+        accuracy_budget=gate.accuracy_budget,
+        error_multiple=gate.error_multiple,
         trials=args.trials,
         timeout_s=args.timeout,
         repeats=args.repeats,

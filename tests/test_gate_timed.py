@@ -1,0 +1,132 @@
+"""What is timed is checked too: an evader and a too-fast-to-be-true backend never win; lossy is opt-in.
+
+The evader is right whenever the gate looks and returns zeros once it is being timed; the inflated
+backend is right but claims to read 10,000× the KV bytes it does, so its step is faster than the
+device's read bandwidth allows (what a missing device sync or a skipped read looks like). Workers
+import them by path, as they import a plugin's backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnbench
+from attnbench.backends.naive import NaiveBackend
+from attnbench.bench import CheckFailed, Implausible, measure_decode, plausibility
+from attnbench.cli import main
+from attnbench.kvcache import ContiguousKVCache
+from attnbench.registry import load_registry
+from attnbench.tuning import TuneOptions, build_space, tune
+from attnbench.tuning.space import backend_refs
+from attnbench.workload import Workload
+from tests.test_tuning import planted_registry, profile  # noqa: F401  (the fixture)
+
+WORKLOAD = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32")
+FAST = TuneOptions(timeout_s=30.0, warmup=1, repeats=4, num_layers=4)
+
+
+class Evader(NaiveBackend):
+    """Right in the gate (which runs two layers), zeros in a cache of any other depth: being timed."""
+
+    name = "planted_evader"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        out = super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+        return out if cache.num_layers == 2 else torch.zeros_like(out)
+
+
+class _InflatedCache(ContiguousKVCache):
+    def bytes_per_token(self) -> int:
+        return super().bytes_per_token() * 10_000
+
+
+class Inflated(NaiveBackend):
+    """Right, but its cache claims 10,000× the bytes per token it holds: implausibly fast."""
+
+    name = "planted_inflated"
+
+    def create_cache(self, workload, *, config, num_layers, max_seq_len):
+        return _InflatedCache(
+            workload=workload,
+            geometry=workload.geometry(self.kv_form),
+            config=config,
+            num_layers=num_layers,
+            max_seq_len=max_seq_len,
+            heads_first=True,
+        )
+
+
+def test_the_evader_is_caught_in_its_timed_run(profile) -> None:  # noqa: F811
+    with pytest.raises(CheckFailed, match="timed step") as info:
+        measure_decode(Evader(), WORKLOAD, profile=profile, warmup=1, repeats=4, num_layers=4)
+    assert info.value.check.error.rel_l2 > 0.5  # zeros: the whole output is missing
+
+
+def test_an_honest_backend_passes_its_timed_check(profile) -> None:  # noqa: F811
+    m = measure_decode(NaiveBackend(), WORKLOAD, profile=profile, warmup=1, repeats=4, num_layers=4)
+    assert m.timed_check is not None and m.timed_check.passed
+    assert "timed step" in m.timed_check.workload and m.timed_check.error.rel_l2 < 1e-5
+
+
+def test_a_step_faster_than_the_read_bandwidth_is_refused(profile) -> None:  # noqa: F811
+    with pytest.raises(Implausible, match=r"over 1\.5 × the measured read bandwidth"):
+        measure_decode(Inflated(), WORKLOAD, profile=profile, warmup=1, repeats=4)
+    assert plausibility(kv_bytes=10**9, seconds=1.0, profile=profile) == ""  # 1 GB/s of 10: fine
+    why = plausibility(kv_bytes=10**11, seconds=1.0, profile=profile)
+    assert "100.0 GB/s" in why and "10.0 GB/s" in why  # the refusal names the numbers
+
+
+def test_neither_the_evader_nor_the_inflated_backend_wins_a_tune(tmp_path, profile) -> None:  # noqa: F811
+    reg = planted_registry(NaiveBackend, Evader, Inflated)
+    report = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile)
+    (entry,) = report.entries.values()
+    assert entry["winner"]["backend"] == "naive"
+    cands = {c["backend"]: c for c in entry["candidates"]}
+    assert cands["planted_evader"]["failed"] == "gate" and "timed step" in cands["planted_evader"]["reason"]
+    assert cands["planted_inflated"]["failed"] == "implausible"
+    assert cands["naive"]["gate"]["calibration"]["rel_l2"] > 0  # the table keeps the gate's numbers
+    choice = attnbench.select(WORKLOAD, results_dir=tmp_path, registry=reg)
+    assert choice.backend == "naive" and "accuracy: exact" in choice.explain()
+
+
+def test_lossy_caches_compete_only_when_allowed() -> None:
+    reg = load_registry(env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    w = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="bf16")
+    refs = backend_refs(reg)
+    shut = build_space(w, refs)
+    assert "fp8" not in shut.backends
+    assert any(e.backend == "fp8" and "lossy (fp8 e4m3 K/V)" in e.reasons[0] for e in shut.excluded)
+    assert "fp8" in build_space(w, refs, allow_lossy=True).backends
+
+
+def test_tune_without_allow_lossy_never_selects_fp8_and_with_it_says_lossy(tmp_path, capsys) -> None:
+    w = ["--model", "tiny-gqa", "--batch", "1", "--context", "64", "--dtype", "bf16"]
+    opts = ["--repeats", "3", "--warmup", "1", "--results", str(tmp_path)]
+    assert main(["tune", *w, "--backends", "fp8,naive", *opts, "--json"]) == 0
+    capsys.readouterr()
+    exact = attnbench.select(model="tiny-gqa", batch=1, context=64, dtype="bf16", results_dir=tmp_path)
+    assert exact.backend == "naive" and exact.lossy == ""
+    assert main(["tune", *w, "--backends", "fp8", *opts, "--allow-lossy", "--json"]) == 0
+    capsys.readouterr()
+    lossy = attnbench.select(
+        model="tiny-gqa", batch=1, context=64, dtype="bf16", results_dir=tmp_path, allow_lossy=True
+    )
+    assert lossy.backend == "fp8" and lossy.lossy == "fp8 e4m3 K/V"
+    assert "lossy (fp8 e4m3 K/V), error against exact attention; gate: rel_l2" in lossy.explain()
+    still_exact = attnbench.select(model="tiny-gqa", batch=1, context=64, dtype="bf16", results_dir=tmp_path)
+    assert still_exact.backend != "fp8"
+    assert any(r.backend == "fp8" and "allow_lossy" in r.reason for r in still_exact.rejected)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--tolerance-multiple", "-2"), ("--tolerance-multiple", "two"), ("--accuracy-budget", "0")],
+)
+def test_bad_gate_options_get_one_line(option: str, value: str, capsys) -> None:
+    code = main(["tune", "--model", "tiny-gqa", "--context", "64", option, value])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"{option} {value!r} is not a positive number" in err and "accepted" in err
+    assert main(["bench", "--model", "tiny-gqa", "--context", "64", "--tolerance-multiple", "0"]) == 2
+    assert "--tolerance-multiple '0' is not a positive number" in capsys.readouterr().err
