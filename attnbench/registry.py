@@ -17,7 +17,10 @@ Environment:
 
 The plugin contract (checked per plugin, in this order; the first breach stops that plugin only):
 
-1. ``import`` — the entry point loads (its module imports without raising);
+1. ``import`` — the entry point loads (its module imports without raising). The module is imported
+   in a child process first, with a deadline (``ATTNBENCH_PLUGIN_TIMEOUT``, 60 s): an import that
+   hangs is recorded as a failure instead of hanging the caller; one that finished is remembered
+   (under ``$ATTNBENCH_CACHE_DIR/plugin-imports``) until the plugin's version or top-level file changes;
 2. ``api-version`` — the module declares ``ATTNBENCH_PLUGIN_API`` (an int) within
    :data:`SUPPORTED_PLUGIN_API`;
 3. ``register`` — pluggy accepts its hooks, it implements ``attnbench_backends``, which returns a list
@@ -270,6 +273,10 @@ def load_plugin(reg: Registry, ep: EntryPoint) -> None:
             msg = f"importing {ep.value!r} raised {msg}"
         reg.failures.append(PluginFailure(ep.name, dist, version, stage, msg, detail))
 
+    hang = _import_hangs(ep)
+    if hang:
+        fail("import", hang)
+        return
     try:
         plugin = ep.load()
     except BaseException as err:  # a plugin's import may raise anything, SystemExit included
@@ -305,6 +312,61 @@ def load_plugin(reg: Registry, ep: EntryPoint) -> None:
             raise
         reg.manager.unregister(plugin)
         fail("api-version" if isinstance(err, PluginAPIError) else "register", err)
+
+
+def _import_key(ep: EntryPoint) -> str:
+    """What decides whether an earlier bounded import still holds: the entry point, its distribution's
+    name and version, and the size and mtime of the module's top-level file (found without importing)."""
+    import hashlib
+    import importlib.util
+
+    top = ep.value.partition(":")[0].split(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+        origin = spec.origin if spec is not None else None
+        st = os.stat(origin) if origin and os.path.exists(origin) else None
+    except (ImportError, ValueError, OSError):
+        st = None
+    parts = [ep.value, ep.dist.name if ep.dist else "", ep.dist.version if ep.dist else ""]
+    parts += [str(st.st_size), str(st.st_mtime_ns)] if st else ["?"]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _import_hangs(ep: EntryPoint) -> str:
+    """Import the plugin's module in a child process first, with a deadline (a thread cannot bound an
+    import that hangs holding the GIL); ``""`` when it finishes (remembered, keyed by
+    :func:`_import_key`), else why it was skipped. Errors are left for the real import to report."""
+    import subprocess
+    import sys
+
+    from attnbench.device import cache_dir
+    from attnbench.probe import _timeout
+
+    marker = cache_dir() / "plugin-imports" / f"{_import_key(ep)}.ok"
+    if marker.exists():
+        return ""
+    module = ep.value.partition(":")[0].strip()
+    timeout = _timeout()
+    try:
+        subprocess.run(
+            [sys.executable, "-c", f"import importlib; importlib.import_module({module!r})"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=timeout,
+            env=os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        )
+    except subprocess.TimeoutExpired:
+        return (
+            f"importing {ep.value!r} did not finish within {timeout:g} s (it hangs); skipped "
+            "(ATTNBENCH_PLUGIN_TIMEOUT sets the limit)"
+        )
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass  # an unwritable cache only costs time
+    return ""
 
 
 def _range_text() -> str:

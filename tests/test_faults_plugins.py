@@ -58,3 +58,22 @@ def test_one_child_process_per_bucket_not_per_request_shape(tmp_path, monkeypatc
         ask(Answering, Workload.uniform("tiny-gqa", batch=batch, context=context, dtype="fp32"), timeout=60)
         assert time.perf_counter() - t0 < 0.5
     assert len(list((tmp_path / "probes").glob("*.json"))) == 1
+
+
+def test_a_plugin_whose_import_hangs_is_listed_broken_and_the_rest_load(tmp_path, monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    import attnbench.registry as registry_mod
+
+    (tmp_path / "ab_hanging_import.py").write_text("import ctypes\nctypes.PyDLL(None).sleep(3600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ATTNBENCH_PLUGIN_TIMEOUT", "3")
+    eps = [EntryPoint("ab_hanging_import", "ab_hanging_import", registry_mod.ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(registry_mod, "entry_points", lambda group: eps)
+    t0 = time.monotonic()
+    reg = registry_mod.load_registry(env={})
+    assert time.monotonic() - t0 < 30
+    (failure,) = reg.failures
+    assert failure.stage == "import" and "did not finish within 3 s" in failure.error
+    assert {"naive", "flash"} <= set(reg.names())
