@@ -113,6 +113,7 @@ def test_a_fleet_of_three_tuners_survives_a_sigkill(fresh_database, tmp_path, ca
             time.sleep(0.2)
             continue
         running = [(n, t) for n, t in trials if t.state.name == "RUNNING" and "backend" in t.user_attrs]
+        before = dict(collections.Counter(t.state.name for _, t in trials))  # the moment before the kill
         if running:
             victim = running[0][1].user_attrs["host"]
             os.kill(procs[victim].pid, signal.SIGKILL)
@@ -126,9 +127,10 @@ def test_a_fleet_of_three_tuners_survives_a_sigkill(fresh_database, tmp_path, ca
                 continue
             killed = (victim, left[0][0], left[0][1].number)
         time.sleep(0.1)
-    before, _ = _states(url)
+    at_kill, _ = _states(url)
     with capsys.disabled():
-        print(f"\nfleet: trials per state before the kill of {victim}: {before}", flush=True)
+        print(f"\nfleet: trials per state before the SIGKILL of {victim}: {before}", flush=True)
+        print(f"fleet: right after it (the dead tuner's trial still RUNNING): {at_kill}", flush=True)
 
     procs[victim] = _tuner(url, victim, results[victim], env)  # restarted with the same host id
     for host, proc in procs.items():
@@ -140,6 +142,10 @@ def test_a_fleet_of_three_tuners_survives_a_sigkill(fresh_database, tmp_path, ca
     # the killed trial was failed by its stopped heartbeat (no verdict), not by a PID check
     dead = next(t for n, t in trials if (t.user_attrs.get("host"), n, t.number) == killed)
     assert dead.state.name == "FAIL" and "kind" not in dead.user_attrs, dead
+    with capsys.disabled():
+        print(
+            f"fleet: the killed trial {killed} ended {dead.state.name} by its stopped heartbeat", flush=True
+        )
     # every candidate: exactly one verdict; never two COMPLETE trials for one candidate
     verdicts: dict[tuple, list] = collections.defaultdict(list)
     for study, t in trials:
