@@ -47,6 +47,7 @@ import gc
 import math
 import os
 import random
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,7 @@ class DecodeMeasurement:
     context: int = 0
     llc_flushed: bool = False  # the last-level cache was evicted before each timed step (small caches)
     timed_check: CheckResult | None = None  # one timed step and layer, checked after timing
+    gate_s: float = 0.0  # wall seconds of the correctness gate and of the timed run's check
     load_avg: tuple[float, float, float] = field(default_factory=lambda: os.getloadavg())
 
     @property
@@ -143,6 +145,7 @@ class DecodeMeasurement:
             "pct_of_bandwidth": self.pct_of_bandwidth,
             "check": self.check.as_dict() if self.check else None,
             "timed_check": self.timed_check.as_dict() if self.timed_check else None,
+            "gate_s": self.gate_s,
             "lossy": self.check.lossy if self.check else "",
             "load_avg": list(self.load_avg),
         }
@@ -271,11 +274,14 @@ def measure_decode(
         "context": workload.context,
     }
     result: CheckResult | None = None
+    gate_s = 0.0
     if check:
         checked = check_workload(workload, form=backend.kv_form, budget_bytes=check_budget_bytes)
         multiple = _multiple(backend, workload.dtype, cfg, error_multiple)
+        gate_start = time.perf_counter()
         result = gate_check(backend, checked, config=cfg, num_layers=2, multiple=multiple)
         gc.collect()
+        gate_s = time.perf_counter() - gate_start
         if accuracy_budget is not None and backend.lossy and not result.error.rel_l2 <= accuracy_budget:
             over = f"lossy ({backend.lossy}): rel_l2 {result.error.rel_l2:.3g} against exact attention > the accuracy budget {accuracy_budget:g}"
             result = dataclasses.replace(result, failures=[*result.failures, over])
@@ -292,6 +298,7 @@ def measure_decode(
             layers_materialised=0,
             timed=False,
             note="interpreted kernels: checked for correctness, never timed",
+            gate_s=gate_s,
         )
 
     model = SyntheticModel(
@@ -315,6 +322,7 @@ def measure_decode(
             before=evict,
         )
         materialised = model.layers_materialised
+        check_start = time.perf_counter()
         timed_check = (
             _check_timed_step(
                 backend,
@@ -327,6 +335,7 @@ def measure_decode(
             if check
             else None
         )
+        gate_s += time.perf_counter() - check_start
     finally:
         model.release()
         evict = None
@@ -349,6 +358,7 @@ def measure_decode(
         layers_materialised=materialised,
         llc_flushed=timed_with_flush,
         timed_check=timed_check,
+        gate_s=gate_s,
     )
 
 

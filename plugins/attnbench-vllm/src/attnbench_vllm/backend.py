@@ -17,7 +17,7 @@ The kernels are called through vLLM's wrappers in ``vllm._custom_ops``, in the s
 Tunables are vLLM's own choices: the ISA variant (``auto`` is vLLM's pick; the others only where
 this CPU has them, see :mod:`attnbench_vllm.isa`), the block size and KV split on or off (vLLM's
 ``VLLM_CPU_ATTN_SPLIT_KV``). ``vllm_cpu_fp8`` is vLLM's fp8 (e4m3) KV cache with unit scales (vLLM's
-default without calibrated scales): lossy, declared like the built-in ``fp8`` (``reference_kv`` and
+default without calibrated scales): lossy (``lossy``), declared like the built-in ``fp8`` (``reference_kv`` and
 ``stored_tolerance``).
 
 Which call may allocate: ``create_cache`` (the cache), ``plan`` (small metadata tensors);
@@ -326,6 +326,7 @@ class VllmCpuFP8Backend(VllmCpuBackend):
     name = "vllm_cpu_fp8"
     description = "vLLM's CPU attention kernels over vLLM's fp8 (e4m3) KV cache, unit scales (lossy)"
     kv_cache_dtype = "fp8_e4m3"
+    lossy = "fp8 e4m3 K/V (vLLM's CPU cache, truncated, unit scales)"
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
         return FP8_EXACT_TOLERANCE
