@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from attnbench.backend import DEFAULT_ERROR_MULTIPLE, Backend
+from attnbench.costmodel import decode_cost
 from attnbench.decode import SyntheticModel
 from attnbench.device import DeviceProfile, last_level_cache_bytes
 from attnbench.gate import CheckResult, Judge
@@ -204,24 +205,38 @@ class Implausible(RuntimeError):
 
 
 def plausibility(
-    *, kv_bytes: int, seconds: float, profile: DeviceProfile | None, margin: float = PLAUSIBLE_MARGIN
+    *,
+    kv_bytes: int,
+    seconds: float,
+    profile: DeviceProfile | None,
+    flops: float = 0.0,
+    peak_flops: float | None = None,
+    margin: float = PLAUSIBLE_MARGIN,
 ) -> str:
-    """Why a step of ``kv_bytes`` in ``seconds`` is implausible on ``profile``'s device ('' if it is not).
+    """Why a step of ``kv_bytes`` (and ``flops``) in ``seconds`` is implausible ('' if it is not).
 
-    The bound is the read bandwidth measured at the same thread count (it is part of the device
-    fingerprint), times ``margin`` for what the measurement of the bandwidth itself may miss.
+    The bounds are the read bandwidth measured at the same thread count (it is part of the device
+    fingerprint) and, when given, the measured matmul peak, each times ``margin`` for what their own
+    measurement may miss.
     """
-    if profile is None or not profile.read_bandwidth or seconds <= 0:
+    if seconds <= 0:
         return ""
-    rate = kv_bytes / seconds
-    limit = margin * profile.read_bandwidth
-    if rate <= limit:
-        return ""
-    return (
-        f"implausible: {kv_bytes / 1e6:.1f} MB of KV cache in {seconds * 1e3:.3g} ms is "
-        f"{rate / 1e9:.1f} GB/s, over {margin:g} × the measured read bandwidth "
-        f"{profile.read_bandwidth / 1e9:.1f} GB/s"
-    )
+    why = []
+    if (
+        profile is not None
+        and profile.read_bandwidth
+        and kv_bytes / seconds > margin * profile.read_bandwidth
+    ):
+        why.append(
+            f"{kv_bytes / 1e6:.1f} MB of KV cache in {seconds * 1e3:.3g} ms is {kv_bytes / seconds / 1e9:.1f} GB/s, "
+            f"over {margin:g} × the measured read bandwidth {profile.read_bandwidth / 1e9:.1f} GB/s"
+        )
+    if peak_flops and flops / seconds > margin * peak_flops:
+        why.append(
+            f"{flops / 1e9:.3g} GFLOP in {seconds * 1e3:.3g} ms is {flops / seconds / 1e9:.1f} GFLOP/s, "
+            f"over {margin:g} × the measured matmul peak {peak_flops / 1e9:.1f} GFLOP/s"
+        )
+    return "implausible: " + "; ".join(why) if why else ""
 
 
 def measure_decode(
@@ -239,6 +254,7 @@ def measure_decode(
     check_budget_bytes: int = CHECK_BUDGET_BYTES,
     error_multiple: float | None = None,
     accuracy_budget: float | None = None,
+    peak_flops: float | None = None,
 ) -> DecodeMeasurement:
     """Check ``backend`` on ``workload``, then time its decode step through the synthetic model.
 
@@ -253,6 +269,7 @@ def measure_decode(
         error_multiple: the gate's multiple of the calibration error for a backend that declares
             none of its own (default: the backend's ``error_multiple``).
         accuracy_budget: for a lossy cache, the largest rel_l2 against exact attention accepted.
+        peak_flops: the measured matmul peak (FLOP/s); a step above it is refused too.
 
     Raises:
         ValueError: the backend cannot run the workload (the message lists why).
@@ -344,7 +361,10 @@ def measure_decode(
     kv_bytes = int(start_bytes + (timing.warmup + (timing.repeats - 1) / 2) * growth)
     if timed_check is not None and not timed_check.passed:
         raise CheckFailed(timed_check)
-    why = plausibility(kv_bytes=kv_bytes, seconds=timing.median_s, profile=profile)
+    flops = decode_cost(workload, form=backend.kv_form, num_layers=layers).flops if peak_flops else 0.0
+    why = plausibility(
+        kv_bytes=kv_bytes, seconds=timing.median_s, profile=profile, flops=flops, peak_flops=peak_flops
+    )
     if why:
         raise Implausible(f"backend {backend.name!r} {cfg} on {workload.describe()}: {why}")
     bytes_per_s = kv_bytes / timing.median_s

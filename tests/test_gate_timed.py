@@ -75,6 +75,9 @@ def test_a_step_faster_than_the_read_bandwidth_is_refused(profile) -> None:  # n
     assert plausibility(kv_bytes=10**9, seconds=1.0, profile=profile) == ""  # 1 GB/s of 10: fine
     why = plausibility(kv_bytes=10**11, seconds=1.0, profile=profile)
     assert "100.0 GB/s" in why and "10.0 GB/s" in why  # the refusal names the numbers
+    flops = plausibility(kv_bytes=10**9, seconds=1.0, profile=profile, flops=1e12, peak_flops=1e11)
+    assert "1000.0 GFLOP/s" in flops and "matmul peak 100.0 GFLOP/s" in flops
+    assert plausibility(kv_bytes=10**9, seconds=1.0, profile=profile, flops=1e10, peak_flops=1e11) == ""
 
 
 def test_neither_the_evader_nor_the_inflated_backend_wins_a_tune(tmp_path, profile) -> None:  # noqa: F811

@@ -228,6 +228,7 @@ def _measure_row(
             max_seconds=args.max_seconds,
             num_layers=args.layers,
             error_multiple=gate_options(args).error_multiple,
+            peak_flops=peak.get(workload.dtype_name) or peak.get("bf16"),
         )
     except CheckFailed as fail:
         return base | {
