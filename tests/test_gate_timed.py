@@ -1,7 +1,7 @@
 """What is timed is checked too: an evader and a too-fast-to-be-true backend never win; lossy is opt-in.
 
 The evader is right whenever the gate looks and returns zeros once it is being timed; the inflated
-backend is right but claims to read 10,000× the KV bytes it does, so its step is faster than the
+backend is right but claims to read 1,000,000× the KV bytes it does, so its step is faster than the
 device's read bandwidth allows (what a missing device sync or a skipped read looks like). Workers
 import them by path, as they import a plugin's backend.
 """
@@ -38,11 +38,11 @@ class Evader(NaiveBackend):
 
 class _InflatedCache(ContiguousKVCache):
     def bytes_per_token(self) -> int:
-        return super().bytes_per_token() * 10_000
+        return super().bytes_per_token() * 1_000_000
 
 
 class Inflated(NaiveBackend):
-    """Right, but its cache claims 10,000× the bytes per token it holds: implausibly fast."""
+    """Right, but its cache claims 1,000,000× the bytes per token it holds: implausibly fast."""
 
     name = "planted_inflated"
 
