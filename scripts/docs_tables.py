@@ -49,7 +49,7 @@ def main() -> int:
         if not pattern.search(content):
             print(f"{doc}: no <!-- {name} --> block", file=sys.stderr)
             return 2
-        path.write_text(pattern.sub(lambda m: m.group(1) + text + "\n" + m.group(2), content))
+        path.write_text(pattern.sub(lambda m, body=text: m.group(1) + body + "\n" + m.group(2), content))
         print(f"{doc}: {name} from {', '.join(str(p.relative_to(ROOT)) for p in present)}")
     for s in missing:
         print(f"not there yet: {s}", file=sys.stderr)
