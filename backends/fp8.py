@@ -78,7 +78,7 @@ _TL_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16
 
 # -- accuracy, as data (how these were chosen: docs/fp8.md, scripts/fp8_accuracy.py) ---------------
 #: against the exact float64 reference: the fp8 rounding itself (any compute dtype)
-EXACT_TOLERANCE = Tolerance(max_abs=0.4, rel_l2=0.15, min_cosine=0.99)
+EXACT_TOLERANCE = Tolerance(max_abs=0.5, rel_l2=0.2, min_cosine=0.98)
 #: against float64 attention over the dequantised bytes: only the attention arithmetic
 STORED_TOLERANCE = {
     torch.float32: Tolerance(max_abs=2e-5, rel_l2=1e-5, min_cosine=0.999_999),
@@ -278,13 +278,13 @@ class FP8Backend(Backend):
     # -- accuracy --------------------------------------------------------------------------------
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
         """Against the K/V as stored (dequantised): the torch path multiplies in fp16 (fp8 bytes are
-        exact in fp16), so in fp16 the scores are rounded before the softmax — up to ~12× the
-        calibration error on needle probes at 32k–128k, hence 16; bf16 (fp16's finer rounding under
+        exact in fp16), so in fp16 the scores are rounded before the softmax — up to ~15× the
+        calibration error on needle probes at 8k–128k (scripts/gate_matrix.py, 30 seeds), hence 20; bf16 (fp16's finer rounding under
         bf16's coarser output) 4; fp32 4 (the dequantisation multiplies by a bias and a scale, one
         rounding more than the reference). The Triton kernel rounds P for its P·V dot: 6 in 16-bit."""
         if self.kernel == "triton" or (self.kernel == "auto" and triton_mode("cuda")[0] == "native"):
             return 6.0 if dtype in (torch.float16, torch.bfloat16) else 4.0
-        return 16.0 if dtype == torch.float16 else 4.0
+        return 20.0 if dtype == torch.float16 else 4.0
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
         return EXACT_TOLERANCE

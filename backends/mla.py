@@ -240,12 +240,12 @@ class MLABackend(Backend):
 
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
         """In bf16/fp16: 6 for the Triton kernel (P rounded to the cache dtype for the P·V dot, as
-        FlashAttention does), 8 for the torch path (``q·rowsᵀ`` returned in the cache dtype, so the
-        scores are rounded before the float32 softmax); ~4× the calibration error measured on needle
-        probes. fp32: the default 2."""
+        FlashAttention does; ~3× measured), 10 for the torch path (``q·rowsᵀ`` returned in the cache
+        dtype, so the scores are rounded before the float32 softmax; 4–8× measured on needle probes,
+        growing with context, scripts/gate_matrix.py). fp32: the default 2."""
         if dtype not in (torch.float16, torch.bfloat16):
             return super().error_multiple(dtype)
-        return 8.0 if self.resolve_config(config).get("kernel") == "torch" else 6.0
+        return 10.0 if self.resolve_config(config).get("kernel") == "torch" else 6.0
 
     def supports(self, workload: Workload) -> list[str]:
         reasons = []
