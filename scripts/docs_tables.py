@@ -25,6 +25,7 @@ BLOCKS: dict[str, tuple[str, tuple[str, ...]]] = {
         ),
     ),
     "fp8-long-context": ("docs/fp8.md", ("results/fp8-long-context-cpu.md",)),
+    "vllm-targets": ("docs/engines.md", ("results/vllm-targets.md",)),
 }
 
 
