@@ -21,9 +21,25 @@ import torch
 
 from attnbench.backend import Backend, KVCache, StepPlan
 from attnbench.kvcache import ContiguousKVCache
+from attnbench.shapes import ModelShape
 from attnbench.workload import Workload
 
-__all__ = ["PLANTED", "PLANTED_LATENT", "Precise"]
+__all__ = ["GATE_SMALL", "PLANTED", "PLANTED_LATENT", "Precise"]
+
+#: The small geometry the gate matrix uses where llama-3.1-8b's would not fit a CI run (2 layers, 8
+#: query heads over 2 KV heads of 32): enough for a wrong GQA mapping to show.
+GATE_SMALL = ModelShape(
+    name="gate-small",
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    hidden_size=256,
+    intermediate_size=512,
+    vocab_size=256,
+    num_params=1_000_000,
+    source="attnbench gate matrix",
+)
 
 
 def _pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -34,23 +34,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run interpreted
 import torch
 
 from attnbench.gate import check, prepare_case
-from attnbench.planted import PLANTED, PLANTED_LATENT, Precise, PreciseLatent
+from attnbench.planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
 from attnbench.registry import load_registry
-from attnbench.shapes import ModelShape, load_shape
+from attnbench.shapes import load_shape
 from attnbench.workload import Workload
 
-SMALL = ModelShape(
-    name="gate-small",
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=32,
-    hidden_size=256,
-    intermediate_size=512,
-    vocab_size=256,
-    num_params=1_000_000,
-    source="attnbench gate matrix",
-)
+SMALL = GATE_SMALL
 
 
 def _contexts(text: str) -> list[int]:
