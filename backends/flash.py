@@ -57,11 +57,11 @@ class FlashBackend(Backend):
     tunables = (Tunable("num_splits", (0, 1, 2, 4, 8, 16), 0, "flash-attn split-KV count; 0 = heuristic"),)
 
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
-        """5 in fp32, else the default 2. On a CPU, SDPA's flash kernel computes exp with a vectorised
+        """7 in fp32, else the default 2. On a CPU, SDPA's flash kernel computes exp with a vectorised
         approximation and rescales its running output tile by tile; in fp32, where the order of the sum
-        is the error, that measured up to 3.7× the calibration reference's rel_l2 (8k context, 32-wide
-        heads). In bf16/fp16 it sits at 1.4–1.6×."""
-        return 5.0 if dtype == torch.float32 else super().error_multiple(dtype)
+        is the error, that measured up to 5.1× the calibration reference's rel_l2 (32k context, 32-wide
+        heads, 30 seeds: scripts/gate_matrix.py). In bf16/fp16 it sits at 1.4–1.6×."""
+        return 7.0 if dtype == torch.float32 else super().error_multiple(dtype)
 
     def _impl(self, workload: Workload) -> tuple[str | None, list[str]]:
         reasons: list[str] = []
