@@ -17,7 +17,9 @@ Two kinds of model plug in:
   and runs every one of ``num_layers`` decode calls per step, cycling over them (layer ``l`` uses cache
   ``l % layers_materialised``). Each call therefore still reads its cache from DRAM, and a step does
   ``num_layers`` calls, exactly as the real model would.
-- real decoders (``attnbench.models``) that compute logits from token ids.
+- real models that compute logits from token ids: any Hugging Face decoder through
+  :mod:`attnbench.integrations.transformers`, and DeepSeek's absorbed latent decoder in
+  ``attnbench.models``.
 
 The loop's own work per step is one ``plan()``, the layer calls and one ``commit()``; ``plan()`` is
 host work and may allocate, the per-layer ``decode()`` calls are capturable.
