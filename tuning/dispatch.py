@@ -1,0 +1,358 @@
+"""The dispatch map: measured times on a rectilinear batch × context grid, and a fast lookup.
+
+``attnbench tune`` measures a coarse grid of (batch, context) points for one model and dtype, then
+adds grid lines where neighbouring points have different winners (:mod:`attnbench.tuning.refine`).
+The result is one JSON file per device (``dispatch-<kind>-<device>-<hardware id>.json`` beside the
+results table), readable without Optuna::
+
+    {"format": 1, "device": {"hardware_id": ..., "fingerprint_id": ...}, "maps": {
+      "llama-3.1-8b@90c2…/bf16": {"model": ..., "shape_hash": ..., "dtype": "bf16",
+        "default": "flash[num_splits=0]", "switch_margin": 0.05,
+        "batches": [1, 3, 8], "contexts": [512, 1448, 4096],
+        "candidates": {"flash[num_splits=0]": {"backend": "flash", "config": {...}, "lossy": ""}, ...},
+        "points": [{"batch": 1, "context": 512, "winner": ..., "tie": false, "load_avg": [...],
+                    "times": {"flash[num_splits=0]": {"median_ms": .., "lo_ms": .., "hi_ms": .., "samples": 15}},
+                    "failed": {"naive": "gate: ..."}}, ...],
+        "refinement": {...}}}}
+
+:meth:`DispatchMap.lookup` interpolates every candidate's time (median and interval) bilinearly in
+log-log space between the four grid points around (batch, context), then decides by the one margin
+policy (:func:`attnbench.tuning.margin.decide`). Outside the grid it uses the nearest edge and says it
+extrapolates. It reads no file and imports no torch: a map loaded once answers in microseconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide
+
+__all__ = [
+    "FORMAT",
+    "DispatchMap",
+    "GridPoint",
+    "Lookup",
+    "MapCandidate",
+    "dispatch_path",
+    "load_maps",
+    "map_key",
+    "save_maps",
+]
+
+FORMAT = 1
+
+
+def map_key(model: str, shape_hash: str, dtype: str) -> str:
+    """The key of one map inside a device's dispatch file: ``model@shape_hash/dtype``."""
+    return f"{model}@{shape_hash}/{dtype}"
+
+
+@dataclass(frozen=True)
+class MapCandidate:
+    """A candidate of the map: backend and config; ``lossy`` says what a lossy cache loses."""
+
+    backend: str
+    config: dict[str, Any] = field(default_factory=dict)
+    lossy: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"backend": self.backend, "config": dict(self.config)}
+        if self.lossy:
+            out["lossy"] = self.lossy
+        return out
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One measured grid point: every candidate's interval, the failures and the decided winner."""
+
+    batch: int
+    context: int
+    times: dict[str, Interval]
+    winner: str | None = None
+    tie: bool = False
+    failed: dict[str, str] = field(default_factory=dict)
+    load_avg: tuple[float, ...] = ()
+    reason: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch,
+            "context": self.context,
+            "winner": self.winner,
+            "tie": self.tie,
+            "reason": self.reason,
+            "times": {k: v.as_dict() for k, v in self.times.items()},
+            "failed": dict(self.failed),
+            "load_avg": [round(x, 2) for x in self.load_avg],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GridPoint:
+        return cls(
+            batch=int(d["batch"]),
+            context=int(d["context"]),
+            times={k: Interval.from_dict(v) for k, v in (d.get("times") or {}).items()},
+            winner=d.get("winner"),
+            tie=bool(d.get("tie", False)),
+            failed={str(k): str(v) for k, v in (d.get("failed") or {}).items()},
+            load_avg=tuple(d.get("load_avg") or ()),
+            reason=str(d.get("reason", "")),
+        )
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The map's answer for one (batch, context).
+
+    ``label`` is the chosen candidate (``None`` when no candidate is measured at all four corners),
+    ``predicted`` every eligible candidate's interpolated interval, ``cell`` the batch and context
+    lines around the point ``(b0, b1, c0, c1)`` and ``corners`` those four grid points.
+    """
+
+    label: str | None
+    candidate: MapCandidate | None
+    predicted: dict[str, Interval]
+    tie: bool
+    reason: str
+    extrapolated: bool
+    cell: tuple[int, int, int, int]
+    corners: tuple[GridPoint, ...]
+
+    def explain(self) -> str:
+        b0, b1, c0, c1 = self.cell
+        where = f"cell batch {b0}..{b1} × context {c0}..{c1}"
+        if self.extrapolated:
+            where += " (extrapolated: outside the tuned region, nearest edge used)"
+        lines = [f"dispatch map: {where}; {self.reason}"]
+        for k, t in sorted(self.predicted.items(), key=lambda kv: kv[1].median_ms):
+            lines.append(f"    {k}: {t} interpolated")
+        for p in self.corners:
+            win = f"{p.winner}{' (tie)' if p.tie else ''}"
+            load = f", load {p.load_avg[0]:.2g}" if p.load_avg else ""
+            lines.append(f"    corner b={p.batch} ctx={p.context}: {win}{load}")
+        return "\n".join(lines)
+
+
+@dataclass
+class DispatchMap:
+    """Measured grid for one model shape and dtype on one device."""
+
+    model: str
+    shape_hash: str
+    dtype: str
+    default: str | None
+    batches: list[int]
+    contexts: list[int]
+    candidates: dict[str, MapCandidate]
+    points: dict[tuple[int, int], GridPoint]
+    switch_margin: float = SWITCH_MARGIN
+    refinement: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.batches = sorted(set(self.batches))
+        self.contexts = sorted(set(self.contexts))
+        self._lb = [math.log(b) for b in self.batches]
+        self._lc = [math.log(c) for c in self.contexts]
+        self._log_cache: dict[
+            tuple[int, int], tuple[GridPoint, dict[str, tuple[float, float, float, int]]]
+        ] = {}
+
+    def add_lines(self, *, batches: Sequence[int] = (), contexts: Sequence[int] = ()) -> None:
+        """Add grid lines (their points are measured separately, see ``complete()``)."""
+        self.batches = sorted(set(self.batches) | set(batches))
+        self.contexts = sorted(set(self.contexts) | set(contexts))
+        self._lb = [math.log(b) for b in self.batches]
+        self._lc = [math.log(c) for c in self.contexts]
+
+    @property
+    def key(self) -> str:
+        return map_key(self.model, self.shape_hash, self.dtype)
+
+    def complete(self) -> bool:
+        """Every (batch line, context line) point has been measured."""
+        return all((b, c) in self.points for b in self.batches for c in self.contexts)
+
+    def _logs(self, key: tuple[int, int]) -> dict[str, tuple[float, float, float, int]] | None:
+        """The point's times as logs, computed once per point object (a replaced point is redone)."""
+        point = self.points.get(key)
+        if point is None:
+            return None
+        cached = self._log_cache.get(key)
+        if cached is None or cached[0] is not point:
+            logs = {
+                k: (math.log(t.median_ms), math.log(t.lo_ms), math.log(t.hi_ms), t.samples)
+                for k, t in point.times.items()
+            }
+            cached = self._log_cache[key] = (point, logs)
+        return cached[1]
+
+    # -- lookup ------------------------------------------------------------------------------------
+    @staticmethod
+    def _bracket(lines: list[int], logs: list[float], x: float) -> tuple[int, int, float, bool]:
+        """Indices of the lines around ``x``, its weight toward the upper one, and whether clamped."""
+        if len(lines) == 1:
+            return 0, 0, 0.0, x != lines[0]
+        if x <= lines[0]:
+            return 0, 1, 0.0, x < lines[0]
+        if x >= lines[-1]:
+            n = len(lines) - 1
+            return n - 1, n, 1.0, x > lines[-1]
+        i = bisect.bisect_right(lines, x) - 1
+        w = (math.log(x) - logs[i]) / (logs[i + 1] - logs[i])
+        return i, i + 1, w, False
+
+    def lookup(
+        self,
+        batch: int,
+        context: int,
+        *,
+        allowed: Callable[[str, MapCandidate], bool] | None = None,
+        margin: float | None = None,
+    ) -> Lookup:
+        """Interpolate every candidate between the four surrounding grid points, then decide.
+
+        ``allowed(label, candidate)`` filters candidates (e.g. no lossy cache, only registered
+        backends). A candidate missing (failed or not measured) at any corner is not eligible in that
+        cell. ``margin`` defaults to the map's switch margin.
+        """
+        i0, i1, wb, xb = self._bracket(self.batches, self._lb, batch)
+        j0, j1, wc, xc = self._bracket(self.contexts, self._lc, context)
+        b0, b1, c0, c1 = self.batches[i0], self.batches[i1], self.contexts[j0], self.contexts[j1]
+        keys = ((b0, c0), (b1, c0), (b0, c1), (b1, c1))
+        corners = tuple(self.points[k] for k in dict.fromkeys(keys) if k in self.points)
+        weights = ((1 - wb) * (1 - wc), wb * (1 - wc), (1 - wb) * wc, wb * wc)
+        logs = [self._logs(k) for k in keys]
+        predicted: dict[str, Interval] = {}
+        if all(x is not None for x in logs):
+            for label, cand in self.candidates.items():
+                if allowed is not None and not allowed(label, cand):
+                    continue
+                ts = [x.get(label) for x in logs]  # type: ignore[union-attr]
+                if None in ts:
+                    continue
+                med = lo = hi = 0.0
+                n = 1 << 30
+                for w, t in zip(weights, ts, strict=True):
+                    med += w * t[0]  # type: ignore[index]
+                    lo += w * t[1]  # type: ignore[index]
+                    hi += w * t[2]  # type: ignore[index]
+                    n = min(n, t[3])  # type: ignore[index]
+                predicted[label] = Interval(math.exp(med), math.exp(lo), math.exp(hi), n)
+        default = self.default if self.default in predicted else None
+        verdict = decide(predicted, default=default, margin=self.switch_margin if margin is None else margin)
+        label = verdict.winner
+        return Lookup(
+            label=label,
+            candidate=self.candidates.get(label) if label else None,
+            predicted=predicted,
+            tie=verdict.tie,
+            reason=verdict.reason,
+            extrapolated=xb or xc,
+            cell=(b0, b1, c0, c1),
+            corners=corners,
+        )
+
+    # -- serialisation -----------------------------------------------------------------------------
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "shape_hash": self.shape_hash,
+            "dtype": self.dtype,
+            "default": self.default,
+            "switch_margin": self.switch_margin,
+            "batches": list(self.batches),
+            "contexts": list(self.contexts),
+            "candidates": {k: c.as_dict() for k, c in self.candidates.items()},
+            "points": [self.points[k].as_dict() for k in sorted(self.points)],
+            "refinement": self.refinement,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "map") -> DispatchMap:
+        try:
+            points = [GridPoint.from_dict(p) for p in d["points"]]
+            return cls(
+                model=str(d["model"]),
+                shape_hash=str(d["shape_hash"]),
+                dtype=str(d["dtype"]),
+                default=d.get("default"),
+                batches=[int(b) for b in d["batches"]],
+                contexts=[int(c) for c in d["contexts"]],
+                candidates={
+                    str(k): MapCandidate(
+                        str(v["backend"]), dict(v.get("config") or {}), str(v.get("lossy", ""))
+                    )
+                    for k, v in d["candidates"].items()
+                },
+                points={(p.batch, p.context): p for p in points},
+                switch_margin=float(d.get("switch_margin", SWITCH_MARGIN)),
+                refinement=dict(d.get("refinement") or {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"dispatch map {where!r} is malformed: {type(err).__name__}: {err}") from None
+
+
+def dispatch_path(table_path: Path) -> Path:
+    """The device's dispatch file beside its results table (``tuning-X.yaml`` → ``dispatch-X.json``)."""
+    table_path = Path(table_path)
+    return table_path.with_name("dispatch-" + table_path.stem.removeprefix("tuning-") + ".json")
+
+
+def load_maps(path: Path, *, hardware_id: str | None = None) -> dict[str, DispatchMap]:
+    """Every map in a device's dispatch file (``{}`` if there is none).
+
+    Raises ``ValueError`` (one line) for a malformed file or, with ``hardware_id``, another device's.
+    """
+    path = Path(path)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"dispatch map {path.name} cannot be read: {err}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(
+            f"dispatch map {path.name}: format {data.get('format') if isinstance(data, dict) else '?'!r}; this attnbench reads {FORMAT}"
+        )
+    there = (data.get("device") or {}).get("hardware_id")
+    if hardware_id is not None and there != hardware_id:
+        raise ValueError(
+            f"dispatch map {path.name} was tuned on another device (hardware id {there}, here {hardware_id})"
+        )
+    return {k: DispatchMap.from_dict(v, where=k) for k, v in (data.get("maps") or {}).items()}
+
+
+def save_maps(
+    path: Path,
+    maps: Sequence[DispatchMap],
+    *,
+    device: Mapping[str, Any],
+    meta: Mapping[str, Any] | None = None,
+) -> None:
+    """Merge ``maps`` into the device's dispatch file (replacing maps of the same key), atomically."""
+    from attnbench.tuning.table import _locked, _write_atomically
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        current: dict[str, Any] = {}
+        if path.exists():
+            try:
+                current = (json.loads(path.read_text()).get("maps")) or {}
+            except (OSError, ValueError, AttributeError):
+                current = {}
+        current |= {m.key: m.as_dict() for m in maps}
+        body = {
+            "format": FORMAT,
+            "device": dict(device),
+            "meta": dict(meta or {}),
+            "maps": dict(sorted(current.items())),
+        }
+        _write_atomically(path, json.dumps(body, indent=1, default=str) + "\n")

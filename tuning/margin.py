@@ -1,0 +1,174 @@
+"""Times with confidence intervals, and the one margin policy that decides between candidates.
+
+Every time the tuner keeps is an :class:`Interval`: the median of its samples with a seeded bootstrap
+confidence interval of that median. :func:`decide` is the single rule used by ``tune`` (the winner of
+a table entry and of every point of a dispatch map), by the dispatch map's lookup (which
+``select()`` calls) and by ``scripts/regret.py``:
+
+    a challenger replaces the default only when it is faster by the switch margin *beyond the
+    intervals*: ``default.lo ≥ (1 + margin) · challenger.hi``. Otherwise the result is a tie and the
+    default is kept (a tie is recorded, never hidden).
+
+So a candidate that is faster only by noise (its interval overlaps the default's widened by the
+margin) never wins, and one that is genuinely faster wins whatever the machine's load did, as long as
+the samples were taken interleaved (a load change hits every candidate alike).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+__all__ = [
+    "SWITCH_MARGIN",
+    "Interval",
+    "Verdict",
+    "bootstrap_median",
+    "decide",
+    "finalists",
+    "too_wide",
+]
+
+#: A challenger replaces the default only when faster by this much beyond the intervals (5 %).
+SWITCH_MARGIN = 0.05
+#: Relative half-width of the median's interval above which a run cannot decide anything.
+WIDE = 0.25
+
+
+class Interval(NamedTuple):
+    """A time in milliseconds: the median and a confidence interval ``[lo, hi]`` of that median.
+
+    A named tuple, so that the dispatch map's lookup can make many of them cheaply.
+    """
+
+    median_ms: float
+    lo_ms: float
+    hi_ms: float
+    samples: int = 1
+
+    @classmethod
+    def exact(cls, ms: float) -> Interval:
+        """A single time with no spread known (e.g. an entry written before intervals existed)."""
+        return cls(ms, ms, ms, 1)
+
+    @property
+    def half_width(self) -> float:
+        """Relative half-width ``(hi - lo) / 2 / median``."""
+        return (self.hi_ms - self.lo_ms) / 2 / self.median_ms if self.median_ms > 0 else math.inf
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "median_ms": round(self.median_ms, 5),
+            "lo_ms": round(self.lo_ms, 5),
+            "hi_ms": round(self.hi_ms, 5),
+            "samples": self.samples,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Interval:
+        med = float(data["median_ms"])
+        return cls(
+            med, float(data.get("lo_ms", med)), float(data.get("hi_ms", med)), int(data.get("samples", 1))
+        )
+
+    def __str__(self) -> str:
+        return f"{self.median_ms:.4g} ms [{self.lo_ms:.4g}, {self.hi_ms:.4g}]"
+
+
+def bootstrap_median(
+    samples_ms: Sequence[float], *, seed: int = 0, resamples: int = 1000, level: float = 0.95
+) -> Interval:
+    """The median of ``samples_ms`` with a percentile-bootstrap ``level`` interval (seeded)."""
+    xs = [float(x) for x in samples_ms if math.isfinite(x)]
+    if not xs:
+        raise ValueError("bootstrap_median needs at least one finite sample")
+    med = statistics.median(xs)
+    if len(xs) == 1:
+        return Interval(med, med, med, 1)
+    rng = random.Random(seed)
+    n = len(xs)
+    meds = sorted(statistics.median(rng.choices(xs, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    lo = meds[int(tail * (resamples - 1))]
+    hi = meds[math.ceil((1 - tail) * (resamples - 1))]
+    return Interval(med, min(lo, med), max(hi, med), n)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What :func:`decide` chose: ``winner`` (a label), whether it was a ``tie`` kept on the default."""
+
+    winner: str | None
+    tie: bool
+    reason: str
+    fastest: str | None = None  # the lowest median, whether or not it won
+    gain: float | None = None  # default median / winner (or fastest) median - 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"winner": self.winner, "tie": self.tie, "reason": self.reason, "fastest": self.fastest}
+
+
+def beats(challenger: Interval, default: Interval, *, margin: float = SWITCH_MARGIN) -> bool:
+    """``challenger`` is faster than ``default`` by ``margin`` beyond both intervals."""
+    return default.lo_ms >= (1 + margin) * challenger.hi_ms
+
+
+def decide(times: Mapping[str, Interval], *, default: str | None, margin: float = SWITCH_MARGIN) -> Verdict:
+    """The one margin policy (see the module docstring).
+
+    ``times`` maps candidate labels to their intervals (failed candidates are simply absent).
+    Without a measured default, the fastest median wins.
+    """
+    if not times:
+        return Verdict(None, False, "no candidate was measured")
+    fastest = min(times, key=lambda k: times[k].median_ms)
+    if default is None or default not in times:
+        why = "fastest correct candidate" + (
+            "" if default is None else f"; the default {default} has no time"
+        )
+        return Verdict(fastest, False, why, fastest)
+    d = times[default]
+    if fastest == default:
+        return Verdict(default, False, "the default is the fastest", fastest, 0.0)
+    winners = [k for k in times if k != default and beats(times[k], d, margin=margin)]
+    if winners:
+        best = min(winners, key=lambda k: times[k].median_ms)
+        gain = d.median_ms / times[best].median_ms - 1
+        why = (
+            f"{gain:.1%} faster than the default {default} "
+            f"(beyond the intervals by more than the {margin:.0%} switch margin)"
+        )
+        return Verdict(best, False, why, fastest, gain)
+    gain = d.median_ms / times[fastest].median_ms - 1
+    why = (
+        f"tie: kept the default {default}; {fastest} is {gain:.1%} faster by the medians, which is not "
+        f"{margin:.0%} beyond the intervals ({times[fastest]} vs {d})"
+    )
+    return Verdict(default, True, why, fastest, gain)
+
+
+def finalists(times: Mapping[str, Interval], *, minimum: int = 3, keep: Sequence[str] = ()) -> list[str]:
+    """Candidates to re-time: every one within two confidence intervals of the best, at least
+    ``minimum`` (the fastest ones), plus ``keep`` (the default, an incumbent) when measured."""
+    if not times:
+        return []
+    order = sorted(times, key=lambda k: times[k].median_ms)
+    best = times[order[0]]
+    reach = best.hi_ms + 2 * (best.hi_ms - best.lo_ms)
+    out = [k for k in order if times[k].lo_ms <= reach or times[k].median_ms <= best.median_ms * 1.05]
+    for k in order:
+        if len(out) >= minimum:
+            break
+        if k not in out:
+            out.append(k)
+    out += [k for k in keep if k in times and k not in out]
+    return out
+
+
+def too_wide(times: Mapping[str, Interval], *, limit: float = WIDE) -> list[str]:
+    """Labels whose interval is too wide (relative half-width above ``limit``) to decide anything."""
+    return [k for k, t in times.items() if t.half_width > limit]
