@@ -268,6 +268,12 @@ class FP8Backend(Backend):
             else "torch (fp8 bytes → fp16 matmul)"
         )
 
+    def kv_bytes_per_token(self, workload: Workload, *, config: Mapping[str, Any]) -> int:
+        """One byte per K/V value plus, unless one scale serves the tensor, two float32 scales per KV head."""
+        shape = workload.shape
+        scales = 0 if config["scale"] == "tensor" else 2 * workload.geometry(self.kv_form).num_kv_heads * 4
+        return shape.kv_bytes_per_token("fp8", "expanded") + scales * shape.num_layers
+
     def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
         """Speed knobs only: ``scale`` changes the numerics, so it is chosen, never tuned."""
         keep = (
