@@ -17,8 +17,8 @@ results table), readable without Optuna::
 
 :meth:`DispatchMap.lookup` interpolates every candidate's time (median and interval) bilinearly in
 log-log space between the four grid points around (batch, context), then decides by the one margin
-policy (:func:`attnbench.tuning.margin.decide`). Outside the grid it uses the nearest edge and says it
-extrapolates. It reads no file and imports no torch: a map loaded once answers in microseconds.
+policy (:func:`attnbench.tuning.margin.decide`). Outside the grid it extends the trend between the
+first and last grid lines (linear in log-log space) and says it extrapolates. It reads no file and imports no torch: a map loaded once answers in microseconds.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnbench.tuning.files import locked, write_atomically
 from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide
 
 __all__ = [
@@ -129,7 +130,7 @@ class Lookup:
         b0, b1, c0, c1 = self.cell
         where = f"cell batch {b0}..{b1} × context {c0}..{c1}"
         if self.extrapolated:
-            where += " (extrapolated: outside the tuned region, nearest edge used)"
+            where += " (extrapolated: outside the tuned region, the trend across it extended)"
         lines = [f"dispatch map: {where}; {self.reason}"]
         for k, t in sorted(self.predicted.items(), key=lambda kv: kv[1].median_ms):
             lines.append(f"    {k}: {t} interpolated")
@@ -196,17 +197,52 @@ class DispatchMap:
     # -- lookup ------------------------------------------------------------------------------------
     @staticmethod
     def _bracket(lines: list[int], logs: list[float], x: float) -> tuple[int, int, float, bool]:
-        """Indices of the lines around ``x``, its weight toward the upper one, and whether clamped."""
+        """Indices of the lines around ``x``, its weight toward the upper one, and whether it lies
+        outside the lines. Outside, the weight extends the trend between the first and the last line
+        (linear in log-log space): a crossover that the whole tuned range points to is still seen."""
         if len(lines) == 1:
             return 0, 0, 0.0, x != lines[0]
-        if x <= lines[0]:
-            return 0, 1, 0.0, x < lines[0]
-        if x >= lines[-1]:
+        if x < lines[0] or x > lines[-1]:
             n = len(lines) - 1
-            return n - 1, n, 1.0, x > lines[-1]
-        i = bisect.bisect_right(lines, x) - 1
+            return 0, n, (math.log(x) - logs[0]) / (logs[n] - logs[0]), True
+        i = min(bisect.bisect_right(lines, x) - 1, len(lines) - 2)
         w = (math.log(x) - logs[i]) / (logs[i + 1] - logs[i])
         return i, i + 1, w, False
+
+    @staticmethod
+    def _edge(lines: list[int], logs: list[float], x: float) -> tuple[int, int, float]:
+        """The outermost cell on ``x``'s side, with ``x``'s weight extending it."""
+        i = 0 if x < lines[0] else len(lines) - 2
+        return i, i + 1, (math.log(x) - logs[i]) / (logs[i + 1] - logs[i])
+
+    def _predict(
+        self,
+        keys: tuple[tuple[int, int], ...],
+        wb: float,
+        wc: float,
+        allowed: Callable[[str, MapCandidate], bool] | None,
+    ) -> dict[str, Interval]:
+        """Every allowed candidate measured at all four ``keys``, interpolated (log-log bilinear)."""
+        weights = ((1 - wb) * (1 - wc), wb * (1 - wc), (1 - wb) * wc, wb * wc)
+        logs = [self._logs(k) for k in keys]
+        predicted: dict[str, Interval] = {}
+        if any(x is None for x in logs):
+            return predicted
+        for label, cand in self.candidates.items():
+            if allowed is not None and not allowed(label, cand):
+                continue
+            ts = [x.get(label) for x in logs]  # type: ignore[union-attr]
+            if None in ts:
+                continue
+            med = down = up = 0.0
+            n = 1 << 30
+            for w, t in zip(weights, ts, strict=True):
+                med += w * t[0]  # type: ignore[index]
+                down += abs(w) * (t[0] - t[1])  # type: ignore[index]
+                up += abs(w) * (t[2] - t[0])  # type: ignore[index]
+                n = min(n, t[3])  # type: ignore[index]
+            predicted[label] = Interval(math.exp(med), math.exp(med - down), math.exp(med + up), n)
+        return predicted
 
     def lookup(
         self,
@@ -227,24 +263,13 @@ class DispatchMap:
         b0, b1, c0, c1 = self.batches[i0], self.batches[i1], self.contexts[j0], self.contexts[j1]
         keys = ((b0, c0), (b1, c0), (b0, c1), (b1, c1))
         corners = tuple(self.points[k] for k in dict.fromkeys(keys) if k in self.points)
-        weights = ((1 - wb) * (1 - wc), wb * (1 - wc), (1 - wb) * wc, wb * wc)
-        logs = [self._logs(k) for k in keys]
-        predicted: dict[str, Interval] = {}
-        if all(x is not None for x in logs):
-            for label, cand in self.candidates.items():
-                if allowed is not None and not allowed(label, cand):
-                    continue
-                ts = [x.get(label) for x in logs]  # type: ignore[union-attr]
-                if None in ts:
-                    continue
-                med = lo = hi = 0.0
-                n = 1 << 30
-                for w, t in zip(weights, ts, strict=True):
-                    med += w * t[0]  # type: ignore[index]
-                    lo += w * t[1]  # type: ignore[index]
-                    hi += w * t[2]  # type: ignore[index]
-                    n = min(n, t[3])  # type: ignore[index]
-                predicted[label] = Interval(math.exp(med), math.exp(lo), math.exp(hi), n)
+        predicted = self._predict(keys, wb, wc, allowed)
+        if xb or xc:  # candidates not measured across the whole range: the edge cell's trend instead
+            i0, i1, wb = self._edge(self.batches, self._lb, batch) if xb else (i0, i1, wb)
+            j0, j1, wc = self._edge(self.contexts, self._lc, context) if xc else (j0, j1, wc)
+            b0, b1, c0, c1 = self.batches[i0], self.batches[i1], self.contexts[j0], self.contexts[j1]
+            edge = ((b0, c0), (b1, c0), (b0, c1), (b1, c1))
+            predicted = self._predict(edge, wb, wc, allowed) | predicted
         default = self.default if self.default in predicted else None
         verdict = decide(predicted, default=default, margin=self.switch_margin if margin is None else margin)
         label = verdict.winner
@@ -337,11 +362,9 @@ def save_maps(
     meta: Mapping[str, Any] | None = None,
 ) -> None:
     """Merge ``maps`` into the device's dispatch file (replacing maps of the same key), atomically."""
-    from attnbench.tuning.table import _locked, _write_atomically
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path):
+    with locked(path):
         current: dict[str, Any] = {}
         if path.exists():
             try:
@@ -355,4 +378,4 @@ def save_maps(
             "meta": dict(meta or {}),
             "maps": dict(sorted(current.items())),
         }
-        _write_atomically(path, json.dumps(body, indent=1, default=str) + "\n")
+        write_atomically(path, json.dumps(body, indent=1, default=str) + "\n")

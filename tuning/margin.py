@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -30,6 +30,7 @@ __all__ = [
     "bootstrap_median",
     "decide",
     "finalists",
+    "sample_rounds",
     "too_wide",
 ]
 
@@ -145,7 +146,7 @@ def decide(times: Mapping[str, Interval], *, default: str | None, margin: float 
         return Verdict(best, False, why, fastest, gain)
     gain = d.median_ms / times[fastest].median_ms - 1
     why = (
-        f"tie: kept the default {default}; {fastest} is {gain:.1%} faster by the medians, which is not "
+        f"tie: kept the default {default}; {fastest} is only {gain:.1%} faster by the medians, not "
         f"{margin:.0%} beyond the intervals ({times[fastest]} vs {d})"
     )
     return Verdict(default, True, why, fastest, gain)
@@ -172,3 +173,28 @@ def finalists(times: Mapping[str, Interval], *, minimum: int = 3, keep: Sequence
 def too_wide(times: Mapping[str, Interval], *, limit: float = WIDE) -> list[str]:
     """Labels whose interval is too wide (relative half-width above ``limit``) to decide anything."""
     return [k for k, t in times.items() if t.half_width > limit]
+
+
+def sample_rounds(
+    run_round: Callable[[int], Mapping[str, float]],
+    *,
+    samples: int = 15,
+    max_samples: int | None = None,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """Interleaved samples: ``run_round(r)`` times one step of every candidate (in an order of its
+    choosing) and returns ``{label: ms}``. After ``samples`` rounds, more rounds are run, ``samples``
+    at a time, while any candidate's interval is too wide to decide (:func:`too_wide`), up to
+    ``max_samples`` (default ``4 × samples``): a candidate whose steps are often slowed by the load
+    then gets enough samples for its median to be known, instead of a tie by noise."""
+    cap = max_samples if max_samples is not None else 4 * samples
+    out: dict[str, list[float]] = {}
+    r = 0
+    while True:
+        for _ in range(samples):
+            for label, ms in run_round(r).items():
+                out.setdefault(label, []).append(ms)
+            r += 1
+        times = {k: bootstrap_median(v, seed=seed) for k, v in out.items() if v}
+        if not too_wide(times) or r + samples > cap:
+            return out

@@ -90,6 +90,8 @@ class CandidateResult:
     missing: bool = False
     gate: dict[str, Any] | None = None  # the correctness gate's numbers: error, calibration, ratios
     lossy: str | None = None  # what a lossy cache loses, e.g. "fp8 e4m3 K/V"
+    #: the finalists' interleaved time: {median_ms, lo_ms, hi_ms, samples} (bootstrap interval of the median)
+    interval: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -112,8 +114,11 @@ class CandidateResult:
             missing=c.get("missing", bool, required=False, default=False),
             gate=c.get("gate", Mapping, required=False),
             lossy=c.get("lossy", str, required=False),
+            interval=c.get("interval", Mapping, required=False),
             extra=c.extra(_known(cls)),
         )
+        if out.interval is not None:
+            _interval(out.interval, where=f"{where}.interval")
         if not out.missing and "config" not in c.data:
             raise c._fail("config", "is missing")
         if not out.missing and out.failed is None and out.step_ms is None:
@@ -126,7 +131,7 @@ class CandidateResult:
             return out | {"missing": True} | self.extra
         out["config"] = dict(self.config)
         names = ("step_ms", "gbps", "pct_of_bandwidth", "implementation", "failed", "reason", "error")
-        for name in (*names, "gate", "lossy"):
+        for name in (*names, "gate", "lossy", "interval"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out | self.extra
@@ -161,6 +166,8 @@ class TableEntry:
     tuned_at: str
     load_avg: list[float]
     command: str | None = None
+    tie: bool = False  # a challenger was faster by the medians but not by the margin beyond the intervals
+    code_hashes: dict[str, str] = field(default_factory=dict)  # each backend's own code hash (merging)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -210,6 +217,8 @@ class TableEntry:
             tuned_at=c.get("tuned_at", str),
             load_avg=list(c.get("load_avg", list)),
             command=c.get("command", str, required=False),
+            tie=c.get("tie", bool, required=False, default=False),
+            code_hashes=dict(c.get("code_hashes", Mapping, required=False, default={})),
             extra=c.extra(_known(cls)),
         )
         if entry.trials != len(candidates):
@@ -232,6 +241,13 @@ class TableEntry:
                 continue
             out[f.name] = value
         return out | self.extra
+
+
+def _interval(data: Mapping[str, Any], *, where: str) -> None:
+    c = _Check(data, where)
+    med, lo, hi = (c.number(k, positive=True) for k in ("median_ms", "lo_ms", "hi_ms"))
+    if not lo <= med <= hi:  # type: ignore[operator]
+        raise TableError(f"field '{where}' = {dict(data)!r}: needs lo_ms ≤ median_ms ≤ hi_ms")
 
 
 def validate_entries(entries: Any) -> dict[str, TableEntry]:

@@ -1,4 +1,11 @@
-"""``tune()``: plan one study per key, run each in a worker, write the device's results table."""
+"""``tune()``: one study per key, the finalists re-timed interleaved, the table and the dispatch map.
+
+For every key: the study searches the space (each candidate checked and timed in a worker); then the
+finalists (every candidate within two confidence intervals of the best, at least three, the default
+and the incumbent of an existing entry) are re-timed interleaved in one worker, and the margin policy
+decides the entry's winner. Then, per model and dtype, the tuned (batch, context) points form the
+coarse grid of a dispatch map, refined where neighbouring winners differ.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +16,13 @@ from typing import Any
 
 from attnbench.backend import Backend
 from attnbench.device import DeviceProfile, load_profile
+from attnbench.locations import ResultsLocation, results_location, writable_results
 from attnbench.registry import Registry
-from attnbench.tuning.space import backend_refs
+from attnbench.tuning.dispatch import DispatchMap, GridPoint, dispatch_path, save_maps
+from attnbench.tuning.interleave import Finalist, retime
+from attnbench.tuning.margin import SWITCH_MARGIN, finalists
+from attnbench.tuning.refine import RESOLUTION, PointMeasurement, grid_point, refine_map
+from attnbench.tuning.space import BackendRef, backend_refs, code_hash
 from attnbench.tuning.storage import redact
 from attnbench.tuning.study import (
     JOURNAL_NAME,
@@ -22,7 +34,8 @@ from attnbench.tuning.study import (
     plan_studies,
     run_study,
 )
-from attnbench.tuning.table import SWITCH_MARGIN, ResultsTable, summarize, table_path
+from attnbench.tuning.summary import candidate_label, search_interval, summarize
+from attnbench.tuning.table import ResultsTable, TableError, hardware_id, table_path
 from attnbench.tuning.worker import Worker
 from attnbench.workload import Workload
 
@@ -30,10 +43,9 @@ __all__ = ["TuneReport", "default_results_dir", "tune"]
 
 
 def default_results_dir() -> Path:
-    """``$ATTNBENCH_RESULTS_DIR``, else ``results/`` in the working directory."""
-    import os
-
-    return Path(os.environ.get("ATTNBENCH_RESULTS_DIR") or "results")
+    """The results location (:mod:`attnbench.locations`): ``$ATTNBENCH_RESULTS_DIR``, else the per-user
+    ``$XDG_DATA_HOME/attnbench`` (``~/.local/share/attnbench``)."""
+    return results_location().path
 
 
 @dataclass
@@ -44,6 +56,12 @@ class TuneReport:
     storage: str
     messages: list[str] = field(default_factory=list)
     interrupted: bool = False
+    maps: list[DispatchMap] = field(default_factory=list)
+    map_path: Path | None = None
+    #: worker evaluations (one candidate timed at one point): study trials, finalists re-timed, map refinement
+    evaluations: dict[str, int] = field(default_factory=lambda: {"trials": 0, "retimed": 0, "refined": 0})
+    #: where the table and the journal went, and why there (option, environment or per-user default)
+    location: ResultsLocation | None = None
 
     @property
     def trials_run(self) -> int:
@@ -61,27 +79,43 @@ def tune(
     options: TuneOptions | None = None,
     profile: DeviceProfile | None = None,
     margin: float = SWITCH_MARGIN,
+    samples: int = 15,
+    refine: bool = True,
+    resolution: float = RESOLUTION,
     command: str = "",
     on_plan: Callable[[list[StudyPlan]], None] | None = None,
     on_trial: Callable[[StudyPlan, TrialRecord, bool], None] | None = None,
+    on_point: Callable[[GridPoint], None] | None = None,
+    update_reference: bool = False,
 ) -> TuneReport:
-    """Tune every key that ``workloads`` fall in, and merge the winners into the device's table.
+    """Tune every key that ``workloads`` fall in, merge the winners into the device's table, and
+    write the device's dispatch map.
 
     Args:
         registry: where the candidate backends come from (default: the full registry).
-        backends: only these registry names (default: all).
+        backends: only these registry names (default: all); an existing entry's other candidates are
+            kept (merged) and its winner is re-measured beside this run's finalists.
         extra_backends: more backend classes (importable by path) to consider.
-        results_dir: where the table and the embedded study journal live (default ``results/``).
+        results_dir: where the table, the map and the embedded study journal live (default: the
+            results location of :mod:`attnbench.locations`; created if missing).
+        update_reference: allow writing into a folder of committed reference runs (one holding
+            ``REFERENCE.md``, like the repository's ``results/``); refused otherwise.
         storage: an Optuna RDB URL instead of the embedded journal.
-        on_plan / on_trial: progress hooks (called with the plans, then after each trial).
+        margin: the switch margin of the margin policy (:func:`attnbench.tuning.margin.decide`).
+        samples: interleaved samples per finalist (0: no re-timing, no map).
+        refine / resolution: add grid lines where winners differ, to within ``resolution`` octaves.
+        on_plan / on_trial / on_point: progress hooks (the plans, each trial, each map point).
 
     Ctrl-C stops after marking the running trial interrupted; what was measured is kept in the
     study and written to the table (entries marked ``complete: false``), and ``interrupted`` is set.
     """
     options = options or TuneOptions()
-    results = Path(results_dir) if results_dir is not None else default_results_dir()
+    location = writable_results(results_dir, update_reference=update_reference)
+    results = location.path
     profile = profile or load_profile(workloads[0].device if workloads else "cpu")
     refs = backend_refs(registry, only=backends, extra=extra_backends)
+    everyone = {r.name: r for r in backend_refs(registry, extra=extra_backends)}
+    hashes = {name: code_hash([r.cls]) for name, r in everyone.items()}
     plans = plan_studies(workloads, refs, profile=profile, options=options)
     if on_plan is not None:
         on_plan(plans)
@@ -90,11 +124,18 @@ def tune(
         {},
         table_path(results, profile.fingerprint),
         redact(storage) if storage else str(results / JOURNAL_NAME),
+        location=location,
     )
     store = open_storage(
         storage, results_dir=results, heartbeat_s=options.heartbeat_s, messages=report.messages
     )
     table = ResultsTable(report.table_path, {})
+    try:
+        prior = ResultsTable.load(report.table_path, fingerprint=profile.fingerprint).entries
+    except TableError:
+        prior = {}  # the save below moves a corrupt table aside (or refuses another device's)
+    measured: dict[str, tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]] = {}
+    task_profile = {k: v for k, v in profile.as_dict().items() if k != "id"}
     with Worker(memory_limit_bytes=options.memory_limit_bytes) as worker:
         for plan in plans:
             try:
@@ -105,11 +146,171 @@ def tune(
                 report.interrupted = True
                 break
             report.results.append(result)
-            if result.records:
-                entry = summarize(result, profile=profile, margin=margin, command=command)
-                report.entries[plan.key.row] = entry
-                report.messages += table.save({plan.key.row: entry}, profile=profile)
-            if result.interrupted:
+            report.evaluations["trials"] += result.ran
+            if not result.records:
+                continue
+            old = prior.get(plan.key.row)
+            retimed = None
+            if samples and not result.interrupted:
+                fins = _finalists(plan, result.records, old, everyone)
+                try:
+                    retimed = _retime(
+                        worker, fins, plan.workload, options, task_profile, samples, check=False
+                    )
+                except KeyboardInterrupt:
+                    report.interrupted = True
+                if retimed is not None:
+                    report.evaluations["retimed"] += retimed.evaluations
+                    measured[plan.key.row] = (plan, retimed, fins)
+            entry = summarize(
+                result,
+                profile=profile,
+                margin=margin,
+                command=command,
+                retimed=retimed,
+                prior=old,
+                code_hashes=hashes,
+            )
+            report.entries[plan.key.row] = entry
+            report.messages += table.save({plan.key.row: entry}, profile=profile)
+            if result.interrupted or report.interrupted:
                 report.interrupted = True
                 break
+        if measured and not report.interrupted:
+            try:
+                _maps(
+                    report,
+                    measured,
+                    worker,
+                    options,
+                    task_profile,
+                    samples,
+                    margin,
+                    refine,
+                    resolution,
+                    on_point,
+                )
+            except KeyboardInterrupt:
+                report.interrupted = True
+    if report.maps:
+        report.map_path = dispatch_path(report.table_path)
+        save_maps(
+            report.map_path,
+            report.maps,
+            device={"hardware_id": hardware_id(profile.fingerprint), "fingerprint_id": profile.id},
+            meta={"written_by": "attnbench tune", "command": command},
+        )
     return report
+
+
+def _finalists(
+    plan: StudyPlan,
+    records: Sequence[TrialRecord],
+    old: dict[str, Any] | None,
+    everyone: dict[str, BackendRef],
+) -> dict[str, Finalist]:
+    """The candidates to re-time for one key: near the best, at least three, the default, the incumbent."""
+    ok = {r.candidate.label(): r for r in records if r.ok and r.value}
+    default = plan.space.default_candidate().label() if plan.space.default_backend else None
+    labels = finalists({k: search_interval(r) for k, r in ok.items()}, keep=[default] if default else [])
+    out: dict[str, Finalist] = {}
+    for label in labels:
+        c = ok[label].candidate
+        ref = plan.space.backends[c.backend]
+        out[label] = Finalist(label, c.backend, ref.ref, dict(c.config), getattr(ref.cls, "lossy", "") or "")
+    incumbent = (old or {}).get("winner")
+    if incumbent and candidate_label(incumbent) not in out and incumbent["backend"] in everyone:
+        ref = everyone[incumbent["backend"]]
+        label = candidate_label(incumbent)
+        out[label] = Finalist(
+            label, ref.name, ref.ref, dict(incumbent.get("config") or {}), getattr(ref.cls, "lossy", "") or ""
+        )
+    return out
+
+
+def _retime(
+    worker: Worker,
+    fins: dict[str, Finalist],
+    workload: Workload,
+    options: TuneOptions,
+    profile: dict[str, Any],
+    samples: int,
+    *,
+    check: bool,
+) -> PointMeasurement:
+    return retime(
+        worker,
+        list(fins.values()),
+        workload=workload,
+        samples=samples,
+        warmup=options.warmup,
+        check=check,
+        num_layers=options.num_layers,
+        materialise_bytes=options.materialise_bytes,
+        error_multiple=options.error_multiple,
+        accuracy_budget=options.accuracy_budget,
+        profile=profile,
+        timeout_s=options.timeout_s,
+        seed=options.seed,
+    )
+
+
+def _maps(
+    report: TuneReport,
+    measured: dict[str, tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]],
+    worker: Worker,
+    options: TuneOptions,
+    profile: dict[str, Any],
+    samples: int,
+    margin: float,
+    refine: bool,
+    resolution: float,
+    on_point: Callable[[GridPoint], None] | None,
+) -> None:
+    """One dispatch map per (model, dtype) whose tuned points form a full rectilinear grid."""
+    groups: dict[tuple[str, str, str], list[tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]]] = {}
+    for plan, got, fins in measured.values():
+        groups.setdefault((plan.key.model, plan.key.shape_hash, plan.key.dtype), []).append((plan, got, fins))
+    for (model, shape_hash, dtype), items in groups.items():
+        batches = sorted({p.key.batch_bucket for p, _, _ in items})
+        contexts = sorted({p.key.context_bucket for p, _, _ in items})
+        if len(items) != len(batches) * len(contexts):
+            report.messages.append(
+                f"dispatch map for {model} {dtype} not written: the tuned points are not a full "
+                "batch × context grid (tune every --batch with every --context)"
+            )
+            continue
+        plan0 = items[0][0]
+        default = plan0.space.default_candidate().label() if plan0.space.default_backend else None
+        known: dict[str, Finalist] = {}
+        m = DispatchMap(model, shape_hash, dtype, default, batches, contexts, {}, {}, margin)
+        for plan, got, fins in items:
+            known |= fins
+            m.candidates |= got.candidates
+            m.points[(plan.key.batch_bucket, plan.key.context_bucket)] = grid_point(
+                plan.key.batch_bucket, plan.key.context_bucket, got, default=default, margin=margin
+            )
+        m.refinement = {"evaluations": sum(got.evaluations for _, got, _ in items)}
+
+        measure = _measurer(worker, known, plan0.workload, options, profile, samples)
+        if refine:
+            report.evaluations["refined"] += refine_map(m, measure, resolution=resolution, on_point=on_point)
+        report.maps.append(m)
+
+
+def _measurer(
+    worker: Worker,
+    known: dict[str, Finalist],
+    like: Workload,
+    options: TuneOptions,
+    profile: dict[str, Any],
+    samples: int,
+) -> Callable[[int, int, Sequence[str] | None], PointMeasurement]:
+    """Measure a new grid point of ``like``'s shape and dtype: the gate first, then interleaved."""
+
+    def measure(b: int, c: int, labels: Sequence[str] | None) -> PointMeasurement:
+        w = Workload(like.shape, (c,) * b, like.dtype, like.device)
+        fins = {k: known[k] for k in (labels or known) if k in known}
+        return _retime(worker, fins, w, options, profile, samples, check=True)
+
+    return measure

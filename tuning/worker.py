@@ -111,14 +111,15 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     try:
         backend = load_backend_class(task["backend_ref"])()
         workload = workload_from_dict(task["workload"])
-        reasons = backend.supports(workload)
-        if reasons:
-            return {"ok": False, "kind": "unsupported", "reason": "; ".join(reasons)}
+        resolution = backend.resolve(workload, task["config"])
+        if not resolution.runnable:
+            return {"ok": False, "kind": "unsupported", "reason": "; ".join(resolution.reasons)}
         profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
         m = measure_decode(
             backend,
             workload,
             config=task["config"],
+            resolution=resolution,
             profile=profile,
             warmup=task["warmup"],
             repeats=task["repeats"],
@@ -210,7 +211,13 @@ def main() -> None:
     for line in sys.stdin:
         if not line.strip():
             continue
-        verdict = evaluate(json.loads(line))
+        task = json.loads(line)
+        if task.get("op") == "interleave":  # finalists timed round-robin (attnbench.tuning.interleave)
+            from attnbench.tuning.interleave import run_interleaved
+
+            verdict = run_interleaved(task)
+        else:
+            verdict = evaluate(task)
         proto.write(json.dumps(verdict, default=str) + "\n")
 
 
@@ -328,11 +335,15 @@ class Worker:
 
     # -- one candidate ----------------------------------------------------------------------------
     def run(self, task: WorkerTask, *, timeout: float) -> Outcome:
+        return self.request(task.as_dict(), timeout=timeout)
+
+    def request(self, message: dict[str, Any], *, timeout: float) -> Outcome:
+        """Send one task (a :class:`WorkerTask`'s dict, or another ``op``) and wait for its verdict."""
         if self.proc is None or self.proc.poll() is not None:
             self.start()
         t0 = time.monotonic()
         try:
-            self._send(task.as_dict())
+            self._send(message)
             reply = self._receive(timeout)
         except BrokenPipeError:
             reply, self.eof = None, True

@@ -1,0 +1,215 @@
+"""The margin policy and the dispatch map with planted timings (no worker: these run in seconds).
+
+The planted timings are functions of (batch, context) with seeded noise; every sample goes through
+the same bootstrap intervals and :func:`decide` that ``tune`` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from attnbench.tuning.dispatch import (
+    DispatchMap,
+    GridPoint,
+    MapCandidate,
+    dispatch_path,
+    load_maps,
+    save_maps,
+)
+from attnbench.tuning.margin import Interval, bootstrap_median, decide, finalists, sample_rounds
+from attnbench.tuning.refine import PointMeasurement, build_map
+
+DEFAULT = "steady"
+
+
+def _samples(base_ms: float, rng: random.Random, *, n: int = 15, slowdowns: float = 0.0) -> list[float]:
+    """``n`` samples around ``base_ms`` (±2 % jitter); with ``slowdowns`` that share of them 3× slower."""
+    return [base_ms * rng.uniform(0.98, 1.02) * (3.0 if rng.random() < slowdowns else 1.0) for _ in range(n)]
+
+
+# -- the margin policy -------------------------------------------------------------------------------
+def _interleaved(bases: dict[str, float], rng: random.Random, *, slowdowns: dict[str, float], seed: int):
+    """Round-robin samples of planted candidates, through the sampling loop the worker runs (more
+    rounds while an interval is too wide), then their intervals."""
+
+    def one_round(r):
+        return {k: _samples(base, rng, n=1, slowdowns=slowdowns.get(k, 0.0))[0] for k, base in bases.items()}
+
+    raw = sample_rounds(one_round, samples=15, seed=seed)
+    return {k: bootstrap_median(v, seed=seed) for k, v in raw.items()}
+
+
+def test_a_noisy_candidate_at_the_defaults_speed_never_wins_by_noise():
+    ties = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        times = _interleaved({DEFAULT: 10.0, "noisy": 9.9}, rng, slowdowns={"noisy": 0.3}, seed=seed)
+        v = decide(times, default=DEFAULT)
+        assert v.winner == DEFAULT, (seed, times)
+        ties += v.tie
+    assert ties > 0  # some runs see it faster by the medians: recorded as ties, never as a switch
+
+
+def test_a_tie_keeps_the_default_and_says_so():
+    times = {DEFAULT: Interval(10.0, 9.8, 10.2, 15), "rival": Interval(9.7, 9.5, 9.9, 15)}
+    v = decide(times, default=DEFAULT)
+    assert v.winner == DEFAULT and v.tie and v.fastest == "rival"
+    assert "tie: kept the default steady" in v.reason and "only 3.1% faster" in v.reason
+
+
+def test_a_noisy_candidate_genuinely_30_percent_faster_wins():
+    extended = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        times = _interleaved(
+            {DEFAULT: 10.0, "noisy_fast": 7.0}, rng, slowdowns={"noisy_fast": 0.2}, seed=seed
+        )
+        v = decide(times, default=DEFAULT)
+        assert v.winner == "noisy_fast" and not v.tie, (seed, times)
+        extended += times[DEFAULT].samples > 15
+    assert extended > 0  # some runs needed more rounds to know the noisy one's median
+
+
+def test_intervals_are_seeded_and_contain_the_median():
+    xs = _samples(5.0, random.Random(1), slowdowns=0.2)
+    a, b = bootstrap_median(xs, seed=3), bootstrap_median(xs, seed=3)
+    assert a == b and a.lo_ms <= a.median_ms <= a.hi_ms and a.samples == 15
+
+
+def test_finalists_are_near_the_best_at_least_three_and_keep_the_default():
+    times = {f"c{i}": Interval.exact(10.0 * (1 + i)) for i in range(6)} | {"d": Interval.exact(90.0)}
+    assert finalists(times, keep=["d"]) == ["c0", "c1", "c2", "d"]
+    close = {
+        "a": Interval(10, 9, 11),
+        "b": Interval(13, 12, 14),
+        "c": Interval(30, 29, 31),
+        "e": Interval(40, 39, 41),
+    }
+    assert finalists(close) == ["a", "b", "c"]  # b within two intervals of a; c to make three
+
+
+# -- the dispatch map ------------------------------------------------------------------------------
+def _truth(batch: int, context: int) -> dict[str, float]:
+    """Planted: ``steady`` grows with batch × context; ``overtaker`` has a fixed cost and grows
+    slower, so it overtakes where batch × context ≈ 2500; ``slow`` never wins."""
+    work = batch * context / 1000
+    return {DEFAULT: 1.0 * work + 0.05, "overtaker": 1.5 + 0.4 * work, "slow": 3.0 * work + 1.0}
+
+
+class Planted:
+    """A measurement function as ``tune`` gives the map: intervals from seeded noisy samples."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.calls: list[tuple[int, int, tuple[str, ...]]] = []
+
+    def __call__(self, batch, context, labels):
+        truth = _truth(batch, context)
+        labels = list(truth) if labels is None else list(labels)
+        self.calls.append((batch, context, tuple(labels)))
+        times = {k: bootstrap_median(_samples(truth[k], self.rng), seed=1) for k in labels}
+        return PointMeasurement(
+            times, candidates={k: MapCandidate(k) for k in labels}, load_avg=(0.1,), evaluations=len(labels)
+        )
+
+
+def _map(**kw) -> tuple[DispatchMap, Planted]:
+    planted = Planted()
+    m = build_map(
+        planted,
+        model="tiny-gqa",
+        shape_hash="abc",
+        dtype="fp32",
+        default=DEFAULT,
+        batches=kw.pop("batches", [1, 8]),
+        contexts=kw.pop("contexts", [256, 4096]),
+        **kw,
+    )
+    return m, planted
+
+
+def test_the_refined_map_locates_the_crossover_and_picks_right_on_both_sides():
+    m, planted = _map()
+    assert m.complete() and m.refinement["rounds"] >= 2
+    # the crossover batch × context = 2500 is bracketed by grid lines a quarter octave apart on
+    # every batch line that crosses it
+    for b in m.batches:
+        cross = 2500 / b
+        if not m.contexts[0] < cross < m.contexts[-1]:
+            continue
+        below = max(c for c in m.contexts if c <= cross)
+        above = min(c for c in m.contexts if c >= cross)
+        assert math.log2(above / below) <= 0.25 + 0.01 or (
+            abs(_truth(b, below)[DEFAULT] / _truth(b, below)["overtaker"] - 1) < 0.05
+        ), (b, below, above)
+    # held-out points between and beyond the tuned ones, away from the crossover by ≥ half an octave
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(300):
+        b = rng.randint(1, 12)
+        c = round(2 ** rng.uniform(7.5, 13))
+        if abs(math.log2(b * c / 2500)) < 0.5:
+            continue
+        truth = _truth(b, c)
+        best = min(truth.values())
+        got = m.lookup(b, c)
+        assert truth[got.label] <= 1.06 * best, (b, c, got.reason)  # a tie within the margin is right
+        assert got.extrapolated == (not (1 <= b <= 8 and 256 <= c <= 4096))
+        checked += 1
+    assert checked > 150
+    # both sides of one crossing, explicitly
+    assert m.lookup(2, 512).label == DEFAULT and m.lookup(2, 3000).label == "overtaker"
+    # new points measure only their neighbours' finalists (slow is dropped once it is far behind)
+    assert all(len(labels) <= 3 for _, _, labels in planted.calls)
+
+
+def test_refinement_uses_fewer_evaluations_than_a_dense_quarter_octave_grid():
+    m, _ = _map()
+    dense_b = round(math.log2(8) / 0.25) + 1
+    dense_c = round(math.log2(4096 / 256) / 0.25) + 1
+    dense = dense_b * dense_c * 3
+    assert m.refinement["evaluations"] <= 0.5 * dense
+
+
+def test_no_refinement_where_the_winner_does_not_change():
+    m, planted = _map(batches=[1, 2], contexts=[256, 512])
+    assert m.refinement["rounds"] == 0 and len(planted.calls) == 4
+    assert m.lookup(1, 300).label == DEFAULT and not m.lookup(1, 300).extrapolated
+
+
+def test_the_lookup_explains_its_cell_and_corners_and_filters_candidates():
+    m, _ = _map()
+    got = m.lookup(2, 3000)
+    b0, b1, c0, c1 = got.cell
+    assert b0 <= 2 <= b1 and c0 <= 3000 <= c1 and len(got.corners) == 4
+    assert all(p.batch in (b0, b1) and p.context in (c0, c1) for p in got.corners)
+    text = got.explain()
+    assert "cell batch" in text and "corner b=" in text and "interpolated" in text and "load 0.1" in text
+    only_default = m.lookup(2, 3000, allowed=lambda label, cand: label == DEFAULT)
+    assert only_default.label == DEFAULT and set(only_default.predicted) == {DEFAULT}
+    far = m.lookup(64, 100_000)
+    assert far.extrapolated and "extrapolated" in far.explain()
+
+
+def test_the_map_file_round_trips_without_optuna(tmp_path):
+    m, _ = _map()
+    path = dispatch_path(tmp_path / "tuning-cpu-x-123.yaml")
+    assert path.name == "dispatch-cpu-x-123.json"
+    save_maps(path, [m], device={"hardware_id": "123"})
+    data = json.loads(path.read_text())
+    assert data["format"] == 1 and m.key in data["maps"]
+    loaded = load_maps(path, hardware_id="123")[m.key]
+    assert loaded.batches == m.batches and loaded.contexts == m.contexts
+    for b, c in [(2, 512), (3, 3000), (8, 256), (20, 20000)]:
+        assert loaded.lookup(b, c).label == m.lookup(b, c).label
+    with pytest.raises(ValueError, match="another device"):
+        load_maps(path, hardware_id="999")
+
+
+def test_a_grid_point_records_a_tie():
+    p = GridPoint(1, 1, {DEFAULT: Interval(10, 9.9, 10.1, 15)})
+    assert GridPoint.from_dict(p.as_dict()) == p

@@ -1,0 +1,209 @@
+"""Re-timing the finalists interleaved: one decode step of each in turn, round after round.
+
+After a study, every candidate within two confidence intervals of the best (at least three, plus
+the default and the incumbent of an existing entry) is timed again in **one worker**, round-robin:
+round ``r`` runs one decode step of each candidate, in an order rotated by ``r``. A change in the
+machine's load then hits every candidate alike, and each candidate's median gets a seeded bootstrap
+interval (:func:`attnbench.tuning.margin.bootstrap_median`). If the interleaved run kills its
+worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails with the
+reason.
+
+The child side (:func:`run_interleaved`) runs in the tuner's worker process (``op: interleave``);
+the parent side is :func:`retime`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from attnbench.tuning.dispatch import MapCandidate
+from attnbench.tuning.margin import bootstrap_median, sample_rounds
+from attnbench.tuning.refine import PointMeasurement
+
+__all__ = ["Finalist", "retime", "run_interleaved"]
+
+
+@dataclass(frozen=True)
+class Finalist:
+    """A candidate to re-time: its label, the import path its worker loads and its config."""
+
+    label: str
+    backend: str
+    backend_ref: str
+    config: dict[str, Any]
+    lossy: str = ""
+
+
+# --------------------------------------------------------------------------------------------------
+# child side (in the worker)
+# --------------------------------------------------------------------------------------------------
+def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
+    """Gate (if asked) and time ``task["candidates"]`` round-robin; returns samples per label."""
+    import gc
+
+    from attnbench.bench import CheckFailed, Implausible, measure_decode, plausibility
+    from attnbench.device import DeviceProfile
+    from attnbench.synthetic import SyntheticModel
+    from attnbench.timing import synchronize
+    from attnbench.tuning.space import load_backend_class
+    from attnbench.tuning.worker import workload_from_dict
+
+    workload = workload_from_dict(task["workload"])
+    profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
+    samples, warmup = int(task.get("samples", 15)), int(task.get("warmup", 1))
+    failed: dict[str, str] = {}
+    models: dict[str, Any] = {}
+    try:
+        for cand in task["candidates"]:
+            label = cand["label"]
+            try:
+                backend = load_backend_class(cand["backend_ref"])()
+                reasons = backend.supports(workload)
+                if reasons:
+                    failed[label] = "unsupported: " + "; ".join(reasons)
+                    continue
+                if task.get("check"):  # a point no study measured: the gate first, as in a trial
+                    measure_decode(
+                        backend,
+                        workload,
+                        config=cand["config"],
+                        profile=profile,
+                        warmup=1,
+                        repeats=1,
+                        check=True,
+                        num_layers=task.get("num_layers"),
+                        materialise_bytes=task.get("materialise_bytes"),
+                        error_multiple=task.get("error_multiple"),
+                        accuracy_budget=task.get("accuracy_budget"),
+                    )
+                model = SyntheticModel(
+                    backend,
+                    workload,
+                    config=cand["config"],
+                    num_layers=task.get("num_layers"),
+                    materialise_bytes=task.get("materialise_bytes"),
+                )
+                model.fill(extra_tokens=warmup + 4 * samples + 1)
+                for _ in range(warmup):
+                    model.decode_step()
+                models[label] = model
+            except CheckFailed as err:
+                failed[label] = f"gate: {err}"
+            except Implausible as err:
+                failed[label] = f"implausible: {err}"
+            except Exception as err:  # the candidate's own failure: the others are still timed
+                failed[label] = f"exception: {type(err).__name__}: {err}"
+        order = list(models)
+
+        def one_round(r: int) -> dict[str, float]:
+            got: dict[str, float] = {}
+            k = r % len(order)
+            for label in order[k:] + order[:k]:  # rotated: no candidate always runs first
+                t0 = time.perf_counter()
+                models[label].decode_step()
+                synchronize(workload.device)
+                got[label] = (time.perf_counter() - t0) * 1e3
+            return got
+
+        synchronize(workload.device)
+        times = (
+            sample_rounds(
+                one_round, samples=samples, max_samples=task.get("max_samples"), seed=task.get("seed", 0)
+            )
+            if order
+            else {}
+        )
+        for label, model in models.items():
+            med = sorted(times[label])[len(times[label]) // 2] / 1e3
+            why = plausibility(kv_bytes=model.kv_bytes_per_step(), seconds=med, profile=profile)
+            if why:
+                failed[label] = f"implausible: {why}"
+                del times[label]
+    finally:
+        for model in models.values():
+            model.release()
+        models.clear()
+        gc.collect()
+    return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}}
+
+
+# --------------------------------------------------------------------------------------------------
+# parent side
+# --------------------------------------------------------------------------------------------------
+def retime(
+    worker: Any,
+    finalists: Sequence[Finalist],
+    *,
+    workload: Any,
+    samples: int = 15,
+    warmup: int = 1,
+    check: bool = False,
+    num_layers: int | None = None,
+    materialise_bytes: int | None = None,
+    error_multiple: float | None = None,
+    accuracy_budget: float | None = None,
+    profile: dict[str, Any] | None = None,
+    timeout_s: float = 120.0,
+    seed: int = 0,
+) -> PointMeasurement:
+    """Time ``finalists`` interleaved in ``worker``; fall back to one at a time if it dies."""
+    from attnbench.tuning.worker import workload_to_dict
+
+    base = {
+        "op": "interleave",
+        "workload": workload_to_dict(workload),
+        "samples": samples,
+        "warmup": warmup,
+        "check": check,
+        "num_layers": num_layers,
+        "materialise_bytes": materialise_bytes,
+        "error_multiple": error_multiple,
+        "accuracy_budget": accuracy_budget,
+        "profile": profile,
+        "seed": seed,
+    }
+
+    def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[float]], dict[str, str]]:
+        message = base | {
+            "candidates": [
+                {"label": f.label, "backend_ref": f.backend_ref, "config": f.config} for f in group
+            ]
+        }
+        outcome = worker.request(message, timeout=timeout_s * max(1, len(group)) * 2)
+        if outcome.ok:
+            return outcome.attrs["samples_ms"], outcome.attrs["failed"]
+        raise _Died(f"{outcome.kind}: {outcome.reason}")
+
+    load = os.getloadavg()
+    evaluations = len(finalists)
+    try:
+        raw, failed = ask(finalists)
+    except _Died as died:
+        raw, failed = {}, {}
+        if len(finalists) == 1:
+            failed[finalists[0].label] = str(died)
+        else:  # isolated runs: a candidate that kills its worker alone is the one to blame
+            for f in finalists:
+                evaluations += 1
+                try:
+                    got, bad = ask([f])
+                except _Died as alone:
+                    bad, got = {f.label: str(alone)}, {}
+                raw |= got
+                failed |= bad
+    times = {k: bootstrap_median(v, seed=seed) for k, v in raw.items() if v}
+    return PointMeasurement(
+        times=times,
+        failed=failed,
+        candidates={f.label: MapCandidate(f.backend, dict(f.config), f.lossy) for f in finalists},
+        load_avg=tuple(round(x, 2) for x in load),
+        evaluations=evaluations,
+    )
+
+
+class _Died(RuntimeError):
+    pass

@@ -1,0 +1,235 @@
+"""Building a dispatch map: a coarse grid, then grid lines added where the winner changes.
+
+Between two neighbouring grid lines whose points have different winners somewhere along the other
+axis, a new line is added at their geometric mean (bisection in log space), and every point on it is
+measured. This repeats until each crossover is located within ``resolution`` octaves (a quarter
+octave by default; for batches, until no integer lies between), or the two rivals are within the
+switch margin of each other on both sides (then it does not matter where exactly they cross).
+
+The measurement is a callable, so that tests plant timings and ``tune`` measures in its worker:
+``measure(batch, context, labels)`` returns a :class:`PointMeasurement` for those candidates (``None``:
+every candidate of the space). New points measure only the finalists of their measured neighbours
+(:func:`contenders`) plus the default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from attnbench.tuning.dispatch import DispatchMap, GridPoint, MapCandidate
+from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide
+
+__all__ = [
+    "Measure",
+    "PointMeasurement",
+    "build_map",
+    "contenders",
+    "grid_point",
+    "refine_map",
+    "significant",
+]
+
+#: Refinement stops when the two lines are this many octaves apart (or fewer).
+RESOLUTION = 0.25
+
+
+@dataclass
+class PointMeasurement:
+    """What measuring one point gave: intervals of the timed candidates, failures with reasons."""
+
+    times: dict[str, Interval]
+    failed: dict[str, str] = field(default_factory=dict)
+    candidates: dict[str, MapCandidate] = field(default_factory=dict)
+    load_avg: tuple[float, ...] = ()
+    evaluations: int = 0  # candidates run in a worker for this point
+
+
+Measure = Callable[[int, int, Sequence[str] | None], PointMeasurement]
+
+
+def grid_point(
+    batch: int, context: int, m: PointMeasurement, *, default: str | None, margin: float = SWITCH_MARGIN
+) -> GridPoint:
+    """The grid point for a measurement, with its winner decided by the margin policy."""
+    verdict = decide(m.times, default=default, margin=margin)
+    return GridPoint(
+        batch=batch,
+        context=context,
+        times=dict(m.times),
+        winner=verdict.winner,
+        tie=verdict.tie,
+        failed=dict(m.failed),
+        load_avg=tuple(m.load_avg) or tuple(os.getloadavg()),
+        reason=verdict.reason,
+    )
+
+
+def significant(p: GridPoint, q: GridPoint, *, margin: float = SWITCH_MARGIN) -> bool:
+    """``p`` and ``q`` have different winners and the choice matters: on at least one side the other
+    point's winner is slower than this side's winner by more than the switch margin (medians)."""
+    a, b = p.winner, q.winner
+    if a is None or b is None or a == b:
+        return False
+    lose_p = a in p.times and b in p.times and p.times[b].median_ms > (1 + margin) * p.times[a].median_ms
+    lose_q = a in q.times and b in q.times and q.times[a].median_ms > (1 + margin) * q.times[b].median_ms
+    missing = b not in p.times or a not in q.times  # one of them failed on the other side: it matters
+    return lose_p or lose_q or missing
+
+
+def _midpoint(lo: int, hi: int, *, resolution: float) -> int | None:
+    if math.log2(hi / lo) <= resolution + 0.01:  # integer lines: a quarter octave up to rounding
+        return None
+    mid = round(math.sqrt(lo * hi))
+    return mid if lo < mid < hi else None
+
+
+def _neighbours(m: DispatchMap, b: int, c: int) -> list[GridPoint]:
+    """Measured points next to (b, c) along each axis (the nearest on each side)."""
+    out: list[GridPoint] = []
+    along_b = [(x, c) for x in m.batches if (x, c) in m.points]
+    along_c = [(b, x) for x in m.contexts if (b, x) in m.points]
+    for keys, coord, axis in ((along_b, b, 0), (along_c, c, 1)):
+        below = [k for k in keys if k[axis] < coord]
+        above = [k for k in keys if k[axis] > coord]
+        if below:
+            out.append(m.points[below[-1]])
+        if above:
+            out.append(m.points[above[0]])
+    return out
+
+
+def contenders(p: GridPoint, *, margin: float = SWITCH_MARGIN) -> list[str]:
+    """Candidates still in the running at ``p``: its winner, and every one whose interval reaches the
+    best's or whose median is within twice the switch margin of it."""
+    if not p.times:
+        return []
+    best = min(p.times.values(), key=lambda t: t.median_ms)
+    near = [
+        k
+        for k, t in sorted(p.times.items(), key=lambda kv: kv[1].median_ms)
+        if t.lo_ms <= best.hi_ms or t.median_ms <= (1 + 2 * margin) * best.median_ms
+    ]
+    return ([p.winner] if p.winner and p.winner not in near else []) + near
+
+
+def _labels_for(m: DispatchMap, b: int, c: int) -> list[str]:
+    """What a new point measures: its neighbours' contenders and the default (always measured, so
+    every cell has an answer)."""
+    labels: list[str] = [m.default] if m.default else []
+    for p in _neighbours(m, b, c):
+        for k in contenders(p, margin=m.switch_margin):
+            if k not in labels:
+                labels.append(k)
+    return labels
+
+
+def refine_map(
+    m: DispatchMap,
+    measure: Measure,
+    *,
+    resolution: float = RESOLUTION,
+    max_points: int = 200,
+    on_point: Callable[[GridPoint], None] | None = None,
+) -> int:
+    """Add grid lines to ``m`` until its crossovers are located; returns the evaluations used."""
+    evaluations = 0
+    rounds = 0
+    added_b: list[int] = []
+    added_c: list[int] = []
+    while True:
+        evaluations += _fill(m, measure, max_points=max_points, on_point=on_point)
+        new_b: set[int] = set()
+        new_c: set[int] = set()
+        for i in range(len(m.batches) - 1):
+            b0, b1 = m.batches[i], m.batches[i + 1]
+            mid = _midpoint(b0, b1, resolution=resolution)
+            if mid is not None and any(
+                (b0, c) in m.points
+                and (b1, c) in m.points
+                and significant(m.points[(b0, c)], m.points[(b1, c)], margin=m.switch_margin)
+                for c in m.contexts
+            ):
+                new_b.add(mid)
+        for j in range(len(m.contexts) - 1):
+            c0, c1 = m.contexts[j], m.contexts[j + 1]
+            mid = _midpoint(c0, c1, resolution=resolution)
+            if mid is not None and any(
+                (b, c0) in m.points
+                and (b, c1) in m.points
+                and significant(m.points[(b, c0)], m.points[(b, c1)], margin=m.switch_margin)
+                for b in m.batches
+            ):
+                new_c.add(mid)
+        if not (new_b or new_c) or len(m.points) >= max_points:
+            break
+        rounds += 1
+        added_b += sorted(new_b)
+        added_c += sorted(new_c)
+        m.add_lines(batches=sorted(new_b), contexts=sorted(new_c))
+    m.refinement = {
+        "resolution_octaves": resolution,
+        "rounds": rounds,
+        "added_batches": added_b,
+        "added_contexts": added_c,
+        "evaluations": m.refinement.get("evaluations", 0) + evaluations,
+        "points": len(m.points),
+        "complete": m.complete(),
+    }
+    return evaluations
+
+
+def _fill(
+    m: DispatchMap, measure: Measure, *, max_points: int, on_point: Callable[[GridPoint], None] | None
+) -> int:
+    """Measure every grid point not measured yet (only its neighbours' finalists)."""
+    evaluations = 0
+    missing = [(b, c) for b in m.batches for c in m.contexts if (b, c) not in m.points]
+    for b, c in missing:
+        if len(m.points) >= max_points:
+            break
+        labels = _labels_for(m, b, c) or None
+        got = measure(b, c, labels)
+        for k, cand in got.candidates.items():
+            m.candidates.setdefault(k, cand)
+        evaluations += got.evaluations or len(got.times) + len(got.failed)
+        m.points[(b, c)] = point = grid_point(b, c, got, default=m.default, margin=m.switch_margin)
+        if on_point is not None:
+            on_point(point)
+    return evaluations
+
+
+def build_map(
+    measure: Measure,
+    *,
+    model: str,
+    shape_hash: str,
+    dtype: str,
+    default: str | None,
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    margin: float = SWITCH_MARGIN,
+    resolution: float = RESOLUTION,
+    refine: bool = True,
+    on_point: Callable[[GridPoint], None] | None = None,
+) -> DispatchMap:
+    """Measure the coarse grid ``batches × contexts`` (every candidate), then refine it."""
+    m = DispatchMap(model, shape_hash, dtype, default, list(batches), list(contexts), {}, {}, margin)
+    coarse = 0
+    for b in m.batches:
+        for c in m.contexts:
+            got = measure(b, c, None)
+            coarse += got.evaluations or len(got.times) + len(got.failed)
+            for k, cand in got.candidates.items():
+                m.candidates.setdefault(k, cand)
+            m.points[(b, c)] = point = grid_point(b, c, got, default=default, margin=margin)
+            if on_point is not None:
+                on_point(point)
+    m.refinement = {"evaluations": coarse}
+    if refine:
+        refine_map(m, measure, resolution=resolution, on_point=on_point)
+    else:
+        m.refinement |= {"rounds": 0, "points": len(m.points), "complete": True}
+    return m
