@@ -13,10 +13,11 @@ ATTNBENCH_PLUGIN_API = 1
 
 @hookimpl
 def attnbench_backends() -> list[type]:
+    from attnbench.backends.cpu_decode import CpuDecodeBackend
     from attnbench.backends.flash import FlashBackend
     from attnbench.backends.fp8 import FP8Backend
     from attnbench.backends.mla import MLABackend
     from attnbench.backends.naive import NaiveBackend
     from attnbench.backends.triton_paged import TritonPagedBackend
 
-    return [NaiveBackend, FlashBackend, MLABackend, FP8Backend, TritonPagedBackend]
+    return [NaiveBackend, FlashBackend, MLABackend, FP8Backend, TritonPagedBackend, CpuDecodeBackend]

@@ -1,0 +1,499 @@
+/* cpu_decode — paged decode attention for CPUs, called from backends/cpu_decode.py through ctypes.
+ *
+ * Cache layout (one layer; element type T = fp32, fp16 or bf16; P = 2 for bf16, else 1):
+ *   K: [pages, Hkv, page_size / 16, D / P, 16, P]   (16-key tiles; within a tile, P adjacent dims
+ *                                                    of each key side by side: the VNNI order)
+ *   V: [pages, Hkv, page_size / P, D, P]             (P adjacent keys of each dim side by side)
+ * One page of one KV head is contiguous (page_size · D elements of K, the same of V), and so is each
+ * 16-key tile (16 · D elements). With P = 2 one 64-byte row of a K tile is 16 keys × 2 dims and one of
+ * V is 16 dims × 2 keys: exactly the operands of vdpbf16ps, so neither q·k nor p·v needs a shuffle
+ * or a horizontal sum.
+ *
+ * Work: one item per (sequence, KV head, KV split). An item walks its tokens in 16-key tiles:
+ * scores for every query head of the GQA group (each K row is loaded once for up to 4 heads), an
+ * online-softmax update in fp32, and p·v accumulated in fp32. With one split an item writes the
+ * normalised output; with more, each writes (m, l, acc) to the workspace and a merge combines them.
+ *
+ * ISA variants: ISA_AVX512BF16 (bf16 caches: q·k and p·v with vdpbf16ps, p rounded to bf16 for p·v,
+ * as flash attention does), ISA_AVX512 (fp32 and fp16 caches: vfmadd231ps, fp16 widened with
+ * vcvtph2ps) and ISA_SCALAR (any dtype, plain C; p kept in fp32). The AVX-512 code is compiled with
+ * target attributes, so the file builds with any x86-64 compiler flags; cpu_decode_isa() says what
+ * the running CPU supports.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && !defined(CPU_DECODE_NO_AVX512)
+#include <immintrin.h>
+#define CPU_DECODE_AVX512 1
+#endif
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX512 = 1, ISA_AVX512BF16 = 2 };
+#define TILE 16
+#define MAX_G 64
+
+int cpu_decode_abi(void) { return 1; }
+
+int cpu_decode_isa(void) {
+#ifdef CPU_DECODE_AVX512
+    __builtin_cpu_init();
+    int f = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    if (f && __builtin_cpu_supports("avx512bf16")) return ISA_AVX512BF16;
+    if (f) return ISA_AVX512;
+#endif
+    return ISA_SCALAR;
+}
+
+/* ---- scalar conversions ------------------------------------------------------------------------ */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    float f;
+    if (e == 0) {
+        f = ldexpf((float)m, -24);
+        return sign ? -f : f;
+    }
+    u = e == 31 ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x, sign, ax, r, rem;
+    memcpy(&x, &f, 4);
+    sign = (x >> 16) & 0x8000u;
+    ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+    if (ax < 0x38800000u) {
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(a * 16777216.0f));
+    }
+    r = (((ax >> 23) - 112u) << 10) + ((ax >> 13) & 0x3ffu);
+    rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
+    return (uint16_t)(sign | r);
+}
+
+static inline float load_elem(const void *p, size_t i, int dt) {
+    if (dt == DT_F32) return ((const float *)p)[i];
+    if (dt == DT_F16) return f16_to_f32(((const uint16_t *)p)[i]);
+    return bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline void store_elem(void *p, size_t i, int dt, float x) {
+    if (dt == DT_F32)
+        ((float *)p)[i] = x;
+    else if (dt == DT_F16)
+        ((uint16_t *)p)[i] = f32_to_f16(x);
+    else
+        ((uint16_t *)p)[i] = f32_to_bf16(x);
+}
+
+/* ---- what one work item sees ------------------------------------------------------------------- */
+typedef struct {
+    const void *q;      /* [G, D] query heads of this KV head */
+    const void *kc;     /* layer's K pages */
+    const void *vc;     /* layer's V pages */
+    const int32_t *bt;  /* block table row of this sequence */
+    int t0, t1;         /* token range, t0 a multiple of 16 */
+    int G, D, ps, P, Hkv, h, dt;
+    float scale;
+    float *m, *l, *acc; /* [G], [G], [G, D] out: running max, sum, unnormalised p·v */
+} item_t;
+
+static inline size_t tile_offset(const item_t *it, int t) {
+    int page = it->bt[t / it->ps], slot = t % it->ps;
+    return ((size_t)page * it->Hkv + it->h) * it->ps * it->D + (size_t)slot * it->D;
+}
+
+static void item_scalar(const item_t *it) {
+    const int G = it->G, D = it->D, P = it->P, dt = it->dt;
+    float s[TILE];
+    float *qv = (float *)malloc(sizeof(float) * (size_t)G * D);
+    for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, dt);
+    for (int g = 0; g < G; g++) {
+        it->m[g] = -INFINITY;
+        it->l[g] = 0.0f;
+    }
+    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
+    for (int t = it->t0; t < it->t1; t += TILE) {
+        int n = it->t1 - t < TILE ? it->t1 - t : TILE;
+        size_t base = tile_offset(it, t);
+        for (int g = 0; g < G; g++) {
+            const float *qg = qv + (size_t)g * D;
+            float mt = -INFINITY;
+            for (int j = 0; j < n; j++) {
+                float a = 0.0f;
+                for (int d = 0; d < D; d++)
+                    a += qg[d] * load_elem(it->kc, base + ((size_t)(d / P) * TILE + j) * P + d % P, dt);
+                s[j] = a * it->scale;
+                if (s[j] > mt) mt = s[j];
+            }
+            float mn = mt > it->m[g] ? mt : it->m[g];
+            float alpha = expf(it->m[g] - mn), sum = 0.0f;
+            float *acc = it->acc + (size_t)g * D;
+            for (int d = 0; d < D; d++) acc[d] *= alpha;
+            for (int j = 0; j < n; j++) {
+                float p = expf(s[j] - mn);
+                sum += p;
+                for (int d = 0; d < D; d++)
+                    acc[d] += p * load_elem(it->vc, base + ((size_t)(j / P) * D + d) * P + j % P, dt);
+            }
+            it->l[g] = it->l[g] * alpha + sum;
+            it->m[g] = mn;
+        }
+    }
+    free(qv);
+}
+
+#ifdef CPU_DECODE_AVX512
+#define TGT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define TGT_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* e^x for x ≤ 0 (Cephes' range reduction, degree-7 Taylor on |r| ≤ ln2/2: < 1e-8 relative) */
+TGT INLINE __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* online-softmax update of GN heads from their scores s[g] (16 keys, `valid` lanes real):
+ * p = e^(s - m_new) (0 where invalid), alpha = e^(m_old - m_new); returns p in s, alpha in alpha */
+TGT INLINE void softmax_update(int gn, __m512 *s, __mmask16 valid, float *m, float *alpha) {
+    for (int g = 0; g < gn; g++) {
+        float mt = _mm512_mask_reduce_max_ps(valid, s[g]);
+        float mn = mt > m[g] ? mt : m[g];
+        alpha[g] = mn == m[g] ? 1.0f : expf(m[g] - mn);
+        m[g] = mn;
+        s[g] = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s[g], _mm512_set1_ps(mn))));
+    }
+}
+
+#ifndef PF_DIST
+#define PF_DIST 1
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+TGT INLINE void prefetch_tile(const char *p, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, PF_HINT);
+}
+
+/* -- bf16: vdpbf16ps --------------------------------------------------------------------------- */
+/* acc += dot of bf16 pairs of x with the pair at b broadcast to every lane; the broadcast is the
+ * instruction's embedded {1to16} memory operand (a load, no shuffle), which compilers do not form
+ * from _mm512_set1_epi32 here */
+TGT_BF16 INLINE __m512 dp_bcast(__m512 acc, __m512i x, const uint32_t *b) {
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(x), "m"(*b));
+    return acc;
+}
+
+/* p·v for GN heads over d in [c, c + 16·NU): acc[g] = acc[g]·alpha[g] + Σ_pairs v_pair · p_pair */
+TGT_BF16 INLINE void pv_bf16(int gn, int nu, const uint16_t *vt, const uint32_t *pp, const float *alpha,
+                             float *acc, int D, int c) {
+    __m512 a[4][4];
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < nu; u++)
+            a[g][u] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u), _mm512_set1_ps(alpha[g]));
+    for (int jp = 0; jp < TILE / 2; jp++) {
+        for (int u = 0; u < nu; u++) {
+            __m512i v = _mm512_loadu_si512((const void *)(vt + (size_t)jp * 2 * D + 2 * (c + 16 * u)));
+            for (int g = 0; g < gn; g++)
+                a[g][u] = dp_bcast(a[g][u], v, pp + g * 8 + jp);
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < nu; u++) _mm512_storeu_ps(acc + (size_t)g * D + c + 16 * u, a[g][u]);
+}
+
+TGT_BF16 INLINE void tile_bf16(int gn, const item_t *it, int g0, const uint16_t *kt, const uint16_t *vt,
+                               __mmask16 valid) {
+    const int D = it->D, D2 = D / 2;
+    const uint32_t *qp = (const uint32_t *)it->q + (size_t)g0 * D2;
+    __m512 a[4][4], s[4];
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();
+    for (int dp = 0; dp < D2; dp += 4) {
+        for (int u = 0; u < 4; u++) {
+            __m512i k = _mm512_loadu_si512((const void *)(kt + (size_t)(dp + u) * 32));
+            for (int g = 0; g < gn; g++)
+                a[g][u] = dp_bcast(a[g][u], k, qp + g * D2 + dp + u);
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        s[g] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a[g][0], a[g][1]), _mm512_add_ps(a[g][2], a[g][3])),
+                             _mm512_set1_ps(it->scale));
+    float alpha[4];
+    uint32_t pp[4 * 8];
+    softmax_update(gn, s, valid, it->m + g0, alpha);
+    for (int g = 0; g < gn; g++) {
+        __m256i pb = (__m256i)_mm512_cvtneps_pbh(s[g]);
+        _mm256_storeu_si256((__m256i *)(pp + g * 8), pb);
+        /* the sum uses p as rounded for p·v, so the weights sum to one */
+        __m512 pr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
+        it->l[g0 + g] = it->l[g0 + g] * alpha[g] + _mm512_reduce_add_ps(pr);
+    }
+    float *acc = it->acc + (size_t)g0 * D;
+    int c = 0;
+    for (; c + 64 <= D; c += 64) pv_bf16(gn, 4, vt, pp, alpha, acc, D, c);
+    switch ((D - c) / 16) {
+        case 3: pv_bf16(gn, 3, vt, pp, alpha, acc, D, c); break;
+        case 2: pv_bf16(gn, 2, vt, pp, alpha, acc, D, c); break;
+        case 1: pv_bf16(gn, 1, vt, pp, alpha, acc, D, c); break;
+        default: break;
+    }
+}
+
+/* -- fp32 / fp16: vfmadd231ps ------------------------------------------------------------------ */
+TGT INLINE __m512 load16(const void *p, size_t i, int dt) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)p + i);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+}
+
+TGT INLINE void pv_f32(int gn, int nu, int dt, const void *vc, size_t vbase, const float *p, const float *alpha,
+                       float *acc, int D, int c) {
+    __m512 a[4][4];
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < nu; u++)
+            a[g][u] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u), _mm512_set1_ps(alpha[g]));
+    for (int j = 0; j < TILE; j++) {
+        for (int u = 0; u < nu; u++) {
+            __m512 v = load16(vc, vbase + (size_t)j * D + c + 16 * u, dt);
+            for (int g = 0; g < gn; g++) a[g][u] = _mm512_fmadd_ps(v, _mm512_set1_ps(p[g * TILE + j]), a[g][u]);
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < nu; u++) _mm512_storeu_ps(acc + (size_t)g * D + c + 16 * u, a[g][u]);
+}
+
+TGT INLINE void tile_f32(int gn, const item_t *it, int g0, const float *qv, size_t base, __mmask16 valid) {
+    const int D = it->D, dt = it->dt;
+    __m512 a[4][4], s[4];
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 4) {
+        for (int u = 0; u < 4; u++) {
+            __m512 k = load16(it->kc, base + (size_t)(d + u) * TILE, dt);
+            for (int g = 0; g < gn; g++)
+                a[g][u] = _mm512_fmadd_ps(k, _mm512_set1_ps(qv[(size_t)(g0 + g) * D + d + u]), a[g][u]);
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        s[g] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a[g][0], a[g][1]), _mm512_add_ps(a[g][2], a[g][3])),
+                             _mm512_set1_ps(it->scale));
+    float alpha[4], p[4 * TILE];
+    softmax_update(gn, s, valid, it->m + g0, alpha);
+    for (int g = 0; g < gn; g++) {
+        _mm512_storeu_ps(p + g * TILE, s[g]);
+        it->l[g0 + g] = it->l[g0 + g] * alpha[g] + _mm512_reduce_add_ps(s[g]);
+    }
+    float *acc = it->acc + (size_t)g0 * D;
+    int c = 0;
+    for (; c + 64 <= D; c += 64) pv_f32(gn, 4, dt, it->vc, base, p, alpha, acc, D, c);
+    switch ((D - c) / 16) {
+        case 3: pv_f32(gn, 3, dt, it->vc, base, p, alpha, acc, D, c); break;
+        case 2: pv_f32(gn, 2, dt, it->vc, base, p, alpha, acc, D, c); break;
+        case 1: pv_f32(gn, 1, dt, it->vc, base, p, alpha, acc, D, c); break;
+        default: break;
+    }
+}
+
+/* the tile walk of one item; TILE_CALL(gn) runs one 16-key tile for heads g0 .. g0 + gn */
+#define ITEM_LOOP(TILE_CALL)                                                                     \
+    for (int g = 0; g < G; g++) {                                                                \
+        it->m[g] = -INFINITY;                                                                    \
+        it->l[g] = 0.0f;                                                                         \
+    }                                                                                            \
+    memset(it->acc, 0, sizeof(float) * (size_t)G * D);                                          \
+    for (int t = it->t0; t < it->t1; t += TILE) {                                               \
+        int n = it->t1 - t < TILE ? it->t1 - t : TILE;                                           \
+        __mmask16 valid = (__mmask16)(n == TILE ? 0xffffu : ((1u << n) - 1u));                   \
+        size_t base = tile_offset(it, t);                                                        \
+        if (PF_DIST > 0 && t + PF_DIST * TILE < it->t1) {                                        \
+            size_t next = tile_offset(it, t + PF_DIST * TILE) * esize;                           \
+            prefetch_tile((const char *)it->kc + next, tile_bytes);                              \
+            prefetch_tile((const char *)it->vc + next, tile_bytes);                              \
+        }                                                                                        \
+        for (int g0 = 0; g0 < G; g0 += 4) {                                                      \
+            switch (G - g0 < 4 ? G - g0 : 4) {                                                   \
+                case 4: TILE_CALL(4); break;                                                     \
+                case 3: TILE_CALL(3); break;                                                     \
+                case 2: TILE_CALL(2); break;                                                     \
+                default: TILE_CALL(1); break;                                                    \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+TGT_BF16 static void item_avx512bf16(const item_t *it) {
+    const int G = it->G, D = it->D;
+    const size_t esize = 2, tile_bytes = (size_t)TILE * D * esize;
+    const uint16_t *kc = (const uint16_t *)it->kc, *vc = (const uint16_t *)it->vc;
+#define BF16_TILE(gn) tile_bf16(gn, it, g0, kc + base, vc + base, valid)
+    ITEM_LOOP(BF16_TILE)
+#undef BF16_TILE
+}
+
+TGT static void item_avx512(const item_t *it) {
+    const int G = it->G, D = it->D;
+    const size_t esize = it->dt == DT_F32 ? 4 : 2, tile_bytes = (size_t)TILE * D * esize;
+    float *qv = (float *)malloc(sizeof(float) * (size_t)G * D);
+    for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, it->dt);
+#define F32_TILE(gn) tile_f32(gn, it, g0, qv, base, valid)
+    ITEM_LOOP(F32_TILE)
+#undef F32_TILE
+    free(qv);
+}
+#endif
+
+static void run_item(const item_t *it, int isa) {
+#ifdef CPU_DECODE_AVX512
+    if (isa == ISA_AVX512BF16) {
+        item_avx512bf16(it);
+        return;
+    }
+    if (isa == ISA_AVX512) {
+        item_avx512(it);
+        return;
+    }
+#endif
+    item_scalar(it);
+}
+
+/* ---- entry points ------------------------------------------------------------------------------ */
+
+/* Decode attention of one layer. q [B, Hq, D] and out [B, Hq, D] in dtype dt; block_table [B, maxp]
+ * int32; seq_lens [B] int32; ws: fp32 workspace of B · Hkv · splits · G · (D + 2) floats (used only
+ * when splits > 1). Returns 0, or a negative code for arguments it refuses. */
+int cpu_decode_attend(const void *q, const void *kc, const void *vc, const int32_t *block_table, const int32_t *seq_lens,
+                      void *out, float *ws, int B, int Hq, int Hkv, int D, int ps, int maxp, int splits, int dt,
+                      int isa, int threads, float scale) {
+    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || ps % TILE || splits < 1) return -1;
+    if (isa == ISA_AVX512BF16 && dt != DT_BF16) return -2;
+    if (isa == ISA_AVX512 && dt == DT_BF16) return -2;
+    const int G = Hq / Hkv, P = dt == DT_BF16 ? 2 : 1;
+    const long items = (long)B * Hkv * splits;
+    const size_t part = (size_t)G * (D + 2);
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    {
+        float *own = splits == 1 ? (float *)malloc(sizeof(float) * part) : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (long w = 0; w < items; w++) {
+            int b = (int)(w / ((long)Hkv * splits)), h = (int)(w / splits % Hkv), s = (int)(w % splits);
+            int len = seq_lens[b], ntiles = (len + TILE - 1) / TILE, per = (ntiles + splits - 1) / splits;
+            int t0 = s * per * TILE, t1 = (s + 1) * per * TILE;
+            if (t1 > len) t1 = len;
+            float *buf = splits == 1 ? own : ws + (size_t)w * part;
+            item_t it = {
+                .q = (const char *)q + ((size_t)b * Hq + (size_t)h * G) * D * (dt == DT_F32 ? 4 : 2),
+                .kc = kc, .vc = vc, .bt = block_table + (size_t)b * maxp, .t0 = t0, .t1 = t1,
+                .G = G, .D = D, .ps = ps, .P = P, .Hkv = Hkv, .h = h, .dt = dt, .scale = scale,
+                .m = buf, .l = buf + G, .acc = buf + 2 * G,
+            };
+            if (t0 < t1) {
+                run_item(&it, isa);
+            } else {
+                for (int g = 0; g < G; g++) {
+                    it.m[g] = -INFINITY;
+                    it.l[g] = 0.0f;
+                }
+                memset(it.acc, 0, sizeof(float) * (size_t)G * D);
+            }
+            if (splits == 1) {
+                size_t o = ((size_t)b * Hq + (size_t)h * G) * D;
+                for (int g = 0; g < G; g++) {
+                    float inv = it.l[g] > 0.0f ? 1.0f / it.l[g] : 0.0f;
+                    for (int d = 0; d < D; d++) store_elem(out, o + (size_t)g * D + d, dt, it.acc[(size_t)g * D + d] * inv);
+                }
+            }
+        }
+        free(own);
+        if (splits > 1) {
+#pragma omp for schedule(static)
+            for (long w = 0; w < (long)B * Hkv; w++) {
+                const float *p0 = ws + (size_t)w * splits * part;
+                size_t o = (size_t)w * G * D; /* (b, h) → heads h·G.. of sequence b: same flat order */
+                for (int g = 0; g < G; g++) {
+                    float mx = -INFINITY, l = 0.0f;
+                    for (int s = 0; s < splits; s++) mx = fmaxf(mx, p0[s * part + g]);
+                    for (int s = 0; s < splits; s++) {
+                        const float *ps_ = p0 + s * part;
+                        if (ps_[G + g] > 0.0f) l += ps_[G + g] * expf(ps_[g] - mx);
+                    }
+                    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                    for (int d = 0; d < D; d++) {
+                        float a = 0.0f;
+                        for (int s = 0; s < splits; s++) {
+                            const float *ps_ = p0 + s * part;
+                            if (ps_[G + g] > 0.0f) a += ps_[2 * G + (size_t)g * D + d] * expf(ps_[g] - mx);
+                        }
+                        store_elem(out, o + (size_t)g * D + d, dt, a * inv);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Write new tokens: k, v [B, T, Hkv, D] (right-padded; row j of sequence b is real for j < num_new[b])
+ * at positions[b] + j, into the layer's pages (layout above). esize: bytes per element (2 or 4). */
+int cpu_decode_write(void *kc, void *vc, const void *k, const void *v, const int32_t *block_table,
+                     const int32_t *positions, const int32_t *num_new, int B, int T, int Hkv, int D, int ps,
+                     int maxp, int P, int esize) {
+    if (D % P || ps % TILE || (esize != 2 && esize != 4)) return -1;
+    for (int b = 0; b < B; b++) {
+        for (int j = 0; j < num_new[b]; j++) {
+            int t = positions[b] + j, page = block_table[(size_t)b * maxp + t / ps], slot = t % ps;
+            for (int h = 0; h < Hkv; h++) {
+                size_t src = (((size_t)b * T + j) * Hkv + h) * D;
+                size_t head = ((size_t)page * Hkv + h) * ps * D;
+                size_t kt = head + (size_t)(slot / TILE) * TILE * D, j16 = (size_t)(slot % TILE);
+                size_t vt = head + (size_t)(slot / P) * D * P, jp = (size_t)(slot % P);
+                for (int d = 0; d < D; d++) {
+                    size_t ki = kt + ((size_t)(d / P) * TILE + j16) * P + d % P, vi = vt + (size_t)d * P + jp;
+                    if (esize == 2) {
+                        ((uint16_t *)kc)[ki] = ((const uint16_t *)k)[src + d];
+                        ((uint16_t *)vc)[vi] = ((const uint16_t *)v)[src + d];
+                    } else {
+                        ((float *)kc)[ki] = ((const float *)k)[src + d];
+                        ((float *)vc)[vi] = ((const float *)v)[src + d];
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}

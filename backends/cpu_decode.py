@@ -1,0 +1,343 @@
+"""``cpu_decode`` — the project's own paged decode-attention kernel for CPUs (C, AVX-512, OpenMP).
+
+The kernel is ``cpu_decode.c`` beside this file, compiled at first use with the system C compiler
+(``$CC``, else ``cc``/``gcc``) into a per-user cache (``attnbench.device.cache_dir() / "cpu_decode"``,
+one file per hash of the source, the compiler's version and the flags, renamed into place atomically
+so parallel processes never see a half-written library), and called through :mod:`ctypes` with the
+tensors' ``data_ptr()``: no torch C++ headers, a build of about a second.
+
+The cache (one layer; P = 2 for bf16, else 1)::
+
+    k_pages: [L, pages, Hkv, page_size / 16, D / P, 16, P]   # 16-key tiles, VNNI order inside
+    v_pages: [L, pages, Hkv, page_size / P, D, P]
+    block_table: [B, pages_per_seq] int32, a seeded random permutation of the pool
+
+One page of one KV head is contiguous, and so is each 16-key tile, so the kernel streams K and V
+page by page and prefetches the next tile (in a random page) while it computes on this one. For
+bf16, one 64-byte row of a K tile is 16 keys × 2 dims and one of V is 16 dims × 2 keys: the operands
+of ``vdpbf16ps``, so neither q·k nor p·v needs a shuffle or a horizontal sum. Each K/V row is loaded
+once for up to four query heads of its GQA group. Softmax is online over the tiles, in fp32; p·v
+accumulates in fp32 (for bf16 the probabilities are rounded to bf16 for ``vdpbf16ps``, as flash
+attention rounds P to the input dtype; the denominator sums the rounded values).
+
+Work is split over (sequence, KV head, KV split) with OpenMP, on ``torch.get_num_threads()`` threads
+as of :meth:`plan` (``bench``/``tune --threads`` set it). ``kv_splits = "auto"`` splits each sequence
+only when batch × KV heads is smaller than the thread count, and a merge combines the splits.
+
+Variants (:meth:`CpuDecodeBackend.implementation` names the one that runs): ``c-avx512bf16`` (bf16 on
+a CPU with AVX512_BF16), ``c-avx512`` (fp32 and fp16 on AVX-512: fused multiply-adds in fp32, fp16
+widened on load) and ``c-scalar`` (plain C, any dtype, where the CPU lacks those). Unavailable, with
+the reason, where no C compiler builds the file.
+
+Which call may allocate: ``create_cache`` (the pages, workspace and step buffers), ``plan`` (nothing:
+it writes the step's lengths into the cache's buffers); ``decode`` allocates only its output.
+``prefill`` writes the prompt with the kernel's writer and runs torch's causal attention on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from attnbench.backend import Backend, KVCache, StepPlan, Tunable, base_plan
+from attnbench.workload import Workload
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
+PAGE_SIZES = (16, 32, 64, 128)
+MAX_SPLITS = 16
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_ISA_NAMES = {0: "c-scalar", 1: "c-avx512", 2: "c-avx512bf16"}
+_ISA_CODES = {v: k for k, v in _ISA_NAMES.items()}
+_ABI = 1
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The loaded library and what the running CPU supports (``isa``: 0 scalar, 1 AVX-512, 2 + BF16)."""
+
+    lib: ctypes.CDLL
+    isa: int
+    path: Path
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build(cc: str) -> Path:
+    """Compile ``SOURCE`` into the per-user cache unless a library for this source/compiler/flags exists."""
+    from attnbench.device import cache_dir
+
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out_dir = cache_dir() / "cpu_decode"
+    target = out_dir / f"cpu_decode-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            first = (proc.stderr.strip().splitlines() or ["(no message)"])[0]
+            raise RuntimeError(f"{cc} could not build {SOURCE.name}: {first}")
+        os.replace(tmp, target)  # atomic: a parallel build of the same key replaces it with the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load_kernel() -> Kernel | str:
+    """The compiled kernel, or the reason it is unavailable (built once per process, cached on disk)."""
+    cc = _compiler()
+    if cc is None:
+        return "no C compiler found (set CC, or install gcc or clang)"
+    try:
+        path = _build(cc)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return f"cpu_decode kernel unavailable: {exc}"
+    if lib.cpu_decode_abi() != _ABI:
+        return f"cpu_decode kernel at {path} has ABI {lib.cpu_decode_abi()}, expected {_ABI}"
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.cpu_decode_attend.argtypes = [p] * 7 + [i] * 10 + [f]
+    lib.cpu_decode_attend.restype = i
+    lib.cpu_decode_write.argtypes = [p] * 7 + [i] * 8
+    lib.cpu_decode_write.restype = i
+    return Kernel(lib=lib, isa=int(lib.cpu_decode_isa()), path=path)
+
+
+@dataclass
+class CpuDecodePlan(StepPlan):
+    """The step's metadata: views of the cache's step buffers (written by ``plan``) and the split.
+
+    ``positions32``/``num_new32``/``seq_lens32`` are ``[B]`` int32 views of buffers the cache owns.
+    """
+
+    positions32: torch.Tensor | None = None
+    num_new32: torch.Tensor | None = None
+    seq_lens32: torch.Tensor | None = None
+    splits: int = 1
+    threads: int = 1
+
+
+class CpuDecodeCache(KVCache):
+    """Pages in the kernel's layout (module docstring), a block table, a workspace and step buffers."""
+
+    def __init__(
+        self, *, isa: str, page_size: int, kv_splits: str | int, seed: int = 0, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        g = self.geometry
+        self.isa = isa  # the variant that runs
+        self.page_size = page_size
+        self.kv_splits = kv_splits
+        self.pair = 2 if self.dtype == torch.bfloat16 else 1
+        self.pages_per_seq = max(1, math.ceil(self.max_seq_len / page_size))
+        self.num_pages = self.batch * self.pages_per_seq
+        d = g.qk_head_dim
+        # zeros: rows past a sequence's length are masked, but must never be NaN (0 · NaN)
+        self.k_pages = torch.zeros(
+            self.num_layers, self.num_pages, g.num_kv_heads, page_size * d, dtype=self.dtype
+        )
+        self.v_pages = torch.zeros_like(self.k_pages)
+        gen = torch.Generator().manual_seed(seed)
+        order = torch.randperm(self.num_pages, generator=gen, dtype=torch.int64).to(torch.int32)
+        self.block_table = order.view(self.batch, self.pages_per_seq).contiguous()
+        self.workspace = torch.empty(
+            self.batch * g.num_kv_heads * MAX_SPLITS * g.group_size * (d + 2), dtype=torch.float32
+        )
+        self.positions32 = torch.zeros(self.batch, dtype=torch.int32)
+        self.num_new32 = torch.zeros(self.batch, dtype=torch.int32)
+        self.seq_lens32 = torch.zeros(self.batch, dtype=torch.int32)
+        self.layer_ptrs = [
+            (self.k_pages[i].data_ptr(), self.v_pages[i].data_ptr()) for i in range(self.num_layers)
+        ]
+
+    def nbytes(self) -> int:
+        return self.k_pages.nbytes + self.v_pages.nbytes + self.block_table.nbytes
+
+
+def _splits(kv_splits: str | int, *, work: int, threads: int, max_len: int) -> int:
+    if kv_splits != "auto":
+        return int(kv_splits)
+    if work >= threads:
+        return 1
+    tiles = math.ceil(max_len / 16)
+    return max(1, min(MAX_SPLITS, math.ceil(threads / work), tiles // 8))
+
+
+class CpuDecodeBackend(Backend):
+    name = "cpu_decode"
+    description = "attnbench's own paged decode kernel for CPUs (C, AVX-512 BF16 / AVX-512 / scalar, OpenMP)"
+    tunables = (
+        Tunable("page_size", PAGE_SIZES, 32, "tokens per cache page (a multiple of the 16-key tile)"),
+        Tunable(
+            "kv_splits", ("auto", 1, 4), "auto", "KV splits per sequence (auto: only when B·Hkv < threads)"
+        ),
+    )
+    #: run this variant instead of the best the CPU has (tests use "c-scalar"); None: the best
+    force_isa: ClassVar[str | None] = None
+
+    # -- what it can do --------------------------------------------------------------------------
+    def supports(self, workload: Workload) -> list[str]:
+        reasons = []
+        g = workload.geometry(self.kv_form)
+        if torch.device(workload.device).type != "cpu":
+            reasons.append(f"device {workload.device}: the cpu_decode kernel runs on the cpu only")
+        if workload.dtype not in _DTYPE_CODES:
+            reasons.append(f"dtype {workload.dtype_name} not in (fp32, fp16, bf16)")
+        if g.qk_head_dim != g.v_head_dim:
+            reasons.append(f"key and value head dims differ ({g.qk_head_dim} vs {g.v_head_dim})")
+        elif g.qk_head_dim % 16 or g.qk_head_dim > 1024:
+            reasons.append(f"head_dim {g.qk_head_dim} must be a multiple of 16 up to 1024")
+        if g.group_size > 64:
+            reasons.append(f"GQA group of {g.group_size} query heads per KV head > 64")
+        if reasons:
+            return reasons
+        kernel = load_kernel()
+        if isinstance(kernel, str):
+            return [kernel]
+        isa = self._isa(workload.dtype, kernel)
+        if _ISA_CODES[isa] > kernel.isa:
+            return [f"variant {isa} needs an ISA this CPU lacks (it has {_ISA_NAMES[kernel.isa]})"]
+        return []
+
+    def _isa(self, dtype: torch.dtype, kernel: Kernel) -> str:
+        if self.force_isa is not None:
+            return self.force_isa
+        if dtype == torch.bfloat16:
+            return "c-avx512bf16" if kernel.isa >= 2 else "c-scalar"
+        return "c-avx512" if kernel.isa >= 1 else "c-scalar"
+
+    def implementation(self, workload: Workload) -> str:
+        """``cpu_decode.c[<variant>]`` with the variant that runs for this dtype on this CPU."""
+        reasons = self.supports(workload)
+        if reasons:
+            return "unavailable: " + "; ".join(reasons)
+        kernel = load_kernel()
+        assert not isinstance(kernel, str)
+        return f"cpu_decode.c[{self._isa(workload.dtype, kernel)}]"
+
+    def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
+        return super().error_multiple(dtype, config=config)
+
+    # -- the cache and the step ------------------------------------------------------------------
+    def create_cache(
+        self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
+    ) -> CpuDecodeCache:
+        cfg = self.resolve_config(config)
+        reasons = self.supports(workload)
+        if reasons:
+            raise ValueError(f"backend {self.name!r} cannot run {workload.describe()}: {'; '.join(reasons)}")
+        kernel = load_kernel()
+        assert not isinstance(kernel, str)
+        return CpuDecodeCache(
+            isa=self._isa(workload.dtype, kernel),
+            page_size=int(cfg["page_size"]),
+            kv_splits=cfg["kv_splits"],
+            workload=workload,
+            geometry=workload.geometry(self.kv_form),
+            config=cfg,
+            num_layers=num_layers,
+            max_seq_len=max_seq_len,
+        )
+
+    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> CpuDecodePlan:
+        assert isinstance(cache, CpuDecodeCache)
+        base = base_plan(cache, num_new)
+        cache.positions32.copy_(torch.tensor(base.positions, dtype=torch.int32))
+        cache.num_new32.copy_(torch.tensor(base.num_new, dtype=torch.int32))
+        cache.seq_lens32.copy_(torch.tensor(base.seq_lens_after, dtype=torch.int32))
+        threads = torch.get_num_threads()
+        g = cache.geometry
+        splits = _splits(
+            cache.kv_splits,
+            work=cache.batch * g.num_kv_heads,
+            threads=threads,
+            max_len=max(base.seq_lens_after),
+        )
+        return CpuDecodePlan(
+            num_new=base.num_new,
+            positions=base.positions,
+            seq_lens_after=base.seq_lens_after,
+            device_lens=base.device_lens,
+            device_positions=base.device_positions,
+            positions32=cache.positions32,
+            num_new32=cache.num_new32,
+            seq_lens32=cache.seq_lens32,
+            splits=splits,
+            threads=threads,
+        )
+
+    def _write(
+        self, cache: CpuDecodeCache, plan: CpuDecodePlan, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """``k``/``v`` ``[B, T, Hkv, D]`` (right-padded) into ``layer``'s pages at the plan's positions."""
+        if k.dtype != cache.dtype or v.dtype != cache.dtype:
+            raise TypeError(
+                f"backend {self.name!r}: k/v dtype {k.dtype}/{v.dtype}; the cache holds {cache.dtype}"
+            )
+        k, v = k.contiguous(), v.contiguous()
+        g = cache.geometry
+        kernel = load_kernel()
+        assert not isinstance(kernel, str) and plan.positions32 is not None and plan.num_new32 is not None
+        kp, vp = cache.layer_ptrs[layer]
+        rc = kernel.lib.cpu_decode_write(
+            kp, vp, k.data_ptr(), v.data_ptr(), cache.block_table.data_ptr(), plan.positions32.data_ptr(),
+            plan.num_new32.data_ptr(), cache.batch, k.shape[1], g.num_kv_heads, g.qk_head_dim,
+            cache.page_size, cache.pages_per_seq, cache.pair, cache.dtype.itemsize,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(
+                f"backend {self.name!r}: the kernel's writer refused its arguments (code {rc})"
+            )
+
+    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert isinstance(cache, CpuDecodeCache) and isinstance(plan, CpuDecodePlan)
+        self._write(cache, plan, layer, k, v)
+
+    def decode(
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """``q [B, Hq, D]``, ``k``/``v`` ``[B, Hkv, D]`` → ``[B, Hq, D]``; no host work besides the call."""
+        assert isinstance(cache, CpuDecodeCache) and isinstance(plan, CpuDecodePlan)
+        self._write(cache, plan, layer, k[:, None], v[:, None])
+        g = cache.geometry
+        q = q.contiguous()
+        if q.dtype != cache.dtype:
+            raise TypeError(f"backend {self.name!r}: q dtype {q.dtype}; the cache holds {cache.dtype}")
+        out = torch.empty_like(q)
+        kernel = load_kernel()
+        assert not isinstance(kernel, str) and plan.seq_lens32 is not None
+        kp, vp = cache.layer_ptrs[layer]
+        rc = kernel.lib.cpu_decode_attend(
+            q.data_ptr(), kp, vp, cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(), out.data_ptr(),
+            cache.workspace.data_ptr(), cache.batch, g.num_q_heads, g.num_kv_heads, g.qk_head_dim,
+            cache.page_size, cache.pages_per_seq, plan.splits, _DTYPE_CODES[cache.dtype], _ISA_CODES[cache.isa],
+            plan.threads, g.scale,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"backend {self.name!r}: the kernel refused its arguments (code {rc})")
+        return out

@@ -1,0 +1,196 @@
+"""The ``cpu_decode`` kernel's share of the read bandwidth, beside vLLM's CPU kernel and the matmul probe.
+
+At one thread (``--threads``), llama-3.1-8b's attention geometry, bf16, batches 1 and 8, contexts 8k
+and 32k: every kernel goes through :func:`attnbench.bench.measure_decode` — the correctness gate
+first, then whole decode steps of ``--layers`` layers through the synthetic model, which cycles its
+calls over distinct layer caches worth at least 4 × the last-level cache (``layers mat.``), so every
+call reads from DRAM; the timed run is spot-checked against float64 afterwards. The read bandwidth
+(a large ``sum``, :func:`attnbench.device.measure_bandwidth`) is measured in the same run, at the
+same thread count, before the first point and after the last; shares are against the one before.
+Writes ``<out>.json`` and ``<out>.md`` with the command, the machine, the date and the load average.
+
+    python scripts/cpu_kernel_bandwidth.py                 # the full run (quiet machine)
+    python scripts/cpu_kernel_bandwidth.py --quick         # smoke: 1k context, batch 1, 2 layers
+
+Kernels: ``cpu_decode`` at each ``--page-sizes`` value, ``vllm_cpu`` (vLLM's default config) where
+the attnbench-vllm plugin is installed, and ``matmul_probe`` (``--no-probe`` leaves it out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnbench.backends.cpu_decode import CpuDecodeBackend
+from attnbench.backends.matmul_probe import MatmulProbeBackend
+from attnbench.bench import measure_decode
+from attnbench.device import DeviceProfile, fingerprint, last_level_cache_bytes, measure_bandwidth
+from attnbench.registry import load_registry
+from attnbench.workload import Workload, parse_int_list, parse_tokens
+
+
+def _kernels(page_sizes: list[int], *, probe: bool) -> list[tuple[str, Any, dict[str, Any]]]:
+    out: list[tuple[str, Any, dict[str, Any]]] = [
+        (f"cpu_decode page_size={ps}", CpuDecodeBackend(), {"page_size": ps}) for ps in page_sizes
+    ]
+    registry = load_registry()
+    if "vllm_cpu" in registry.names():
+        out.append(("vllm_cpu (vLLM's default config)", registry.get("vllm_cpu"), {}))
+    if probe:
+        out.append(("matmul_probe", MatmulProbeBackend(), {}))
+    return out
+
+
+def _row(label: str, m: Any, read_bw: float) -> dict[str, Any]:
+    share = m.gbps * 1e9 / read_bw
+    return {
+        "kernel": label,
+        "backend": m.backend,
+        "config": m.config,
+        "implementation": m.implementation,
+        "batch": m.batch,
+        "context": m.context,
+        "ms_per_layer": m.per_layer_s * 1e3,
+        "p90_step_ms": m.step.p90_s * 1e3 if m.step else None,
+        "gbps": m.gbps,
+        "share_of_read": share,
+        "layers": m.num_layers,
+        "layers_materialised": m.layers_materialised,
+        "llc_flushed": m.llc_flushed,
+        "rel_l2": m.check.error.rel_l2 if m.check else None,
+        "gate_passed": m.check.passed if m.check else None,
+        "load_avg": list(m.load_avg),
+    }
+
+
+def _markdown(record: dict[str, Any]) -> str:
+    lines = [
+        "# cpu_decode: share of the measured read bandwidth",
+        "",
+        f"- command: `{record['command']}`",
+        f"- date: {record['date']}",
+        f"- machine: {record['machine']} ({record['cpu']}, {record['threads']} thread(s), "
+        f"last-level cache {record['llc_mib']:.0f} MiB)",
+        f"- read bandwidth (same run, same threads): {record['read_gbps_before']:.1f} GB/s before, "
+        f"{record['read_gbps_after']:.1f} GB/s after",
+        f"- load average at start / end: {record['load_start']} / {record['load_end']}",
+        f"- wall time: {record['wall_s']:.0f} s",
+        "",
+        "| batch | context | kernel | implementation | ms / layer | GB/s | share of read bw | layers mat. | rel_l2 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in record["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['batch']} | {r['context']} | {r['kernel']} | — | {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['kernel']} | {r['implementation']} | "
+            f"{r['ms_per_layer']:.3f} | {r['gbps']:.1f} | {100 * r['share_of_read']:.0f} % | "
+            f"{r['layers_materialised']}/{r['layers']} | {r['rel_l2']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--context", default="8k,32k")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=8, help="layers per timed step (default 8)")
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--max-seconds", type=float, default=20.0, help="cap on timing per kernel and point")
+    ap.add_argument("--page-sizes", default="32,128", help="cpu_decode page sizes to run (default 32,128)")
+    ap.add_argument("--no-probe", action="store_true", help="leave out the matmul_probe row")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 1k context, batch 1, 2 layers, 3 repeats"
+    )
+    ap.add_argument("--out", default="results/cpu-kernel-bandwidth")
+    args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error(f"--threads {args.threads}: must be ≥ 1")
+    if args.quick:
+        args.batch, args.context, args.layers, args.repeats, args.max_seconds = "1", "1k", 2, 3, 5.0
+    batches = parse_int_list(args.batch, field="--batch")
+    contexts = [parse_tokens(c) for c in args.context.split(",")]
+    page_sizes = parse_int_list(args.page_sizes, field="--page-sizes")
+    torch.set_num_threads(args.threads)
+
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    copy_bw, read_bw, nbytes = measure_bandwidth("cpu")
+    profile = DeviceProfile(
+        fingerprint=fingerprint("cpu"),
+        copy_bandwidth=copy_bw,
+        read_bandwidth=read_bw,
+        buffer_bytes=nbytes,
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        load_avg=load_start,
+    )
+    rows: list[dict[str, Any]] = []
+    for batch in batches:
+        for context in contexts:
+            workload = Workload.uniform(args.model, batch=batch, context=context, dtype=args.dtype)
+            for label, backend, config in _kernels(page_sizes, probe=not args.no_probe):
+                try:
+                    m = measure_decode(
+                        backend,
+                        workload,
+                        config=config,
+                        profile=profile,
+                        repeats=args.repeats,
+                        max_seconds=args.max_seconds,
+                        num_layers=args.layers,
+                    )
+                except Exception as exc:  # unavailable, failed gate, implausible: recorded, the run goes on
+                    rows.append(
+                        {"kernel": label, "batch": batch, "context": context, "error": str(exc)[:200]}
+                    )
+                    print(f"b={batch} ctx={context} {label}: {exc}", file=sys.stderr)
+                    continue
+                rows.append(_row(label, m, read_bw))
+                r = rows[-1]
+                print(
+                    f"b={batch} ctx={context} {label}: {r['ms_per_layer']:.3f} ms/layer, "
+                    f"{r['gbps']:.1f} GB/s, {100 * r['share_of_read']:.0f} % of read"
+                )
+    _, read_after, _ = measure_bandwidth("cpu")
+    fp = fingerprint("cpu")
+    record = {
+        "command": "python scripts/cpu_kernel_bandwidth.py "
+        + shlex.join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.platform(),
+        "cpu": fp.get("name", "unknown"),
+        "threads": args.threads,
+        "llc_mib": last_level_cache_bytes("cpu") / 2**20,
+        "read_gbps_before": read_bw / 1e9,
+        "read_gbps_after": read_after / 1e9,
+        "copy_gbps_before": copy_bw / 1e9,
+        "load_start": [round(x, 2) for x in load_start],
+        "load_end": [round(x, 2) for x in os.getloadavg()],
+        "wall_s": time.perf_counter() - started,
+        "quick": args.quick,
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    out.with_suffix(".md").write_text(_markdown(record))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

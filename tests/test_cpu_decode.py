@@ -1,0 +1,181 @@
+"""``cpu_decode``: the conformance suite on each variant, the build cache, the layout and the threads.
+
+The kernel is compiled at first use with the system C compiler. Where none is found the suite's
+cases skip with that reason — except under ``ATTNBENCH_REQUIRE_CPU_DECODE=1`` (CI), where a kernel
+that does not build is a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+import attnbench.backends.cpu_decode as cpu_decode
+from attnbench.backends.cpu_decode import CpuDecodeBackend, load_kernel
+from attnbench.gate import check
+from attnbench.testing import CASES, BackendConformance
+from attnbench.workload import Workload
+
+GQA = CASES[1]  # 8 query heads over 2 KV heads of 64
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_kernel_builds_where_required() -> None:
+    kernel = load_kernel()
+    if os.environ.get("ATTNBENCH_REQUIRE_CPU_DECODE") == "1":
+        assert not isinstance(kernel, str), kernel
+    elif isinstance(kernel, str):
+        pytest.skip(kernel)
+
+
+class TestCpuDecode(BackendConformance):
+    """The variant the CPU runs best (on an AVX-512 BF16 CPU: c-avx512bf16 for bf16, c-avx512 else)."""
+
+    backend = CpuDecodeBackend
+    dtypes = ("bf16", "fp32", "fp16")
+    configs: ClassVar[list[dict[str, Any]]] = [
+        CpuDecodeBackend.default_config(),
+        {"page_size": 16, "kv_splits": 4},
+        {"page_size": 128, "kv_splits": 1},
+    ]
+
+
+class ScalarCpuDecode(CpuDecodeBackend):
+    name = "cpu_decode_scalar"
+    force_isa = "c-scalar"
+
+
+class TestCpuDecodeScalar(BackendConformance):
+    """The plain-C variant (what runs where the CPU lacks AVX-512), forced on this CPU."""
+
+    backend = ScalarCpuDecode
+    dtypes = ("bf16", "fp32")
+    configs: ClassVar[list[dict[str, Any]]] = [{"page_size": 16, "kv_splits": 4}]
+    cases = CASES[:3]
+    long_cases = ()
+
+
+def _workload(dtype: torch.dtype) -> Workload:
+    return Workload(GQA.shape, (40,), dtype, "cpu")
+
+
+def test_implementation_names_the_variant_this_cpu_runs() -> None:
+    if isinstance(load_kernel(), str):
+        pytest.skip(str(load_kernel()))
+    flags = _cpu_flags()
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
+    bf16 = CpuDecodeBackend().implementation(_workload(torch.bfloat16))
+    fp32 = CpuDecodeBackend().implementation(_workload(torch.float32))
+    assert bf16 == f"cpu_decode.c[{'c-avx512bf16' if avx512 and 'avx512_bf16' in flags else 'c-scalar'}]"
+    assert fp32 == f"cpu_decode.c[{'c-avx512' if avx512 else 'c-scalar'}]"
+    assert ScalarCpuDecode().implementation(_workload(torch.bfloat16)) == "cpu_decode.c[c-scalar]"
+
+
+def test_unavailable_without_a_compiler_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        cpu_decode, "load_kernel", lambda: "no C compiler found (set CC, or install gcc or clang)"
+    )
+    backend = CpuDecodeBackend()
+    assert backend.supports(_workload(torch.bfloat16)) == [
+        "no C compiler found (set CC, or install gcc or clang)"
+    ]
+    assert backend.implementation(_workload(torch.bfloat16)).startswith("unavailable: no C compiler")
+
+
+def test_refuses_what_it_cannot_run() -> None:
+    backend = CpuDecodeBackend()
+    odd = dataclasses.replace(GQA.shape, name="odd", head_dim=72, hidden_size=8 * 72)
+    assert any("head_dim 72" in r for r in backend.supports(Workload(odd, (4,), torch.float32, "cpu")))
+
+
+def test_build_is_cached_per_source_and_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cc = cpu_decode._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
+    first = cpu_decode._build(cc)
+    assert first.parent == tmp_path / "cpu_decode" and first.name.startswith("cpu_decode-")
+    mtime = first.stat().st_mtime_ns
+    assert cpu_decode._build(cc) == first and first.stat().st_mtime_ns == mtime  # no rebuild
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
+    monkeypatch.setattr(cpu_decode, "FLAGS", (*cpu_decode.FLAGS, "-DCPU_DECODE_NO_AVX512"))
+    assert cpu_decode._build(cc) != first  # other flags, other library
+
+
+def test_pages_hold_the_documented_layout() -> None:
+    """Token t of head h, dim d sits where the module docstring says (16-key tiles, P = 2 for bf16)."""
+    if isinstance(load_kernel(), str):
+        pytest.skip(str(load_kernel()))
+    backend = CpuDecodeBackend()
+    for dtype, pair in ((torch.bfloat16, 2), (torch.float32, 1)):
+        w = Workload(GQA.shape, (37, 5), dtype, "cpu")
+        cache = backend.create_cache(w, config={"page_size": 32}, num_layers=1, max_seq_len=64)
+        plan = backend.plan(cache, num_new=[37, 5])
+        k = torch.randn(2, 37, 2, 64).to(dtype)
+        v = torch.randn(2, 37, 2, 64).to(dtype)
+        backend.append(cache, plan, layer=0, k=k, v=v)
+        ps, d = 32, 64
+        for b, t, h in ((0, 0, 0), (0, 33, 1), (0, 36, 0), (1, 4, 1)):
+            page = int(cache.block_table[b, t // ps])
+            slot = t % ps
+            kp = cache.k_pages[0, page, h].view(ps // 16, d // pair, 16, pair)[slot // 16, :, slot % 16, :]
+            vp = cache.v_pages[0, page, h].view(ps // pair, d, pair)[slot // pair, :, slot % pair]
+            assert torch.equal(kp.reshape(d), k[b, t, h]) and torch.equal(vp, v[b, t, h])
+        assert sorted(cache.block_table.flatten().tolist()) == list(range(cache.num_pages))
+        assert cache.block_table.flatten().tolist() != list(range(cache.num_pages))  # permuted
+
+
+def test_splits_and_threads_agree() -> None:
+    """One thread or two: bit-identical output; one KV split or four: the same up to rounding order."""
+    if isinstance(load_kernel(), str):
+        pytest.skip(str(load_kernel()))
+    gen = torch.Generator().manual_seed(0)
+    lens = (300, 17)
+    w = Workload(GQA.shape, lens, torch.bfloat16, "cpu")
+    backend = CpuDecodeBackend()
+    cache = backend.create_cache(w, config={"page_size": 16}, num_layers=1, max_seq_len=320)
+    k = torch.randn(2, 300, 2, 64, generator=gen).bfloat16()
+    v = torch.randn(2, 300, 2, 64, generator=gen).bfloat16()
+    backend.append(cache, backend.plan(cache, num_new=lens), layer=0, k=k, v=v)
+    cache.commit(backend.plan(cache, num_new=(0, 0)))
+    cache.seq_lens = lens
+    q = torch.randn(2, 8, 64, generator=gen).bfloat16()
+    nk = torch.randn(2, 2, 64, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    outs = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            plan = backend.plan(cache, num_new=[1, 1])
+            for splits in (1, 4):
+                plan.splits = splits
+                outs[threads, splits] = backend.decode(cache, plan, layer=0, q=q, k=nk, v=nk)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[1, 1], outs[2, 1]) and torch.equal(outs[1, 4], outs[2, 4])
+    assert not torch.equal(outs[1, 1], outs[1, 4])  # the split path really ran
+    torch.testing.assert_close(outs[1, 1].float(), outs[1, 4].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gate_at_llama_geometry() -> None:
+    """llama-3.1-8b's attention (32 query heads over 8 KV heads of 128), the gate at 2k context."""
+    if isinstance(load_kernel(), str):
+        pytest.skip(str(load_kernel()))
+    w = Workload.uniform("llama-3.1-8b", batch=1, context=2048, dtype="bf16")
+    result = check(CpuDecodeBackend(), w, config={"page_size": 64}, decode_steps=1, num_layers=1)
+    assert result.passed and result.retrieval == 1.0, result.summary()
