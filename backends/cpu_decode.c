@@ -35,7 +35,7 @@ enum { ISA_SCALAR = 0, ISA_AVX512 = 1, ISA_AVX512BF16 = 2 };
 #define TILE 16
 #define MAX_G 64
 
-int cpu_decode_abi(void) { return 1; }
+int cpu_decode_abi(void) { return 2; }
 
 int cpu_decode_isa(void) {
 #ifdef CPU_DECODE_AVX512
@@ -117,6 +117,7 @@ typedef struct {
     const int32_t *bt;  /* block table row of this sequence */
     int t0, t1;         /* token range, t0 a multiple of 16 */
     int G, D, ps, P, Hkv, h, dt;
+    int prefetch;       /* tiles ahead to prefetch into L2 (0: none) */
     float scale;
     float *m, *l, *acc; /* [G], [G], [G, D] out: running max, sum, unnormalised p·v */
 } item_t;
@@ -201,14 +202,8 @@ TGT INLINE void softmax_update(int gn, __m512 *s, __mmask16 valid, float *m, flo
     }
 }
 
-#ifndef PF_DIST
-#define PF_DIST 1
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
 TGT INLINE void prefetch_tile(const char *p, size_t bytes) {
-    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, PF_HINT);
+    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T2);
 }
 
 /* -- bf16: vdpbf16ps --------------------------------------------------------------------------- */
@@ -220,58 +215,85 @@ TGT_BF16 INLINE __m512 dp_bcast(__m512 acc, __m512i x, const uint32_t *b) {
     return acc;
 }
 
-/* p·v for GN heads over d in [c, c + 16·NU): acc[g] = acc[g]·alpha[g] + Σ_pairs v_pair · p_pair */
-TGT_BF16 INLINE void pv_bf16(int gn, int nu, const uint16_t *vt, const uint32_t *pp, const float *alpha,
+/* p·v for GN heads over d in [c, c + 16·NU) and NP key pairs: acc[g] = acc[g]·alpha[g] + Σ v_pair · p_pair
+ * (pp: [4][16] pairs of bf16 probabilities, one row per head) */
+TGT_BF16 INLINE void pv_bf16(int gn, int nu, int np, const uint16_t *vt, const uint32_t *pp, const float *alpha,
                              float *acc, int D, int c) {
     __m512 a[4][4];
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < nu; u++)
-            a[g][u] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u), _mm512_set1_ps(alpha[g]));
-    for (int jp = 0; jp < TILE / 2; jp++) {
+            a[g][u] = alpha[g] == 1.0f ? _mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u)
+                                       : _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u),
+                                                       _mm512_set1_ps(alpha[g]));
+    for (int jp = 0; jp < np; jp++) {
         for (int u = 0; u < nu; u++) {
             __m512i v = _mm512_loadu_si512((const void *)(vt + (size_t)jp * 2 * D + 2 * (c + 16 * u)));
             for (int g = 0; g < gn; g++)
-                a[g][u] = dp_bcast(a[g][u], v, pp + g * 8 + jp);
+                a[g][u] = dp_bcast(a[g][u], v, pp + g * 16 + jp);
         }
     }
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < nu; u++) _mm512_storeu_ps(acc + (size_t)g * D + c + 16 * u, a[g][u]);
 }
 
-TGT_BF16 INLINE void tile_bf16(int gn, const item_t *it, int g0, const uint16_t *kt, const uint16_t *vt,
-                               __mmask16 valid) {
-    const int D = it->D, D2 = D / 2;
+/* NT (1 or 2) adjacent 16-key tiles of one page for GN heads: scores, online softmax, p·v.
+ * valid[t]: the real keys of tile t; pk/pv: future tiles to prefetch (NULL: none) */
+TGT_BF16 INLINE void tile_bf16(int gn, int nt, const item_t *it, int g0, const uint16_t *kt, const uint16_t *vt,
+                               const __mmask16 *valid, const char *const *pk, const char *const *pv) {
+    const int D = it->D, D2 = D / 2, npart = 4 / nt;
     const uint32_t *qp = (const uint32_t *)it->q + (size_t)g0 * D2;
-    __m512 a[4][4], s[4];
+    __m512 a[4][4], s[4][2];
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();
-    for (int dp = 0; dp < D2; dp += 4) {
-        for (int u = 0; u < 4; u++) {
-            __m512i k = _mm512_loadu_si512((const void *)(kt + (size_t)(dp + u) * 32));
-            for (int g = 0; g < gn; g++)
-                a[g][u] = dp_bcast(a[g][u], k, qp + g * D2 + dp + u);
+    for (int dp = 0; dp < D2; dp += npart) {
+        for (int t = 0; t < nt; t++) {
+            if (pk[t]) { /* 64·npart bytes of each future K and V tile per iteration: whole tiles per loop */
+                for (int i = 0; i < 64 * npart; i += 64) {
+                    _mm_prefetch(pk[t] + (size_t)dp * 64 + i, _MM_HINT_T2);
+                    _mm_prefetch(pv[t] + (size_t)dp * 64 + i, _MM_HINT_T2);
+                }
+            }
+        }
+        for (int u = 0; u < npart; u++) {
+            for (int t = 0; t < nt; t++) {
+                __m512i k = _mm512_loadu_si512((const void *)(kt + (size_t)t * TILE * D + (size_t)(dp + u) * 32));
+                for (int g = 0; g < gn; g++)
+                    a[g][t * npart + u] = dp_bcast(a[g][t * npart + u], k, qp + g * D2 + dp + u);
+            }
         }
     }
-    for (int g = 0; g < gn; g++)
-        s[g] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a[g][0], a[g][1]), _mm512_add_ps(a[g][2], a[g][3])),
-                             _mm512_set1_ps(it->scale));
+    const __m512 scale = _mm512_set1_ps(it->scale), ninf = _mm512_set1_ps(-INFINITY);
     float alpha[4];
-    uint32_t pp[4 * 8];
-    softmax_update(gn, s, valid, it->m + g0, alpha);
+    uint32_t pp[4 * 16];
     for (int g = 0; g < gn; g++) {
-        __m256i pb = (__m256i)_mm512_cvtneps_pbh(s[g]);
-        _mm256_storeu_si256((__m256i *)(pp + g * 8), pb);
-        /* the sum uses p as rounded for p·v, so the weights sum to one */
-        __m512 pr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
-        it->l[g0 + g] = it->l[g0 + g] * alpha[g] + _mm512_reduce_add_ps(pr);
+        __m512 mx = ninf;
+        for (int t = 0; t < nt; t++) {
+            __m512 x = a[g][t * npart];
+            for (int u = 1; u < npart; u++) x = _mm512_add_ps(x, a[g][t * npart + u]);
+            s[g][t] = _mm512_mul_ps(x, scale);
+            mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(ninf, valid[t], s[g][t]));
+        }
+        float *m = it->m + g0 + g, mt = _mm512_reduce_max_ps(mx), mn = mt > *m ? mt : *m;
+        alpha[g] = mn == *m ? 1.0f : expf(*m - mn);
+        *m = mn;
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < nt; t++) {
+            __m512 p = _mm512_maskz_mov_ps(valid[t], exp512(_mm512_sub_ps(s[g][t], _mm512_set1_ps(mn))));
+            __m256i pb = (__m256i)_mm512_cvtneps_pbh(p);
+            _mm256_storeu_si256((__m256i *)(pp + g * 16 + t * 8), pb);
+            /* the sum uses p as rounded for p·v, so the weights sum to one */
+            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+        }
+        it->l[g0 + g] = it->l[g0 + g] * alpha[g] + _mm512_reduce_add_ps(sum);
     }
     float *acc = it->acc + (size_t)g0 * D;
+    const int np = nt * TILE / 2;
     int c = 0;
-    for (; c + 64 <= D; c += 64) pv_bf16(gn, 4, vt, pp, alpha, acc, D, c);
+    for (; c + 64 <= D; c += 64) pv_bf16(gn, 4, np, vt, pp, alpha, acc, D, c);
     switch ((D - c) / 16) {
-        case 3: pv_bf16(gn, 3, vt, pp, alpha, acc, D, c); break;
-        case 2: pv_bf16(gn, 2, vt, pp, alpha, acc, D, c); break;
-        case 1: pv_bf16(gn, 1, vt, pp, alpha, acc, D, c); break;
+        case 3: pv_bf16(gn, 3, np, vt, pp, alpha, acc, D, c); break;
+        case 2: pv_bf16(gn, 2, np, vt, pp, alpha, acc, D, c); break;
+        case 1: pv_bf16(gn, 1, np, vt, pp, alpha, acc, D, c); break;
         default: break;
     }
 }
@@ -287,7 +309,9 @@ TGT INLINE void pv_f32(int gn, int nu, int dt, const void *vc, size_t vbase, con
     __m512 a[4][4];
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < nu; u++)
-            a[g][u] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u), _mm512_set1_ps(alpha[g]));
+            a[g][u] = alpha[g] == 1.0f ? _mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u)
+                                       : _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u),
+                                                       _mm512_set1_ps(alpha[g]));
     for (int j = 0; j < TILE; j++) {
         for (int u = 0; u < nu; u++) {
             __m512 v = load16(vc, vbase + (size_t)j * D + c + 16 * u, dt);
@@ -341,10 +365,12 @@ TGT INLINE void tile_f32(int gn, const item_t *it, int g0, const float *qv, size
         int n = it->t1 - t < TILE ? it->t1 - t : TILE;                                           \
         __mmask16 valid = (__mmask16)(n == TILE ? 0xffffu : ((1u << n) - 1u));                   \
         size_t base = tile_offset(it, t);                                                        \
-        if (PF_DIST > 0 && t + PF_DIST * TILE < it->t1) {                                        \
-            size_t next = tile_offset(it, t + PF_DIST * TILE) * esize;                           \
-            prefetch_tile((const char *)it->kc + next, tile_bytes);                              \
-            prefetch_tile((const char *)it->vc + next, tile_bytes);                              \
+        const char *pk = NULL, *pv = NULL;                                                       \
+        if (it->prefetch > 0 && t + it->prefetch * TILE < it->t1) {                              \
+            size_t next = tile_offset(it, t + it->prefetch * TILE) * esize;                      \
+            pk = (const char *)it->kc + next;                                                    \
+            pv = (const char *)it->vc + next;                                                    \
+            PREFETCH_WHOLE(pk, pv);                                                              \
         }                                                                                        \
         for (int g0 = 0; g0 < G; g0 += 4) {                                                      \
             switch (G - g0 < 4 ? G - g0 : 4) {                                                   \
@@ -356,13 +382,47 @@ TGT INLINE void tile_f32(int gn, const item_t *it, int g0, const float *qv, size
         }                                                                                        \
     }
 
+static inline __mmask16 tile_mask(int n) { return (__mmask16)(n >= TILE ? 0xffffu : n <= 0 ? 0u : ((1u << n) - 1u)); }
+
+/* bf16 items step two tiles (32 keys) at a time where both lie in one page, halving the softmax's
+ * reductions and the accumulators' loads and stores per key */
 TGT_BF16 static void item_avx512bf16(const item_t *it) {
-    const int G = it->G, D = it->D;
-    const size_t esize = 2, tile_bytes = (size_t)TILE * D * esize;
+    const int G = it->G, D = it->D, pf = it->prefetch;
     const uint16_t *kc = (const uint16_t *)it->kc, *vc = (const uint16_t *)it->vc;
-#define BF16_TILE(gn) tile_bf16(gn, it, g0, kc + base, vc + base, valid)
-    ITEM_LOOP(BF16_TILE)
+    for (int g = 0; g < G; g++) {
+        it->m[g] = -INFINITY;
+        it->l[g] = 0.0f;
+    }
+    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
+    for (int t = it->t0; t < it->t1;) {
+        int nt = it->ps >= 2 * TILE && t % (2 * TILE) == 0 && t + TILE < it->t1 ? 2 : 1;
+        __mmask16 valid[2] = {tile_mask(it->t1 - t), tile_mask(it->t1 - t - TILE)};
+        const char *pk[2] = {NULL, NULL}, *pv[2] = {NULL, NULL};
+        for (int j = 0; j < nt; j++) {
+            int f = t + (pf + j) * TILE;
+            if (pf > 0 && f < it->t1) {
+                size_t next = tile_offset(it, f) * 2;
+                pk[j] = (const char *)kc + next;
+                pv[j] = (const char *)vc + next;
+            }
+        }
+        size_t base = tile_offset(it, t);
+        const char *none[2] = {NULL, NULL};
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const char *const *k_pf = g0 ? none : pk, *const *v_pf = g0 ? none : pv;
+#define BF16_TILE(gn)                                                                                    \
+    (nt == 2 ? tile_bf16(gn, 2, it, g0, kc + base, vc + base, valid, k_pf, v_pf)                      \
+             : tile_bf16(gn, 1, it, g0, kc + base, vc + base, valid, k_pf, v_pf))
+            switch (G - g0 < 4 ? G - g0 : 4) {
+                case 4: BF16_TILE(4); break;
+                case 3: BF16_TILE(3); break;
+                case 2: BF16_TILE(2); break;
+                default: BF16_TILE(1); break;
+            }
 #undef BF16_TILE
+        }
+        t += nt * TILE;
+    }
 }
 
 TGT static void item_avx512(const item_t *it) {
@@ -371,7 +431,9 @@ TGT static void item_avx512(const item_t *it) {
     float *qv = (float *)malloc(sizeof(float) * (size_t)G * D);
     for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, it->dt);
 #define F32_TILE(gn) tile_f32(gn, it, g0, qv, base, valid)
+#define PREFETCH_WHOLE(pk, pv) (prefetch_tile(pk, tile_bytes), prefetch_tile(pv, tile_bytes))
     ITEM_LOOP(F32_TILE)
+#undef PREFETCH_WHOLE
 #undef F32_TILE
     free(qv);
 }
@@ -398,7 +460,7 @@ static void run_item(const item_t *it, int isa) {
  * when splits > 1). Returns 0, or a negative code for arguments it refuses. */
 int cpu_decode_attend(const void *q, const void *kc, const void *vc, const int32_t *block_table, const int32_t *seq_lens,
                       void *out, float *ws, int B, int Hq, int Hkv, int D, int ps, int maxp, int splits, int dt,
-                      int isa, int threads, float scale) {
+                      int isa, int threads, int prefetch, float scale) {
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || ps % TILE || splits < 1) return -1;
     if (isa == ISA_AVX512BF16 && dt != DT_BF16) return -2;
     if (isa == ISA_AVX512 && dt == DT_BF16) return -2;
@@ -419,7 +481,8 @@ int cpu_decode_attend(const void *q, const void *kc, const void *vc, const int32
             item_t it = {
                 .q = (const char *)q + ((size_t)b * Hq + (size_t)h * G) * D * (dt == DT_F32 ? 4 : 2),
                 .kc = kc, .vc = vc, .bt = block_table + (size_t)b * maxp, .t0 = t0, .t1 = t1,
-                .G = G, .D = D, .ps = ps, .P = P, .Hkv = Hkv, .h = h, .dt = dt, .scale = scale,
+                .G = G, .D = D, .ps = ps, .P = P, .Hkv = Hkv, .h = h, .dt = dt, .prefetch = prefetch,
+                .scale = scale,
                 .m = buf, .l = buf + G, .acc = buf + 2 * G,
             };
             if (t0 < t1) {

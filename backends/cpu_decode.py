@@ -61,7 +61,7 @@ MAX_SPLITS = 16
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ISA_NAMES = {0: "c-scalar", 1: "c-avx512", 2: "c-avx512bf16"}
 _ISA_CODES = {v: k for k, v in _ISA_NAMES.items()}
-_ABI = 1
+_ABI = 2
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def load_kernel() -> Kernel | str:
     if lib.cpu_decode_abi() != _ABI:
         return f"cpu_decode kernel at {path} has ABI {lib.cpu_decode_abi()}, expected {_ABI}"
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.cpu_decode_attend.argtypes = [p] * 7 + [i] * 10 + [f]
+    lib.cpu_decode_attend.argtypes = [p] * 7 + [i] * 11 + [f]
     lib.cpu_decode_attend.restype = i
     lib.cpu_decode_write.argtypes = [p] * 7 + [i] * 8
     lib.cpu_decode_write.restype = i
@@ -146,13 +146,14 @@ class CpuDecodeCache(KVCache):
     """Pages in the kernel's layout (module docstring), a block table, a workspace and step buffers."""
 
     def __init__(
-        self, *, isa: str, page_size: int, kv_splits: str | int, seed: int = 0, **kwargs: Any
+        self, *, isa: str, page_size: int, kv_splits: str | int, prefetch: int, seed: int = 0, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         g = self.geometry
         self.isa = isa  # the variant that runs
         self.page_size = page_size
         self.kv_splits = kv_splits
+        self.prefetch = prefetch
         self.pair = 2 if self.dtype == torch.bfloat16 else 1
         self.pages_per_seq = max(1, math.ceil(self.max_seq_len / page_size))
         self.num_pages = self.batch * self.pages_per_seq
@@ -195,6 +196,9 @@ class CpuDecodeBackend(Backend):
         Tunable("page_size", PAGE_SIZES, 32, "tokens per cache page (a multiple of the 16-key tile)"),
         Tunable(
             "kv_splits", ("auto", 1, 4), "auto", "KV splits per sequence (auto: only when B·Hkv < threads)"
+        ),
+        Tunable(
+            "prefetch", (0, 2, 4, 8), 4, "16-key tiles ahead prefetched into L2 (0: hardware prefetch only)"
         ),
     )
     #: run this variant instead of the best the CPU has (tests use "c-scalar"); None: the best
@@ -240,8 +244,11 @@ class CpuDecodeBackend(Backend):
         assert not isinstance(kernel, str)
         return f"cpu_decode.c[{self._isa(workload.dtype, kernel)}]"
 
-    def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
-        return super().error_multiple(dtype, config=config)
+    def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
+        """All three, except ``kv_splits`` at one thread (``auto`` is then 1, and a split only adds a merge)."""
+        if torch.get_num_threads() == 1:
+            return tuple(t for t in self.tunables if t.name != "kv_splits")
+        return self.tunables
 
     # -- the cache and the step ------------------------------------------------------------------
     def create_cache(
@@ -257,6 +264,7 @@ class CpuDecodeBackend(Backend):
             isa=self._isa(workload.dtype, kernel),
             page_size=int(cfg["page_size"]),
             kv_splits=cfg["kv_splits"],
+            prefetch=int(cfg["prefetch"]),
             workload=workload,
             geometry=workload.geometry(self.kv_form),
             config=cfg,
@@ -336,7 +344,7 @@ class CpuDecodeBackend(Backend):
             q.data_ptr(), kp, vp, cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(), out.data_ptr(),
             cache.workspace.data_ptr(), cache.batch, g.num_q_heads, g.num_kv_heads, g.qk_head_dim,
             cache.page_size, cache.pages_per_seq, plan.splits, _DTYPE_CODES[cache.dtype], _ISA_CODES[cache.isa],
-            plan.threads, g.scale,
+            plan.threads, cache.prefetch, g.scale,
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"backend {self.name!r}: the kernel refused its arguments (code {rc})")
