@@ -29,6 +29,7 @@ from attnbench.workload import Workload
 
 WORKLOAD = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32")
 FAST = TuneOptions(timeout_s=20.0, warmup=1, repeats=3)
+SAMPLES = 5  # interleaved re-timing of the finalists: few samples here, it is not what these tests check
 
 
 # -- planted backends (module level: workers import them by path) ----------------------------------
@@ -156,7 +157,9 @@ def _candidates(entry):
 # -- tests -------------------------------------------------------------------------------------------
 def test_the_faster_backend_wins(tmp_path, profile):
     reg = planted_registry(SlowBackend, FastBackend)
-    report = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile)
+    report = tune(
+        [WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile, samples=SAMPLES
+    )
     (entry,) = report.entries.values()
     assert entry["default"]["backend"] == "planted_slow"  # no flash/naive here: the first registered
     assert entry["winner"]["backend"] == "planted_fast"
@@ -181,7 +184,9 @@ def test_broken_backends_fail_their_trials_and_the_study_picks_a_correct_one(tmp
         FastBackend,
     )
     options = TuneOptions(timeout_s=6.0, warmup=1, repeats=3)
-    report = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=options, profile=profile)
+    report = tune(
+        [WORKLOAD], registry=reg, results_dir=tmp_path, options=options, profile=profile, samples=SAMPLES
+    )
     (entry,) = report.entries.values()
     assert entry["complete"]
     assert entry["winner"]["backend"] == "planted_fast"
@@ -232,6 +237,7 @@ def test_interrupted_study_resumes_without_repeating_finished_trials(tmp_path, p
         results_dir=tmp_path,
         options=FAST,
         profile=profile,
+        samples=SAMPLES,
         on_trial=interrupt_during_the_third,
     )
     assert first.interrupted and first.trials_run == 2
@@ -249,7 +255,9 @@ def test_interrupted_study_resumes_without_repeating_finished_trials(tmp_path, p
     ]
     before = {t.number: t.value for t in study.trials if t.state.name == "COMPLETE"}
 
-    second = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile)
+    second = tune(
+        [WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile, samples=SAMPLES
+    )
     assert not second.interrupted and second.trials_run == 2  # the interrupted one and the one never started
     study = optuna.load_study(study_name=entry["study"], storage=storage)
     complete = [t for t in study.trials if t.state.name == "COMPLETE"]
@@ -262,5 +270,7 @@ def test_interrupted_study_resumes_without_repeating_finished_trials(tmp_path, p
     assert entry["winner"]["backend"] in ("planted_fast", "planted_fast_two")
     assert (tmp_path / JOURNAL_NAME).exists()
 
-    third = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile)
+    third = tune(
+        [WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile, samples=SAMPLES
+    )
     assert third.trials_run == 0

@@ -53,6 +53,7 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
     from attnbench.tuning.worker import workload_from_dict
 
     workload = workload_from_dict(task["workload"])
+    clock = _clock(task.get("clock"))
     profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
     samples, warmup = int(task.get("samples", 15)), int(task.get("warmup", 1))
     failed: dict[str, str] = {}
@@ -103,10 +104,10 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
             got: dict[str, float] = {}
             k = r % len(order)
             for label in order[k:] + order[:k]:  # rotated: no candidate always runs first
-                t0 = time.perf_counter()
+                t0 = clock()
                 models[label].decode_step()
                 synchronize(workload.device)
-                got[label] = (time.perf_counter() - t0) * 1e3
+                got[label] = (clock() - t0) * 1e3
             return got
 
         synchronize(workload.device)
@@ -131,6 +132,16 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}}
 
 
+def _clock(ref: str | None) -> Any:
+    """``time.perf_counter``, or the zero-argument clock at import path ``ref`` (tests plant one)."""
+    if not ref:
+        return time.perf_counter
+    import importlib
+
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 # --------------------------------------------------------------------------------------------------
 # parent side
 # --------------------------------------------------------------------------------------------------
@@ -149,8 +160,13 @@ def retime(
     profile: dict[str, Any] | None = None,
     timeout_s: float = 120.0,
     seed: int = 0,
+    clock: str | None = None,
 ) -> PointMeasurement:
-    """Time ``finalists`` interleaved in ``worker``; fall back to one at a time if it dies."""
+    """Time ``finalists`` interleaved in ``worker``; fall back to one at a time if it dies.
+
+    ``clock``: import path of a zero-argument clock in seconds to time with instead of
+    ``time.perf_counter`` (tests plant a virtual one, so that planted timings ignore the load).
+    """
     from attnbench.tuning.worker import workload_to_dict
 
     base = {
@@ -165,6 +181,7 @@ def retime(
         "accuracy_budget": accuracy_budget,
         "profile": profile,
         "seed": seed,
+        "clock": clock,
     }
 
     def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[float]], dict[str, str]]:

@@ -72,6 +72,9 @@ class TuneOptions:
     allow_lossy: bool = False  # lossy caches (fp8 K/V) compete only when allowed
     accuracy_budget: float | None = None  # or: lossy caches within this rel_l2 of exact attention compete
     error_multiple: float | None = None  # the gate's multiple for backends that declare none of their own
+    clock: str | None = (
+        None  # import path of the finalists' re-timing clock (default perf_counter; tests plant one)
+    )
 
 
 @dataclass

@@ -252,6 +252,7 @@ def _retime(
         profile=profile,
         timeout_s=options.timeout_s,
         seed=options.seed,
+        clock=options.clock,
     )
 
 
