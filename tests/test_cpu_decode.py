@@ -51,7 +51,7 @@ class TestCpuDecode(BackendConformance):
     configs: ClassVar[list[dict[str, Any]]] = [
         CpuDecodeBackend.default_config(),
         {"page_size": 16, "kv_splits": 4},
-        {"page_size": 128, "kv_splits": 1, "prefetch": 0},
+        {"page_size": 32, "kv_splits": 1, "prefetch": 0},
     ]
 
 
