@@ -32,7 +32,21 @@ __all__ = [
     "last_level_cache_bytes",
     "load_profile",
     "measure_bandwidth",
+    "resolve_device",
 ]
+
+#: The device every command and :func:`attnbench.select` use by default: CUDA when available, else CPU.
+AUTO = "auto"
+
+
+def resolve_device(device: str | torch.device = AUTO) -> str:
+    """``"auto"`` → ``"cuda"`` when torch sees a CUDA GPU, else ``"cpu"``; anything else unchanged
+    (validated where it is used: a ``Workload`` names the field and why, e.g. a CPU-only torch)."""
+    if isinstance(device, torch.device):
+        return str(device)
+    if device.strip().lower() == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def cache_dir() -> Path:

@@ -5,9 +5,20 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_results_location(tmp_path_factory):
+    """Tests never read or write the user's own results location: the per-user default points into a
+    temporary folder (a test that wants another location passes --results or sets the variable)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
+        mp.delenv("ATTNBENCH_RESULTS_DIR", raising=False)
+        yield

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from attnbench.cli.common import console, emit_json
+from attnbench.cli.common import add_device_option, console, emit_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,9 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example: attnbench calibrate --bench results/bench-cpu-llama-3.1-8b-1k-8k.json",
     )
     p.add_argument(
+        "--results",
         "--results-dir",
+        dest="results_dir",
         default=None,
-        help="where the tuned tables live (default $ATTNBENCH_RESULTS_DIR or results/)",
+        metavar="DIR",
+        help="the results location: where the tuned tables live and the calibration goes (default "
+        "$ATTNBENCH_RESULTS_DIR, else the per-user $XDG_DATA_HOME/attnbench, i.e. ~/.local/share/attnbench)",
+    )
+    p.add_argument(
+        "--update-reference",
+        action="store_true",
+        help="allow writing into a folder of committed reference runs (one holding REFERENCE.md)",
     )
     p.add_argument("--table", default=None, help="a tuned table (default: this device's, if any)")
     p.add_argument(
@@ -41,9 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", default=None, help="output file (default: calibration-<device>.yaml beside the table)"
     )
-    p.add_argument(
-        "--device", default="cpu", help="device whose profile the calibration is for (default cpu)"
-    )
+    add_device_option(p, what="device whose profile the calibration is for")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -60,15 +67,15 @@ def run(args: argparse.Namespace) -> int:
     )
     from attnbench.device import load_profile
     from attnbench.gpuspec import device_memory_bytes, measured_flops
+    from attnbench.locations import check_table_file, readable_results, writable_results
     from attnbench.registry import load_registry
     from attnbench.tuning.table import hardware_id, table_path
-    from attnbench.tuning.tuner import default_results_dir
 
     profile = load_profile(args.device)
     dev = torch.device(args.device)
-    results = Path(args.results_dir or default_results_dir())
+    results = readable_results(args.results_dir).path
     registry = load_registry()
-    table = Path(args.table) if args.table else table_path(results, profile.fingerprint)
+    table = check_table_file(args.table) if args.table else table_path(results, profile.fingerprint)
     points = points_from_table(table, registry) if table.exists() else []
     for path in args.bench:
         if not Path(path).exists():
@@ -92,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
     )
     command = "attnbench calibrate" + "".join(f" --bench {b}" for b in args.bench)
     cal = Calibration.fit(points, device=device, command=command)
-    out = Path(args.out) if args.out else calibration_path(results, profile.fingerprint)
+    if args.out:
+        out = Path(args.out)
+    else:
+        folder = writable_results(args.results_dir, update_reference=args.update_reference).path
+        out = calibration_path(folder, profile.fingerprint)
     cal.save(out)
     if args.json:
         emit_json(cal.as_dict() | {"path": str(out)})

@@ -15,10 +15,12 @@ from typing import Any, TextIO
 
 from rich.console import Console
 
+from attnbench.device import AUTO, resolve_device
 from attnbench.shapes import list_presets, load_shape
 from attnbench.workload import Workload, parse_int_list, parse_tokens
 
 __all__ = [
+    "add_device_option",
     "add_model_option",
     "add_workload_options",
     "console",
@@ -63,7 +65,17 @@ def add_workload_options(
         default=dtype,
         help=f"compute/KV dtypes, comma-separated: bf16, fp16, fp32 (default {dtype})",
     )
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    add_device_option(parser)
+
+
+def add_device_option(parser: argparse.ArgumentParser, *, what: str = "torch device") -> None:
+    """``--device``, default ``auto``: CUDA when torch sees a GPU, else CPU (resolved when parsed)."""
+    parser.add_argument(
+        "--device",
+        default=AUTO,
+        type=resolve_device,
+        help=f"{what}: auto (CUDA when available, else cpu; the default), cuda, cuda:N or cpu",
+    )
 
 
 def workloads_from_args(args: argparse.Namespace) -> list[Workload]:

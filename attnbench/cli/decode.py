@@ -15,7 +15,7 @@ from rich.table import Table
 
 from attnbench.backend import Backend
 from attnbench.bench import CheckFailed, check_workload
-from attnbench.cli.common import add_model_option, console, emit_json
+from attnbench.cli.common import add_device_option, add_model_option, console, emit_json
 from attnbench.decode import SyntheticModel, generate
 from attnbench.device import load_profile
 from attnbench.gate import check
@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--backend", default="naive", help="backend name (default naive; see `attnbench backends`)"
     )
     p.add_argument("--dtype", default="bf16", help="compute/KV dtype: bf16, fp16, fp32 (default bf16)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    add_device_option(p)
     p.add_argument(
         "--layers",
         type=int,
