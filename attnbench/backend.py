@@ -27,7 +27,6 @@ Tensor conventions (``B`` batch, ``T`` new tokens, ``S`` cached tokens):
 
 from __future__ import annotations
 
-import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from attnbench.resolution import Resolution, Tunable
 from attnbench.shapes import AttentionGeometry
 from attnbench.workload import Workload
 
@@ -44,6 +44,8 @@ __all__ = [
     "Backend",
     "ConfigError",
     "KVCache",
+    "Resolution",
+    "ResolvingBackend",
     "StepPlan",
     "Tolerance",
     "Tunable",
@@ -56,20 +58,6 @@ PLUGIN_API_VERSION = 1
 
 class ConfigError(ValueError):
     """A backend config names an unknown tunable or a value outside its choices."""
-
-
-@dataclass(frozen=True)
-class Tunable:
-    """One tunable parameter of a backend, declared as data (like a ``triton.Config`` list)."""
-
-    name: str
-    choices: tuple[Any, ...]
-    default: Any
-    doc: str = ""
-
-    def __post_init__(self) -> None:
-        if self.default not in self.choices:
-            raise ValueError(f"tunable {self.name!r}: default {self.default!r} not in choices {self.choices}")
 
 
 @dataclass(frozen=True)
@@ -178,6 +166,42 @@ class Backend(ABC):
     lossy: ClassVar[str] = ""
 
     # -- what it can do --------------------------------------------------------------------------
+    def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution:
+        """Everything about running ``workload`` with ``config``, in one object (see :class:`Resolution`).
+
+        Callers ask once per (workload, config) and pass the answer on. This default combines the
+        four hooks below (:meth:`supports`, :meth:`implementation`, :meth:`interpreted`,
+        :meth:`tunables_for`) and :meth:`kv_bytes_per_token`, so a plugin may implement just those; a
+        backend that works its answers out in one pass subclasses :class:`ResolvingBackend` instead.
+        A bad config raises :class:`ConfigError`.
+        """
+        cfg = self.resolve_config(config)
+        reasons = tuple(self.supports(workload))
+        runnable = not reasons
+        return Resolution(
+            backend=self.name,
+            workload=workload,
+            config=cfg,
+            reasons=reasons,
+            implementation=self.implementation(workload) if runnable else _unavailable(reasons),
+            interpreted=bool(self.interpreted(workload)) if runnable else False,
+            tunables=tuple(self.tunables_for(workload)) if runnable else (),
+            kv_bytes_per_token=self.kv_bytes_per_token(workload, config=cfg),
+            lossy=self.lossy,
+            kv_form=self.kv_form,
+        )
+
+    def kv_bytes_per_token(self, workload: Workload, *, config: Mapping[str, Any]) -> int:
+        """Bytes one token takes in this backend's cache over all the shape's layers (no allocation).
+
+        Default: the shape's K/V count in the workload dtype and this backend's form. A cache that
+        stores more (scales, padding, another dtype) overrides this; it must equal what
+        ``create_cache(...).bytes_per_token()`` reports for the shape's layer count.
+        """
+        shape = workload.shape
+        form = self.kv_form if shape.is_mla else "expanded"
+        return shape.kv_bytes_per_token(workload.dtype, form)  # type: ignore[arg-type]
+
     def supports(self, workload: Workload) -> list[str]:
         """Reasons this backend cannot run ``workload``; an empty list means it can."""
         return []
@@ -245,15 +269,6 @@ class Backend(ABC):
             resolved[key] = value
         return resolved
 
-    @classmethod
-    def all_configs(cls) -> list[dict[str, Any]]:
-        """Every combination of tunable choices (the full grid)."""
-        names = [t.name for t in cls.tunables]
-        return [
-            dict(zip(names, combo, strict=True))
-            for combo in itertools.product(*(t.choices for t in cls.tunables))
-        ]
-
     # -- the cache and the step ------------------------------------------------------------------
     @abstractmethod
     def create_cache(
@@ -306,6 +321,67 @@ class Backend(ABC):
             )
         self.append(cache, plan, layer=layer, k=k, v=v)
         return causal_attention(q, k, v, plan.num_new, scale=cache.geometry.scale)
+
+
+class ResolvingBackend(Backend):
+    """A backend that works out its :class:`Resolution` in one pass (override :meth:`resolve`).
+
+    The four hooks of the plugin contract then answer from it, so they can never disagree with it.
+    Build the answer with :meth:`resolution`, which fills in the name, the config, KV bytes and lossiness.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        hooks = [h for h in ("supports", "implementation", "interpreted", "tunables_for") if h in vars(cls)]
+        if hooks and "resolve" not in vars(cls):
+            raise TypeError(
+                f"{cls.__qualname__} overrides {', '.join(hooks)} of a backend that answers in resolve(): "
+                "override resolve() instead (the hooks read from it)"
+            )
+
+    @abstractmethod
+    def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution: ...
+
+    def resolution(
+        self,
+        workload: Workload,
+        config: Mapping[str, Any] | None,
+        *,
+        reasons: Sequence[str] = (),
+        implementation: str,
+        interpreted: bool = False,
+        tunables: Sequence[Tunable] = (),
+    ) -> Resolution:
+        """A :class:`Resolution` for ``workload``; a refused one gets no tunables and says why."""
+        cfg = self.resolve_config(config)
+        return Resolution(
+            backend=self.name,
+            workload=workload,
+            config=cfg,
+            reasons=tuple(reasons),
+            implementation=_unavailable(reasons) if reasons else implementation,
+            interpreted=interpreted and not reasons,
+            tunables=() if reasons else tuple(tunables),
+            kv_bytes_per_token=self.kv_bytes_per_token(workload, config=cfg),
+            lossy=self.lossy,
+            kv_form=self.kv_form,
+        )
+
+    def supports(self, workload: Workload) -> list[str]:
+        return list(self.resolve(workload).reasons)
+
+    def implementation(self, workload: Workload) -> str:
+        return self.resolve(workload).implementation
+
+    def interpreted(self, workload: Workload) -> bool:
+        return self.resolve(workload).interpreted
+
+    def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
+        return self.resolve(workload).tunables
+
+
+def _unavailable(reasons: Sequence[str]) -> str:
+    return "unavailable: " + "; ".join(reasons)
 
 
 def base_plan(cache: KVCache, num_new: Sequence[int]) -> StepPlan:

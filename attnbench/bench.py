@@ -8,8 +8,8 @@
 
 Order of work:
 
-1. ``backend.supports(workload)`` — a backend that cannot run the workload raises ``ValueError``
-   naming the reasons.
+1. ``backend.resolve(workload, config)`` (or the ``resolution`` passed in) — a backend that cannot
+   run the workload raises ``ValueError`` naming the reasons; the answer is reused by every step.
 2. The correctness gate (:func:`attnbench.gate.check`, two layers, fresh random inputs with needle
    probes, bounds calibrated per metric) on the same shape, dtype and the workload's full context;
    when the full batch would not fit the gate's memory budget the batch is reduced first, then the
@@ -17,7 +17,7 @@ Order of work:
    failed check raises :class:`CheckFailed`, which
    carries the :class:`~attnbench.gate.CheckResult` (``err.check``) so that callers such as the tuner
    can record the numbers. Nothing that failed is ever timed.
-3. Backends whose kernels would run in an interpreter (``backend.interpreted(workload)``) stop here:
+3. Backends whose kernels would run in an interpreter (``Resolution.interpreted``) stop here:
    the measurement has ``timed=False``, ``step=None`` and says why. Interpreted timings mean nothing.
 4. The synthetic attention-only model (:class:`attnbench.synthetic.SyntheticModel`) is filled to the
    workload's context (untimed), then whole decode steps — ``plan()``, every layer's ``decode()``,
@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from attnbench.backend import DEFAULT_ERROR_MULTIPLE, Backend
+from attnbench.backend import DEFAULT_ERROR_MULTIPLE, Backend, Resolution
 from attnbench.costmodel import decode_cost
 from attnbench.decode import SyntheticModel
 from attnbench.device import DeviceProfile, last_level_cache_bytes
@@ -255,6 +255,7 @@ def measure_decode(
     error_multiple: float | None = None,
     accuracy_budget: float | None = None,
     peak_flops: float | None = None,
+    resolution: Resolution | None = None,
 ) -> DecodeMeasurement:
     """Check ``backend`` on ``workload``, then time its decode step through the synthetic model.
 
@@ -270,20 +271,20 @@ def measure_decode(
             none of its own (default: the backend's ``error_multiple``).
         accuracy_budget: for a lossy cache, the largest rel_l2 against exact attention accepted.
         peak_flops: the measured matmul peak (FLOP/s); a step above it is refused too.
+        resolution: ``backend.resolve(workload, config)`` if the caller has it (else resolved here).
 
     Raises:
         ValueError: the backend cannot run the workload (the message lists why).
         CheckFailed: the output broke the backend's tolerance (``err.check`` has the numbers).
     """
-    reasons = backend.supports(workload)
-    if reasons:
-        raise ValueError(f"backend {backend.name!r} cannot run {workload.describe()}: {'; '.join(reasons)}")
-    cfg = backend.resolve_config(config)
+    if resolution is None or not resolution.matches(workload, config):
+        resolution = backend.resolve(workload, config)
+    cfg = dict(resolution.require().config)
     layers = num_layers or workload.shape.num_layers
     base = {
         "backend": backend.name,
         "config": cfg,
-        "implementation": backend.implementation(workload),
+        "implementation": resolution.implementation,
         "workload": workload.describe(),
         "num_layers": layers,
         "dtype": workload.dtype_name,
@@ -296,15 +297,18 @@ def measure_decode(
         checked = check_workload(workload, form=backend.kv_form, budget_bytes=check_budget_bytes)
         multiple = _multiple(backend, workload.dtype, cfg, error_multiple)
         gate_start = time.perf_counter()
-        result = gate_check(backend, checked, config=cfg, num_layers=2, multiple=multiple)
+        result = gate_check(
+            backend, checked, config=cfg, num_layers=2, multiple=multiple, resolution=resolution
+        )
         gc.collect()
         gate_s = time.perf_counter() - gate_start
-        if accuracy_budget is not None and backend.lossy and not result.error.rel_l2 <= accuracy_budget:
-            over = f"lossy ({backend.lossy}): rel_l2 {result.error.rel_l2:.3g} against exact attention > the accuracy budget {accuracy_budget:g}"
+        lossy = resolution.lossy
+        if accuracy_budget is not None and lossy and not result.error.rel_l2 <= accuracy_budget:
+            over = f"lossy ({lossy}): rel_l2 {result.error.rel_l2:.3g} against exact attention > the accuracy budget {accuracy_budget:g}"
             result = dataclasses.replace(result, failures=[*result.failures, over])
         if not result.passed:
             raise CheckFailed(result)
-    if backend.interpreted(workload):
+    if resolution.interpreted:
         return DecodeMeasurement(
             **base,
             step=None,
@@ -319,7 +323,12 @@ def measure_decode(
         )
 
     model = SyntheticModel(
-        backend, workload, config=cfg, num_layers=layers, materialise_bytes=materialise_bytes
+        backend,
+        workload,
+        config=cfg,
+        num_layers=layers,
+        materialise_bytes=materialise_bytes,
+        resolution=resolution,
     )
     spot = random.Random(os.urandom(8))
     model.record_layer = spot.randrange(layers) if check else None
@@ -432,7 +441,7 @@ def _check_timed_step(
         calibration=judge.calib.stats(),
         multiple=judge.multiple,
         decode_steps=1,
-        lossy=backend.lossy,
+        lossy=model.resolution.lossy,
         stored_error=judge.stored.stats() if judge.stored else None,
         stored_calibration=judge.stored_calib.stats() if judge.stored_calib else None,
         stored_tolerance=stored_tol,

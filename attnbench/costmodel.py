@@ -4,8 +4,8 @@ Every figure of the project that says how much a decode step reads or computes c
 estimator (``attnbench estimate``), ``bench``'s bound column, ``select()``'s heuristic, the MLA
 roofline and the docs' scripts. The pieces:
 
-- **KV bytes per token** — the backend's own answer (:func:`backend_kv_bytes_per_token`: the bytes its
-  cache reports per token, fp8 scales or a plugin's own layout included), or, with no backend at hand
+- **KV bytes per token** — the backend's own answer (``Resolution.kv_bytes_per_token``, also through
+  :func:`backend_kv_bytes_per_token`: fp8 scales or a plugin's own layout included), or, with no backend at hand
   (a datasheet estimate), the shape's count (:func:`shape_kv_bytes_per_token`: expanded per-head K/V
   for GQA, the latent ``kv_lora_rank + qk_rope_head_dim`` row for MLA, split or replicated over ``tp``).
 - **KV bytes per step** — :func:`kv_bytes_per_step`: bytes per token × the tokens the step attends to
@@ -87,17 +87,10 @@ def backend_kv_bytes_per_token(
 ) -> int:
     """Bytes per cached token over all layers of ``workload`` as ``backend``'s own cache stores it.
 
-    Asks the backend: a one-layer, one-token cache is made and its ``bytes_per_token()`` read (scales,
-    paddings and plugin layouts included). A cache that cannot be made that small falls back to the
-    shape's count in the backend's form.
+    The backend's answer, ``backend.resolve(workload, config).kv_bytes_per_token`` (scales, paddings
+    and plugin layouts included, no cache allocated); a caller that holds the resolution reads it there.
     """
-    shape = workload.shape
-    try:
-        cfg = backend.resolve_config(config)
-        cache = backend.create_cache(workload, config=cfg, num_layers=1, max_seq_len=1)
-        return int(cache.bytes_per_token()) * shape.num_layers
-    except Exception:  # any failure means: use the shape's count
-        return shape.kv_bytes_per_token(workload.dtype, _form(shape, backend.kv_form))  # type: ignore[arg-type]
+    return backend.resolve(workload, config).kv_bytes_per_token
 
 
 def kv_bytes_per_step(bytes_per_token: float, *, tokens: float) -> float:

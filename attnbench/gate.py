@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from attnbench.backend import DEFAULT_ERROR_MULTIPLE, Backend, Tolerance
+from attnbench.backend import DEFAULT_ERROR_MULTIPLE, Backend, Resolution, Tolerance
 from attnbench.probes import GateInputs, Probe, build_gate_inputs
 from attnbench.reference import ErrorStats, compare, reference_pair
 from attnbench.shapes import AttentionGeometry
@@ -416,6 +416,7 @@ def check(
     probes: bool = True,
     multiple: float | None = None,
     case: GateCase | None = None,
+    resolution: Resolution | None = None,
 ) -> CheckResult:
     """Compare ``backend``'s decode against float64 attention for ``workload``.
 
@@ -427,12 +428,11 @@ def check(
     with float64 attention and with the calibration reference on the same inputs; the candidate
     passes when each metric's worst over every step and layer is within ``multiple`` (default: the
     backend's ``error_multiple(dtype)``) × the calibration's worst plus a floor, and every probe is
-    retrieved. ``case`` (from :func:`prepare_case`) reuses inputs and references across candidates.
-    """
-    reasons = backend.supports(workload)
-    if reasons:
-        raise ValueError(f"backend {backend.name!r} cannot run this workload: {'; '.join(reasons)}")
-    cfg = backend.resolve_config(config)
+    retrieved. ``case`` (from :func:`prepare_case`) reuses inputs and references across candidates;
+    ``resolution`` (``backend.resolve(workload, config)``) is reused when it answers this workload."""
+    if resolution is None or not resolution.matches(workload, config):
+        resolution = backend.resolve(workload, config)
+    cfg = dict(resolution.require().config)
     mult = float(backend.error_multiple(workload.dtype, config=cfg) if multiple is None else multiple)
     if not (math.isfinite(mult) and mult > 0):
         raise ValueError(f"error multiple = {mult!r} must be a positive number")
@@ -493,7 +493,7 @@ def check(
         probes=len(judge.probe_stats),
         missed=missed,
         decode_steps=steps,
-        lossy=backend.lossy,
+        lossy=resolution.lossy,
         stored_error=judge.stored.stats() if judge.stored else None,
         stored_calibration=judge.stored_calib.stats() if judge.stored_calib else None,
         stored_tolerance=stored_tol,

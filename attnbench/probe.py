@@ -1,7 +1,7 @@
-"""Bounded calls into plugin code: what a backend says about a workload, asked in a subprocess.
+"""Bounded calls into plugin code: a backend's ``resolve()`` of a workload, asked in a subprocess.
 
-``supports()``, ``interpreted()``, ``implementation()`` and ``tunables_for()`` are plugin code that
-the parent process (``tune``, ``backends``, ``select()``) must call. A thread cannot bound a call that
+``resolve()`` (and the ``supports()``, ``interpreted()``, ``implementation()`` and ``tunables_for()``
+hooks it combines) is plugin code that the parent process (``tune``, ``backends``, ``select()``) must call. A thread cannot bound a call that
 hangs while holding the GIL, so for backends outside attnbench itself the calls run in a child
 process (``python -m attnbench.probe``) with a deadline: a backend that gives no answer in time is
 left out with that reason, and the others still answer. Built-in backends are asked directly.
@@ -26,11 +26,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attnbench.backend import Backend, Tunable
+from attnbench.backend import Backend, Resolution
 from attnbench.workload import Workload, bucket
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Answers", "ask", "ask_many"]
@@ -41,31 +40,8 @@ DEFAULT_TIMEOUT_S = 60.0
 _RETRY_S = 3600.0
 
 
-@dataclass(frozen=True)
-class Answers:
-    """A backend's answers for one workload; ``reasons`` non-empty means it cannot run it."""
-
-    reasons: tuple[str, ...]
-    interpreted: bool = False
-    implementation: str = ""
-    tunables: tuple[Tunable, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "reasons": list(self.reasons),
-            "interpreted": self.interpreted,
-            "implementation": self.implementation,
-            "tunables": [[t.name, _enc(list(t.choices)), _enc(t.default), t.doc] for t in self.tunables],
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Answers:
-        return cls(
-            tuple(d["reasons"]),
-            bool(d["interpreted"]),
-            str(d["implementation"]),
-            tuple(Tunable(n, tuple(_dec(c)), _dec(dflt), doc) for n, c, dflt, doc in d["tunables"]),
-        )
+#: What :func:`ask` returns (the backend's :class:`~attnbench.backend.Resolution`); the old name stays.
+Answers = Resolution
 
 
 def _enc(value: Any) -> Any:
@@ -85,20 +61,37 @@ def _dec(value: Any) -> Any:
     return value
 
 
-def _direct(cls: type[Backend], workload: Workload) -> Answers:
+def _encode(answer: Resolution) -> dict[str, Any]:
+    d = answer.as_dict()
+    d["tunables"] = [[n, _enc(tuple(c)), _enc(dflt), doc] for n, c, dflt, doc in d["tunables"]]
+    return d
+
+
+def _decode(data: dict[str, Any], workload: Workload) -> Resolution:
+    fields = {k: v for k, v in data.items() if k != "expires"}
+    fields["tunables"] = [[n, _dec(c), _dec(dflt), doc] for n, c, dflt, doc in fields["tunables"]]
+    return Resolution.from_dict(fields, workload=workload)
+
+
+def _failed(cls: type[Backend], workload: Workload, reason: str) -> Resolution:
+    """A refusal built without asking the backend again (it hung, raised or would not load)."""
+    name = getattr(cls, "name", cls.__qualname__)
+    return Resolution(
+        backend=name,
+        workload=workload,
+        config={},
+        reasons=(reason,),
+        implementation="error",
+        lossy=getattr(cls, "lossy", ""),
+        kv_form=getattr(cls, "kv_form", "expanded"),
+    )
+
+
+def _direct(cls: type[Backend], workload: Workload) -> Resolution:
     try:
-        backend = cls()
-        reasons = tuple(backend.supports(workload))
-        if reasons:
-            return Answers(reasons, implementation=backend.implementation(workload))
-        return Answers(
-            (),
-            bool(backend.interpreted(workload)),
-            backend.implementation(workload),
-            tuple(backend.tunables_for(workload)),
-        )
+        return cls().resolve(workload)
     except Exception as err:  # a backend whose answers themselves break is left out, with the error
-        return Answers((f"supports() raised {type(err).__name__}: {err}",), implementation="error")
+        return _failed(cls, workload, f"resolve() raised {type(err).__name__}: {err}")
 
 
 def _trusted(cls: type[Backend]) -> bool:
@@ -128,7 +121,7 @@ def _cache_file(cls: type[Backend], workload: Workload) -> Path:
     where = workload_to_dict(workload) | {
         "context_lens": [bucket(max(1, workload.batch)), bucket(max(1, max(workload.context_lens)))]
     }
-    key = json.dumps(["probe-2", _ref(cls), code, where, str(torch.__version__)], default=str)
+    key = json.dumps(["probe-3", _ref(cls), code, where, str(torch.__version__)], default=str)
     return cache_dir() / "probes" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
@@ -139,18 +132,18 @@ def _timeout() -> float:
         return DEFAULT_TIMEOUT_S
 
 
-def ask(cls: type[Backend], workload: Workload, *, timeout: float | None = None) -> Answers:
-    """``cls``'s answers for ``workload`` (bounded in time for plugin code)."""
+def ask(cls: type[Backend], workload: Workload, *, timeout: float | None = None) -> Resolution:
+    """``cls().resolve(workload)`` with its default config (bounded in time for plugin code)."""
     return ask_many([cls], workload, timeout=timeout)[0]
 
 
 def ask_many(
     classes: Sequence[type[Backend]], workload: Workload, *, timeout: float | None = None
-) -> list[Answers]:
-    """Answers for each of ``classes``, in order: built-ins asked here, the rest in one child process
+) -> list[Resolution]:
+    """Resolutions for each of ``classes``, in order: built-ins asked here, the rest in one child process
     (a new one after a backend that hangs), from the cache where it holds them."""
     timeout = _timeout() if timeout is None else timeout
-    out: dict[int, Answers] = {}
+    out: dict[int, Resolution] = {}
     pending: list[int] = []
     for i, cls in enumerate(classes):
         if _trusted(cls):
@@ -161,20 +154,20 @@ def ask_many(
             cached = json.loads(path.read_text())
             if cached.get("expires", math.inf) < time.time():
                 raise ValueError("expired")
-            out[i] = Answers.from_dict(cached)
+            out[i] = _decode(cached, workload)
         except (OSError, ValueError, KeyError, TypeError):
             pending.append(i)
     while pending:
         answered = _ask_child([classes[i] for i in pending], workload, timeout=timeout)
         for i, answer in zip(pending, answered, strict=False):
             out[i] = answer
-            _store(_cache_file(classes[i], workload), answer.as_dict())
+            _store(_cache_file(classes[i], workload), _encode(answer))
         done = len(answered)
         if done < len(pending):  # the next one hung or the child died: say so, go on after it
             i = pending[done]
-            out[i] = _no_answer(classes[i], timeout)
+            out[i] = _no_answer(classes[i], workload, timeout)
             # remembered for a while, so a hanging plugin does not cost every call its timeout
-            _store(_cache_file(classes[i], workload), out[i].as_dict() | {"expires": time.time() + _RETRY_S})
+            _store(_cache_file(classes[i], workload), _encode(out[i]) | {"expires": time.time() + _RETRY_S})
             done += 1
         pending = pending[done:]
     return [out[i] for i in range(len(classes))]
@@ -190,17 +183,16 @@ def _store(path: Path, data: dict[str, Any]) -> None:
         pass  # an unwritable cache only costs time
 
 
-def _no_answer(cls: type[Backend], timeout: float) -> Answers:
-    return Answers(
-        (
-            f"plugin backend {cls.name!r} gave no answer to supports() within {timeout:g} s (hangs, or "
-            "its process died); left out (ATTNBENCH_PLUGIN_TIMEOUT sets the limit)",
-        ),
-        implementation="error",
+def _no_answer(cls: type[Backend], workload: Workload, timeout: float) -> Resolution:
+    return _failed(
+        cls,
+        workload,
+        f"plugin backend {cls.name!r} gave no answer to supports() within {timeout:g} s (hangs, or "
+        "its process died); left out (ATTNBENCH_PLUGIN_TIMEOUT sets the limit)",
     )
 
 
-def _ask_child(classes: Sequence[type[Backend]], workload: Workload, *, timeout: float) -> list[Answers]:
+def _ask_child(classes: Sequence[type[Backend]], workload: Workload, *, timeout: float) -> list[Resolution]:
     """Answers from one child process, one line each, until one takes longer than ``timeout``."""
     from attnbench.tuning.worker import workload_to_dict
 
@@ -216,7 +208,7 @@ def _ask_child(classes: Sequence[type[Backend]], workload: Workload, *, timeout:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    answers: list[Answers] = []
+    answers: list[Resolution] = []
     buffer = b""
     try:
         assert proc.stdin is not None and proc.stdout is not None
@@ -238,7 +230,7 @@ def _ask_child(classes: Sequence[type[Backend]], workload: Workload, *, timeout:
                 while b"\n" in buffer:
                     line, _, buffer = buffer.partition(b"\n")
                     if ready:
-                        answers.append(Answers.from_dict(json.loads(line)))
+                        answers.append(_decode(json.loads(line), workload))
                     ready = True
                     deadline = time.monotonic() + timeout
     finally:
@@ -270,8 +262,8 @@ def main() -> None:
         try:
             answer = _direct(load_backend_class(ref), workload)
         except Exception as err:
-            answer = Answers((f"loading {ref} raised {type(err).__name__}: {err}",), implementation="error")
-        proto.write(json.dumps(answer.as_dict(), default=str) + "\n")
+            answer = _failed(Backend, workload, f"loading {ref} raised {type(err).__name__}: {err}")
+        proto.write(json.dumps(_encode(answer), default=str) + "\n")
 
 
 if __name__ == "__main__":

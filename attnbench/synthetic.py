@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from attnbench.backend import Backend, KVCache
+from attnbench.backend import Backend, KVCache, Resolution
 from attnbench.device import last_level_cache_bytes
 from attnbench.gate import random_step_inputs
 from attnbench.timing import synchronize
@@ -91,18 +91,19 @@ class SyntheticModel:
         materialise_bytes: int | None = None,
         input_sets: int = 2,
         seed: int | None = None,
+        resolution: Resolution | None = None,
     ) -> None:
-        reasons = backend.supports(workload)
-        if reasons:
-            why = "; ".join(reasons)
-            raise ValueError(f"backend {backend.name!r} cannot run {workload.describe()}: {why}")
+        if resolution is None or not resolution.matches(workload, config):
+            resolution = backend.resolve(workload, config)
+        resolution.require()
         if num_layers is not None and num_layers <= 0:
             raise ValueError(f"num_layers = {num_layers} must be > 0")
         if input_sets <= 0:
             raise ValueError(f"input_sets = {input_sets} must be > 0")
         self.backend = backend
         self.workload = workload
-        self.config = backend.resolve_config(config)
+        self.resolution = resolution
+        self.config = dict(resolution.config)
         self.num_layers = num_layers or workload.shape.num_layers
         self.batch = workload.batch
         self.device = torch.device(workload.device)

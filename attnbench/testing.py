@@ -126,10 +126,11 @@ def run_case(
     seed = gate_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     workload = Workload(case.shape, case.prompt_lens, parse_dtype(dtype), device)
-    reasons = backend.supports(workload)
-    if reasons:
-        raise ValueError(f"backend {backend.name!r} does not support case {case.id}: {'; '.join(reasons)}")
-    cfg = backend.resolve_config(config)
+    resolution = backend.resolve(workload, config)
+    if resolution.reasons:
+        why = "; ".join(resolution.reasons)
+        raise ValueError(f"backend {backend.name!r} does not support case {case.id}: {why}")
+    cfg = dict(resolution.config)
     form = backend.kv_form
     geom = workload.geometry(form)
     tol = backend.tolerance(workload.dtype)
@@ -254,7 +255,7 @@ class BackendConformance:
         import pytest
 
         backend = self.backend()
-        reasons = backend.supports(Workload(case.shape, lens, parse_dtype(dtype), self.device))
+        reasons = backend.resolve(Workload(case.shape, lens, parse_dtype(dtype), self.device)).reasons
         if reasons:
             pytest.skip(f"{backend.name} does not support {case.id}/{dtype}: {'; '.join(reasons)}")
         return backend
@@ -268,9 +269,12 @@ class BackendConformance:
             assert t.default in t.choices and len(set(t.choices)) == len(t.choices), t
         backend = cls()
         w = Workload(self._cases()[0].shape, (4,), torch.float32, self.device)
-        reasons = backend.supports(w)
-        assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), reasons
-        assert isinstance(backend.implementation(w), str)
+        res = backend.resolve(w)
+        assert res.backend == cls.name and res.workload == w and res.kv_form == cls.kv_form, res
+        assert all(isinstance(r, str) and r for r in res.reasons), res.reasons
+        assert isinstance(res.implementation, str) and res.lossy == cls.lossy
+        assert all(t in cls.tunables or t.name in {u.name for u in cls.tunables} for t in res.tunables)
+        assert list(res.reasons) == list(backend.supports(w)), "supports() disagrees with resolve()"
         for dt in (torch.float32, torch.bfloat16):
             tol = backend.tolerance(dt)
             assert all(math.isfinite(x) and x > 0 for x in (tol.max_abs, tol.rel_l2, tol.min_cosine))
@@ -282,9 +286,21 @@ class BackendConformance:
             (c.id, d)
             for c in self._cases()
             for d in self.dtypes
-            if not backend.supports(Workload(c.shape, c.prompt_lens, parse_dtype(d), self.device))
+            if backend.resolve(Workload(c.shape, c.prompt_lens, parse_dtype(d), self.device)).runnable
         ]
         assert supported, f"{backend.name} supports none of the conformance cases on {self.device}"
+
+    def test_resolution_counts_the_bytes_its_cache_stores(self) -> None:
+        """``resolve().kv_bytes_per_token`` (no cache allocated) equals what a cache reports per token."""
+        backend = self.backend()
+        for c in self._cases():
+            w = Workload(c.shape, c.prompt_lens, parse_dtype(self.dtypes[0]), self.device)
+            res = backend.resolve(w)
+            if res.runnable:
+                cache = backend.create_cache(
+                    w, config=res.config, num_layers=2, max_seq_len=max(c.prompt_lens) + 1
+                )
+                assert res.kv_bytes_per_token * 2 == cache.bytes_per_token() * c.shape.num_layers, (c.id, res)
 
     def test_rejects_unknown_config(self) -> None:
         import pytest

@@ -8,7 +8,7 @@ Two implementations, and it reports which one runs:
 - otherwise PyTorch's SDPA restricted to its flash kernel (``SDPBackend.FLASH_ATTENTION``) where the
   platform has one — CPU included — over a ``[B, Hkv, S, D]`` cache with native GQA.
 
-Where neither exists, ``supports()`` says why. Both need ``Dk == Dv`` (so not MLA's expanded form).
+Where neither exists, ``resolve()`` says why. Both need ``Dk == Dv`` (so not MLA's expanded form).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from attnbench.backend import Backend, KVCache, StepPlan, Tunable, base_plan
+from attnbench.backend import KVCache, Resolution, ResolvingBackend, StepPlan, Tunable, base_plan
 from attnbench.kvcache import ContiguousKVCache
 from attnbench.workload import Workload
 
@@ -51,7 +51,25 @@ def _sdpa_flash_error(device_type: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-class FlashBackend(Backend):
+def _implementation(workload: Workload, kv_form: str) -> tuple[str | None, list[str]]:
+    """The implementation that would run ``workload``, or ``None`` and the reasons."""
+    reasons: list[str] = []
+    g = workload.geometry(kv_form)
+    if g.qk_head_dim != g.v_head_dim:
+        return None, [f"key head_dim {g.qk_head_dim} != value head_dim {g.v_head_dim} (MLA expanded form)"]
+    dev = torch.device(workload.device).type
+    if dev == "cuda" and workload.dtype in (torch.float16, torch.bfloat16) and g.qk_head_dim <= 256:
+        err = _flash_attn_import_error()
+        if err is None:
+            return FLASH_ATTN, []
+        reasons.append(err)
+    err = _sdpa_flash_error(dev, workload.dtype)
+    if err is None:
+        return SDPA_FLASH, []
+    return None, [*reasons, err]
+
+
+class FlashBackend(ResolvingBackend):
     name = "flash"
     description = "FlashAttention: flash-attn on CUDA, else torch SDPA's flash kernel"
     tunables = (Tunable("num_splits", (0, 1, 2, 4, 8, 16), 0, "flash-attn split-KV count; 0 = heuristic"),)
@@ -63,42 +81,18 @@ class FlashBackend(Backend):
         heads, 30 seeds: scripts/gate_matrix.py). In bf16/fp16 it sits at 1.4–1.6×."""
         return 7.0 if dtype == torch.float32 else super().error_multiple(dtype)
 
-    def _impl(self, workload: Workload) -> tuple[str | None, list[str]]:
-        reasons: list[str] = []
-        g = workload.geometry(self.kv_form)
-        if g.qk_head_dim != g.v_head_dim:
-            return None, [
-                f"key head_dim {g.qk_head_dim} != value head_dim {g.v_head_dim} (MLA expanded form)"
-            ]
-        dev = torch.device(workload.device).type
-        if dev == "cuda" and workload.dtype in (torch.float16, torch.bfloat16) and g.qk_head_dim <= 256:
-            err = _flash_attn_import_error()
-            if err is None:
-                return FLASH_ATTN, []
-            reasons.append(err)
-        err = _sdpa_flash_error(dev, workload.dtype)
-        if err is None:
-            return SDPA_FLASH, []
-        return None, [*reasons, err]
-
-    def supports(self, workload: Workload) -> list[str]:
-        return self._impl(workload)[1]
-
-    def implementation(self, workload: Workload) -> str:
-        impl, reasons = self._impl(workload)
-        return impl or "unavailable: " + "; ".join(reasons)
-
-    def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
-        return self.tunables if self._impl(workload)[0] == FLASH_ATTN else ()
+    def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution:
+        """flash-attn where it can run (then ``num_splits`` matters), else SDPA's flash kernel."""
+        impl, reasons = _implementation(workload, self.kv_form)
+        tunables = self.tunables if impl == FLASH_ATTN else ()
+        return self.resolution(
+            workload, config, reasons=reasons, implementation=impl or "", tunables=tunables
+        )
 
     def create_cache(
         self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
     ) -> ContiguousKVCache:
-        impl = self._impl(workload)[0]
-        if impl is None:
-            raise ValueError(
-                f"backend 'flash' cannot run {workload.describe()}: {'; '.join(self.supports(workload))}"
-            )
+        impl = self.resolve(workload).require().implementation
         cache = ContiguousKVCache(
             workload=workload,
             geometry=workload.geometry(self.kv_form),

@@ -213,15 +213,16 @@ def _measure_row(
         "batch": workload.batch,
         "context": workload.context,
         "backend": backend.name,
-        "implementation": backend.implementation(workload),
     }
-    reasons = backend.supports(workload)
-    if reasons:
-        return base | {"status": "unsupported", "reasons": reasons}
+    resolution = backend.resolve(workload)
+    base["implementation"] = resolution.implementation
+    if not resolution.runnable:
+        return base | {"status": "unsupported", "reasons": list(resolution.reasons)}
     try:
         m = measure_decode(
             backend,
             workload,
+            resolution=resolution,
             profile=profile,
             warmup=args.warmup,
             repeats=args.repeats,

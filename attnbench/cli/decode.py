@@ -15,7 +15,7 @@ from rich.table import Table
 
 from attnbench.backend import Backend
 from attnbench.bench import CheckFailed, check_workload
-from attnbench.cli.common import add_device_option, add_model_option, console, emit_json
+from attnbench.cli.common import add_model_option, console, emit_json
 from attnbench.decode import SyntheticModel, generate
 from attnbench.device import load_profile
 from attnbench.gate import check
@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--backend", default="naive", help="backend name (default naive; see `attnbench backends`)"
     )
     p.add_argument("--dtype", default="bf16", help="compute/KV dtype: bf16, fp16, fp32 (default bf16)")
-    add_device_option(p)
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument(
         "--layers",
         type=int,
@@ -95,9 +95,7 @@ def run(args: argparse.Namespace) -> int:
     workload = Workload(
         shape, (prompt_len + new_tokens,) * batch, parse_dtype(args.dtype, field="--dtype"), args.device
     )
-    reasons = backend.supports(workload)
-    if reasons:
-        raise ValueError(f"backend {backend.name!r} cannot run {workload.describe()}: {'; '.join(reasons)}")
+    resolution = backend.resolve(workload).require()
     err = Console(stderr=True)
     with err.status("loading device profile…"):
         profile = load_profile(args.device, remeasure=args.remeasure)
@@ -144,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         "model": shape.name,
         "model_kind": kind,
         "backend": backend.name,
-        "implementation": backend.implementation(workload),
+        "implementation": resolution.implementation,
         "dtype": workload.dtype_name,
         "num_layers": num_layers,
         "layers_materialised": materialised,

@@ -324,7 +324,9 @@ class Decoder:
             reasons.append(
                 f"backend {self.backend.name!r} uses the MLA latent cache; {self.shape.name} is not an MLA model"
             )
-        return reasons or self.backend.supports(self.workload(batch=batch, max_seq_len=max_seq_len))
+        return reasons or list(
+            self.backend.resolve(self.workload(batch=batch, max_seq_len=max_seq_len)).reasons
+        )
 
     def setup(self, prompt_len: int, new_tokens: int) -> None:
         """Allocate for ``batch`` sequences of ``prompt_len + new_tokens`` tokens (untimed; empties the cache)."""

@@ -109,6 +109,12 @@ class VllmCpuBackend(Backend):
     def fp8(self) -> bool:
         return self.kv_cache_dtype != "auto"
 
+    def kv_bytes_per_token(self, workload: Workload, *, config: Mapping[str, Any]) -> int:
+        """K and V (``2 · head_dim`` per KV head) in the compute dtype, or one byte each for fp8."""
+        g = workload.geometry(self.kv_form)
+        size = 1 if self.fp8 else workload.dtype.itemsize
+        return g.num_kv_heads * 2 * g.qk_head_dim * size * workload.shape.num_layers
+
     def supports(self, workload: Workload) -> list[str]:
         reasons = []
         g = workload.geometry(self.kv_form)
