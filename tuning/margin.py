@@ -152,15 +152,19 @@ def decide(times: Mapping[str, Interval], *, default: str | None, margin: float 
     return Verdict(default, True, why, fastest, gain)
 
 
-def finalists(times: Mapping[str, Interval], *, minimum: int = 3, keep: Sequence[str] = ()) -> list[str]:
+def finalists(
+    times: Mapping[str, Interval], *, minimum: int = 3, maximum: int = 8, keep: Sequence[str] = ()
+) -> list[str]:
     """Candidates to re-time: every one within two confidence intervals of the best, at least
-    ``minimum`` (the fastest ones), plus ``keep`` (the default, an incumbent) when measured."""
+    ``minimum`` and at most ``maximum`` (the fastest ones by median: they are all held in memory at
+    once), plus ``keep`` (the default, an incumbent) when measured."""
     if not times:
         return []
     order = sorted(times, key=lambda k: times[k].median_ms)
     best = times[order[0]]
     reach = best.hi_ms + 2 * (best.hi_ms - best.lo_ms)
     out = [k for k in order if times[k].lo_ms <= reach or times[k].median_ms <= best.median_ms * 1.05]
+    out = out[:maximum]
     for k in order:
         if len(out) >= minimum:
             break
