@@ -7,6 +7,7 @@ import os
 import shlex
 import sys
 
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -18,6 +19,7 @@ from attnbench.cli.common import (
     workloads_from_args,
 )
 from attnbench.cli.gate_options import add_gate_options, gate_options
+from attnbench.tuning.margin import SWITCH_MARGIN
 
 DEFAULT_BATCH = "1"
 DEFAULT_CONTEXT = "1k,4k"
@@ -32,8 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "registered backends' tunables (backends that cannot run it, or would run interpreted, are "
             "listed and left out), then check each candidate against the float64 reference and time its "
             "decode step in an isolated worker process. Small spaces are searched exhaustively, large ones "
-            "with a seeded TPE sampler. The winners go to results/tuning-<device>.yaml, which "
-            "`attnbench select` and attnbench.select() read. Interrupt with Ctrl-C at any time: what was "
+            "with a seeded TPE sampler. The winners go to tuning-<device>.yaml in the results location (--results, else "
+            "$ATTNBENCH_RESULTS_DIR, else ~/.local/share/attnbench; printed at the end), which "
+            "`attnbench select` and attnbench.select() read from any directory. Interrupt with Ctrl-C at any time: what was "
             "measured is kept, and running the same command again resumes without repeating it. Defaults "
             f"(--batch {DEFAULT_BATCH} --context {DEFAULT_CONTEXT}) take a few minutes on a CPU."
         ),
@@ -58,6 +61,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--repeats", type=int, default=10, help="timed decode steps per candidate (median; default 10)"
     )
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (default 2)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=15,
+        help="after the search, the finalists (every candidate within two confidence intervals of the "
+        "best, at least three, the default and the table's incumbent) are re-timed interleaved, one "
+        "step of each in turn, N rounds (up to 4N while an interval is too wide; default 15; 0: no "
+        "re-timing and no dispatch map)",
+    )
+    p.add_argument(
+        "--switch-margin",
+        type=float,
+        default=SWITCH_MARGIN,
+        metavar="F",
+        help="a challenger replaces the default only when faster by this fraction beyond both "
+        f"confidence intervals; otherwise a tie keeps the default (default {SWITCH_MARGIN})",
+    )
+    p.add_argument(
+        "--no-refine",
+        action="store_true",
+        help="measure only the --batch × --context grid; by default grid lines are added (bisecting in "
+        "log space) where neighbouring points have different winners, until each crossover is located "
+        "within a quarter octave",
+    )
     p.add_argument(
         "--max-seconds",
         type=float,
@@ -104,7 +131,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --storage: record a heartbeat every S seconds while a candidate runs; a trial silent "
         "for 3*S (its tuner died) runs again (default 10)",
     )
-    p.add_argument("--results", metavar="DIR", help="where the table and the journal live (default results/)")
+    p.add_argument(
+        "--results",
+        metavar="DIR",
+        help="where the table, the map and the journal live, created if missing (default "
+        "$ATTNBENCH_RESULTS_DIR, else the per-user $XDG_DATA_HOME/attnbench, i.e. ~/.local/share/attnbench)",
+    )
+    p.add_argument(
+        "--update-reference",
+        action="store_true",
+        help="allow writing into a folder of committed reference runs (one holding REFERENCE.md, like "
+        "the repository's results/); refused without it",
+    )
     add_gate_options(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -126,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
     if args.repeats < 1:
         raise ValueError(f"--repeats {args.repeats} must be ≥ 1")
+    if args.samples < 0 or 0 < args.samples < 3:
+        raise ValueError(f"--samples {args.samples} must be 0 (no re-timing) or ≥ 3")
+    if not 0 <= args.switch_margin < 1:
+        raise ValueError(f"--switch-margin {args.switch_margin} must be a fraction in [0, 1), e.g. 0.05")
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers {args.layers} must be ≥ 1")
     if args.threads is not None:
@@ -183,6 +225,12 @@ def run(args: argparse.Namespace) -> int:
             description=f"{plan.workload.describe()}: {record.candidate.label()} {verdict}",
         )
 
+    def on_point(point) -> None:
+        progress.update(
+            state["task"],
+            description=f"map point b={point.batch} ctx={point.context}: {point.winner}{' (tie)' if point.tie else ''}",
+        )
+
     from attnbench.registry import load_registry
 
     registry = load_registry()
@@ -195,31 +243,52 @@ def run(args: argparse.Namespace) -> int:
             registry=registry,
             backends=_split(args.backends),
             results_dir=args.results,
+            update_reference=args.update_reference,
             storage=args.storage,
             options=options,
             command=command,
+            margin=args.switch_margin,
+            samples=args.samples,
+            refine=not args.no_refine,
             on_plan=on_plan,
             on_trial=on_trial,
+            on_point=on_point,
         )
     if args.json:
         emit_json(
             {
                 "table": str(report.table_path),
+                "results_dir": str(report.location.path) if report.location else None,
                 "storage": report.storage,
                 "interrupted": report.interrupted,
                 "trials_run": report.trials_run,
                 "messages": report.messages,
                 "plugin_failures": broken,
                 "entries": report.entries,
+                "dispatch_map": str(report.map_path) if report.map_path else None,
+                "evaluations": report.evaluations,
             }
         )
     else:
         for msg in report.messages:
             out.print(f"[yellow]{msg}[/yellow]")
         out.print(summary_table(report.entries))
+        for line in spread_advice(report.entries):
+            out.print(f"[yellow]{line}[/yellow]", markup=True)
+        for m in report.maps:
+            r = m.refinement
+            out.print(
+                f"dispatch map {m.key}: batches {m.batches} × contexts {m.contexts}, {len(m.points)} points, "
+                f"{r.get('rounds', 0)} refinement rounds, {r.get('evaluations', 0)} worker evaluations",
+                markup=False,
+            )
+        if report.map_path:
+            out.print(f"dispatch map: {report.map_path}", markup=False)
         out.print(
             f"table: {report.table_path}   studies: {report.storage}   trials run now: {report.trials_run}"
         )
+        if report.location is not None:
+            out.print(f"results: {report.location.describe()}", markup=False)
     if report.interrupted:
         print(
             f"interrupted: measured trials are kept in {report.storage}; run the same command again to resume",
@@ -230,7 +299,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary_table(entries: dict) -> Table:
-    table = Table(title="tuned winners (median decode step, all layers)")
+    table = Table(
+        title="tuned winners (median decode step, all layers; [95 % interval] of interleaved samples)"
+    )
     for col in (
         "model",
         "dtype",
@@ -242,6 +313,8 @@ def summary_table(entries: dict) -> Table:
         "% bw",
         "runner-up",
         "default ms",
+        "decision",
+        "load",
         "failed",
         "trials",
     ):
@@ -258,12 +331,35 @@ def summary_table(entries: dict) -> Table:
             str(entry["batch_bucket"]),
             str(entry["context_bucket"]),
             f"{w['backend']}{f'[{cfg}]' if cfg else ''}" if w else "[red]none passed[/red]",
-            f"{w['step_ms']:.4g}" if w else "-",
+            f"{w['step_ms']:.4g} {_interval(w)}" if w else "-",
             f"{w.get('gbps', 0):.3g}" if w else "-",
             f"{w.get('pct_of_bandwidth', 0):.3g}" if w else "-",
-            f"{r['backend']} (+{entry['margin']:.1%})" if r else "-",
-            f"{d['step_ms']:.4g}" if d.get("step_ms") is not None else "-",
+            f"{r['backend']} ({entry['margin']:+.1%})" if r else "-",
+            f"{d['step_ms']:.4g} {_interval(d)}" if d.get("step_ms") is not None else "-",
+            "tie: default kept"
+            if entry.get("tie")
+            else ("switched" if w and d and w.get("backend") != d.get("backend") else "-"),
+            f"{entry['load_avg'][0]:.2g}" if entry.get("load_avg") else "-",
             ", ".join(f"{c['backend']}:{c['failed']}" for c in failed) or "-",
             f"{entry['trials']}" + ("" if entry.get("complete", True) else " (partial)"),
         )
     return table
+
+
+def _interval(c: dict | None) -> str:
+    iv = (c or {}).get("interval")
+    return escape(f"[{iv['lo_ms']:.4g}, {iv['hi_ms']:.4g}] n={iv['samples']}") if iv else ""
+
+
+def spread_advice(entries: dict) -> list[str]:
+    """One line per entry whose spread was too wide to decide, with what to do about it."""
+    out = []
+    for row, entry in entries.items():
+        spread = entry.get("spread")
+        if spread:
+            out.append(
+                f"{row}: the spread of {', '.join(spread['too_wide'])} is too wide to decide "
+                f"(load average {entry['load_avg'][0]:.2g}); rerun on a quieter machine with more "
+                "--samples (e.g. --samples 45), or fewer --threads than the machine has cores"
+            )
+    return out
