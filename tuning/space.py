@@ -255,7 +255,7 @@ def build_space(
         reasons = list(answers.reasons)
         if not reasons and answers.interpreted and not allow_interpreted:
             reasons = ["kernels would run in an interpreter here: checked for correctness, never timed"]
-        lossy = getattr(ref.cls, "lossy", "")
+        lossy = answers.lossy
         if not reasons and lossy and not allow_lossy:
             reasons = [f"lossy ({lossy}): competes only with --allow-lossy or --accuracy-budget"]
         if not reasons:
