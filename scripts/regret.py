@@ -1,17 +1,24 @@
-"""Regret of attnbench.select(): tune on a coarse grid, then measure every candidate at held-out points.
+"""Regret of attnbench.select(): tune a coarse grid (with its dispatch map), then measure every
+candidate interleaved at held-out points between and beyond the tuned ones.
 
-At each held-out point (contexts between the tuned buckets, other batch sizes, both dtypes) every
-candidate of the search space is checked and timed in the tuner's worker, and select()'s choice is
-compared with the fastest: regret = time(choice) / time(best) (targets: median ≤ 1.03, p90 ≤ 1.10).
-Also reported: the geometric-mean speedup of select() over always using ``flash``, and the trials the
-coarse tuning used against measuring the full grid at every point.
+At each held-out (model, dtype, batch, context) — batches and contexts that are not grid lines —
+every backend of the space at its default config, plus every config the dispatch map holds, is
+checked against float64 and timed **interleaved** in one worker (the tuner's re-timing,
+:func:`attnbench.tuning.interleave.retime`). select()'s choice is compared with the fastest:
+regret = median(choice) / median(best), counted as 1.0 when the best does not beat the choice
+beyond both intervals (:func:`attnbench.tuning.margin.beats` with no margin: the one margin
+policy). Lossy caches (fp8) compete only with ``--allow-lossy``.
 
-The default run is modest for a CPU: llama-3.1-8b's attention geometry with 4 layers per step (the
-ranking of backends does not depend on the layer count; the time scales with it), batch 1 and 8,
-contexts 512/2k/8k for tuning. Usage::
+Printed and written (results/regret-<model>-<device>.json and .md, with the command, machine, date
+and load average): regret median, p90 and max (targets ≤ 1.01, ≤ 1.05, ≤ 1.15), the geometric-mean
+speedup over always using the default backend, and the worker evaluations the tuning used against a
+dense quarter-octave grid over the tuned range (target ≤ 50 %). One model per run keeps each run
+short; ``--combine FILE…`` pools several runs' points into one summary::
 
-    python scripts/regret.py                       # prints a table, writes results/regret-<device>.json
-    python scripts/regret.py --layers 32 --held-batch 2,4,16 --held-context 768,3000,6000,12000
+    python scripts/regret.py --model llama-3.1-8b
+    python scripts/regret.py --model qwen2.5-72b
+    python scripts/regret.py --combine results/regret-llama-3.1-8b-*.json results/regret-qwen2.5-72b-*.json
+    python scripts/regret.py --quick          # a smoke test on a tiny shape (seconds of timing)
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import shlex
 import statistics
 import sys
@@ -27,172 +35,240 @@ import tempfile
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import optuna
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
 
 from attnbench.device import load_profile
 from attnbench.select import select
-from attnbench.tuning import TuneOptions, Worker, WorkerTask, backend_refs, build_space, hardware_id, tune
-from attnbench.tuning.worker import workload_to_dict
+from attnbench.tuning import Candidate, TuneOptions, Worker, backend_refs, build_space, hardware_id, tune
+from attnbench.tuning.dispatch import map_key
+from attnbench.tuning.interleave import Finalist, retime
+from attnbench.tuning.margin import SWITCH_MARGIN, beats
 from attnbench.workload import Workload, parse_int_list
+
+TARGETS = {"median": 1.01, "p90": 1.05, "max": 1.15, "evaluations_vs_dense": 0.5}
+QUICK = {
+    "model": "tiny-gqa",
+    "layers": 1,
+    "batch": "1,4",
+    "context": "64,256",
+    "held": "2x128,3x200,8x96,2x512",
+    "backends": "naive,flash",
+    "samples": 5,
+    "repeats": 3,
+    "trials": None,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--layers", type=int, default=4, help="layers per decode step (default 4; the model's: 0)")
+    p.add_argument("--layers", type=int, default=2, help="layers per decode step (default 2)")
     p.add_argument("--dtypes", default="bf16,fp32")
-    p.add_argument("--batch", default="1,8", help="coarse tuning batches")
-    p.add_argument("--context", default="512,2k,8k", help="coarse tuning contexts")
-    p.add_argument("--held-batch", default="2,4", help="held-out batches")
-    p.add_argument("--held-context", default="768,3000,6000", help="held-out contexts (between the buckets)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch", default="1,8", help="coarse grid batches (default 1,8)")
+    p.add_argument("--context", default="512,4k", help="coarse grid contexts (default 512,4k)")
+    p.add_argument(
+        "--held",
+        default="2x1500,3x700,5x3000,12x2000,16x600,2x6000,1x300",
+        help="held-out points BATCHxCONTEXT, between and beyond the grid (default: 3 between, 4 beyond)",
+    )
+    p.add_argument(
+        "--backends", default="flash,naive,vllm_cpu,cpu_decode", help="backends to tune and measure"
+    )
+    p.add_argument(
+        "--trials", type=int, default=8, help="trials per coarse key (TPE after every backend's default)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per study trial")
+    p.add_argument("--samples", type=int, default=15, help="interleaved rounds (tuning and held-out points)")
+    p.add_argument("--switch-margin", type=float, default=SWITCH_MARGIN)
     p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--out", type=Path, help="JSON output (default results/regret-<device>.json)")
+    p.add_argument("--allow-lossy", action="store_true", help="let lossy caches (fp8) compete")
+    p.add_argument("--quick", action="store_true", help="a smoke test on a tiny shape")
+    p.add_argument("--out", type=Path, help="JSON output (default results/regret-<model>-<device>.json)")
+    p.add_argument("--combine", nargs="+", type=Path, metavar="FILE", help="pool the points of earlier runs")
     args = p.parse_args(argv)
+    argv_used = list(argv if argv is not None else sys.argv[1:])
+    if args.combine:
+        return combine(args.combine, out=args.out, argv=argv_used)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.simplefilter("ignore")  # version warnings are irrelevant within one run
+    return run(args, argv_used)
 
+
+def _held(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        b, _, c = item.strip().lower().partition("x")
+        (bb,), (cc,) = parse_int_list(b, field="--held batch"), parse_int_list(c, field="--held context")
+        out.append((bb, cc))
+    return out
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    batches = parse_int_list(args.batch, field="--batch")
+    contexts = parse_int_list(args.context, field="--context")
+    held = _held(args.held)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     coarse = [
         Workload.uniform(args.model, batch=b, context=c, dtype=d)
         for d in dtypes
-        for b in parse_int_list(args.batch, field="--batch")
-        for c in parse_int_list(args.context, field="--context")
+        for b in batches
+        for c in contexts
     ]
-    held = [
-        Workload.uniform(args.model, batch=b, context=c, dtype=d)
-        for d in dtypes
-        for b in parse_int_list(args.held_batch, field="--held-batch")
-        for c in parse_int_list(args.held_context, field="--held-context")
-    ]
-    options = TuneOptions(repeats=args.repeats, timeout_s=args.timeout, num_layers=args.layers or None)
+    options = TuneOptions(
+        trials=args.trials,
+        repeats=args.repeats,
+        timeout_s=args.timeout,
+        num_layers=args.layers,
+        allow_lossy=args.allow_lossy,
+    )
     profile = load_profile()
     load_start = os.getloadavg()
-    out = Console()
-    refs = backend_refs()
-    with tempfile.TemporaryDirectory() as tmp, Progress(console=out) as progress:
-        task = progress.add_task("coarse tuning", total=None)
+    refs = backend_refs(only=backends)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
         report = tune(
             coarse,
+            backends=backends,
             results_dir=tmp,
             options=options,
             profile=profile,
-            on_trial=lambda plan, rec, reused: _note(
-                progress, task, f"tune {plan.workload.describe()} {rec.candidate.label()}"
+            margin=args.switch_margin,
+            samples=args.samples,
+            on_trial=lambda plan, rec, reused: _log(
+                f"tune {plan.workload.describe()} {rec.candidate.label()}"
             ),
+            on_point=lambda pt: _log(f"map point b={pt.batch} ctx={pt.context}: {pt.winner}"),
         )
         if report.interrupted:
             return 130
-        trials_used = sum(len(r.records) for r in report.results)
-        rows = []
-        grid_trials = 0
-        task2 = progress.add_task("held-out points", total=len(held))
+        maps = {m.key: m for m in report.maps}
+        task_profile = {k: v for k, v in profile.as_dict().items() if k != "id"}
         with Worker() as worker:
-            for w in held:
-                space = build_space(w, refs)
-                times: dict[str, float | None] = {}
-                for cand in space.candidates():
-                    grid_trials += 1
-                    outcome = worker.run(
-                        WorkerTask(
-                            backend_ref=space.backends[cand.backend].ref,
-                            config=dict(cand.config),
-                            workload=workload_to_dict(w),
-                            warmup=options.warmup,
-                            repeats=options.repeats,
-                            num_layers=options.num_layers,
-                        ),
-                        timeout=options.timeout_s,
+            for dtype in dtypes:
+                for b, c in held:
+                    w = Workload.uniform(args.model, batch=b, context=c, dtype=dtype)
+                    m = maps.get(map_key(w.shape.name, w.shape.fingerprint(), w.dtype_name))
+                    rows.append(_point(w, m, refs, worker, args, task_profile, tmp, batches, contexts))
+                    r = rows[-1]
+                    _log(
+                        f"held-out {r['workload']}: {r['selected']} regret {r['regret']:.3f} (best {r['best']})"
                     )
-                    times[cand.label()] = outcome.value if outcome.ok else None
-                choice = select(w, results_dir=tmp)
-                label = _label(choice.backend, choice.config)
-                ok = {k: v for k, v in times.items() if v is not None}
-                best = min(ok, key=ok.__getitem__)
-                flash = next((v for k, v in ok.items() if k.startswith("flash")), None)
-                t_choice = ok.get(label)
-                rows.append(
-                    {
-                        "workload": w.describe(),
-                        "batch": w.batch,
-                        "context": w.context,
-                        "dtype": w.dtype_name,
-                        "times_ms": {k: (None if v is None else v * 1e3) for k, v in times.items()},
-                        "best": best,
-                        "selected": label,
-                        "source": choice.source,
-                        "from_bucket": choice.tuned_key,
-                        "regret": (t_choice / ok[best]) if t_choice else math.inf,
-                        "speedup_vs_flash": (flash / t_choice) if flash and t_choice else None,
-                    }
-                )
-                _note(progress, task2, f"held-out {w.describe()}: {label} regret {rows[-1]['regret']:.3f}")
-    regrets = sorted(r["regret"] for r in rows)
-    speedups = [r["speedup_vs_flash"] for r in rows if r["speedup_vs_flash"]]
-    summary = {
-        "points": len(rows),
-        "regret_median": statistics.median(regrets),
-        "regret_p90": _p90(regrets),
-        "regret_max": max(regrets),
-        "targets": {"median": 1.03, "p90": 1.10},
-        "geomean_speedup_vs_flash": math.exp(statistics.fmean(math.log(s) for s in speedups))
-        if speedups
-        else None,
-        "trials_used": trials_used,
-        "coarse_keys": len(report.results),
-        "full_grid_trials_at_held_points": grid_trials,
-        "full_grid_trials_all_points": grid_trials + trials_used,
-    }
-    summary["meets_targets"] = summary["regret_median"] <= 1.03 and summary["regret_p90"] <= 1.10
-    table = Table(title=f"select() regret at held-out points ({args.model}, {args.layers or 'all'} layers)")
-    for col in ("workload", "selected", "source", "best", "regret", "× vs flash", "times (ms)"):
-        table.add_column(col)
-    for r in rows:
-        times = ", ".join(f"{k}={v:.3g}" if v is not None else f"{k}=FAIL" for k, v in r["times_ms"].items())
-        sp = f"{r['speedup_vs_flash']:.3f}" if r["speedup_vs_flash"] else "-"
-        table.add_row(r["workload"], r["selected"], r["source"], r["best"], f"{r['regret']:.3f}", sp, times)
-    out.print(table)
-    out.print(
-        f"regret median {summary['regret_median']:.3f} (target ≤ 1.03), p90 {summary['regret_p90']:.3f} (≤ 1.10); "
-        f"geomean speedup over always-flash {summary['geomean_speedup_vs_flash'] or float('nan'):.3f}; "
-        f"trials used {trials_used} on {summary['coarse_keys']} coarse keys vs {grid_trials} for the full grid at "
-        f"the {len(rows)} held-out points alone"
-    )
+    dense = _dense(report, batches, contexts)
+    used = sum(report.evaluations.values())
     result = {
-        "command": "python scripts/regret.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "command": "python scripts/regret.py " + " ".join(shlex.quote(a) for a in argv),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform()},
         "device": {
             "fingerprint": profile.fingerprint,
             "fingerprint_id": profile.id,
             "bandwidth_gbps": profile.bandwidth / 1e9,
         },
-        "load_avg_start": list(load_start),
-        "load_avg_end": list(os.getloadavg()),
-        "note": "shared, noisy machine: timings move with the load average; regret compares candidates measured back to back",
-        "settings": vars(args) | {"out": str(args.out) if args.out else None},
-        "coarse_entries": report.entries,
+        "load_avg_start": [round(x, 2) for x in load_start],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "evaluations": dict(report.evaluations) | {"total": used, "dense_quarter_octave": dense},
+        "maps": [
+            {"key": m.key, "batches": m.batches, "contexts": m.contexts, "refinement": m.refinement}
+            for m in report.maps
+        ],
         "points": rows,
-        "summary": summary,
     }
-    path = (
-        args.out
-        or Path("results")
-        / f"regret-{profile.fingerprint.get('kind', 'cpu')}-{hardware_id(profile.fingerprint)}.json"
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    out.print(f"wrote {path}")
+    result["summary"] = summarize(rows, used=used, dense=dense)
+    stem = f"regret-{args.model}-{profile.fingerprint.get('kind', 'cpu')}-{hardware_id(profile.fingerprint)}"
+    if args.quick:
+        stem += "-quick"
+    write(result, args.out or Path("results") / f"{stem}.json")
     return 0
 
 
-def _note(progress: Progress, task: int, text: str) -> None:
-    progress.update(task, advance=1, description=text[:70])
-    if not sys.stderr.isatty():
-        print(text, file=sys.stderr, flush=True)  # a log line when not on a terminal
+def _point(w, m, refs, worker, args, task_profile, tmp, batches, contexts) -> dict[str, Any]:
+    """Measure every candidate at one held-out point interleaved; compare select()'s choice."""
+    space = build_space(w, refs, allow_lossy=args.allow_lossy)
+    fins: dict[str, Finalist] = {}
+    for name, ref in space.backends.items():  # every backend at its default config
+        cand = Candidate(name, ref.cls.default_config())
+        fins[cand.label()] = Finalist(
+            cand.label(), name, ref.ref, dict(cand.config), getattr(ref.cls, "lossy", "") or ""
+        )
+    for label, mc in m.candidates.items() if m else ():
+        if mc.backend in space.backends:
+            fins.setdefault(
+                label, Finalist(label, mc.backend, space.backends[mc.backend].ref, dict(mc.config), mc.lossy)
+            )
+    got = retime(
+        worker,
+        list(fins.values()),
+        workload=w,
+        samples=args.samples,
+        check=True,
+        num_layers=args.layers,
+        profile=task_profile,
+        timeout_s=args.timeout,
+        accuracy_budget=None,
+    )
+    error = ""
+    try:
+        choice = select(w, results_dir=tmp, allow_lossy=args.allow_lossy)
+        label = _label(choice.backend, choice.config)
+        source = choice.source
+    except Exception as err:  # select()'s failure is a result too
+        label, source, error = None, "error", f"{type(err).__name__}: {err}"
+    looked = m.lookup(w.batch, w.context).label if m else None
+    times = got.times
+    best = min(times, key=lambda k: times[k].median_ms) if times else None
+    default = space.default_candidate().label() if space.default_backend else None
+    regret = math.inf
+    if label in times and best is not None:
+        regret = (
+            times[label].median_ms / times[best].median_ms
+            if beats(times[best], times[label], margin=0.0)
+            else 1.0
+        )
+    speedup = None
+    if label in times and default in times:
+        d, ch = times[default], times[label]
+        speedup = (
+            d.median_ms / ch.median_ms if (beats(ch, d, margin=0.0) or beats(d, ch, margin=0.0)) else 1.0
+        )
+    between = min(batches) <= w.batch <= max(batches) and min(contexts) <= w.context <= max(contexts)
+    return {
+        "workload": w.describe(),
+        "batch": w.batch,
+        "context": w.context,
+        "dtype": w.dtype_name,
+        "where": "between" if between else "beyond",
+        "times": {k: t.as_dict() for k, t in times.items()},
+        "failed": got.failed,
+        "timed_candidates": len(times),
+        "best": best,
+        "selected": label,
+        "map_lookup": looked,
+        "source": source,
+        "select_error": error,
+        "default": default,
+        "regret": regret,
+        "speedup_vs_default": speedup,
+        "load_avg": list(got.load_avg),
+    }
+
+
+def _dense(report, batches: list[int], contexts: list[int]) -> int:
+    """Evaluations of a dense quarter-octave grid over the tuned range: its points × the space size."""
+
+    def lines(lo: int, hi: int) -> set[int]:
+        n = max(1, round(math.log2(hi / lo) / 0.25))
+        return {round(lo * (hi / lo) ** (i / n)) for i in range(n + 1)}
+
+    spaces = {(r.plan.key.model, r.plan.key.dtype): r.plan.space.size() for r in report.results}
+    points = len(lines(min(batches), max(batches))) * len(lines(min(contexts), max(contexts)))
+    return points * sum(spaces.values())
 
 
 def _label(backend: str, config: dict) -> str:
@@ -204,6 +280,97 @@ def _p90(values: list[float]) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=10, method="inclusive")[-1]
+
+
+def summarize(rows: list[dict[str, Any]], *, used: int, dense: int) -> dict[str, Any]:
+    regrets = sorted(r["regret"] for r in rows)
+    speedups = [r["speedup_vs_default"] for r in rows if r["speedup_vs_default"]]
+    s = {
+        "points": len(rows),
+        "points_between": sum(r["where"] == "between" for r in rows),
+        "points_beyond": sum(r["where"] == "beyond" for r in rows),
+        "min_timed_candidates": min((r["timed_candidates"] for r in rows), default=0),
+        "regret_median": statistics.median(regrets) if regrets else None,
+        "regret_p90": _p90(regrets) if regrets else None,
+        "regret_max": max(regrets) if regrets else None,
+        "geomean_speedup_vs_default": math.exp(statistics.fmean(math.log(x) for x in speedups))
+        if speedups
+        else None,
+        "evaluations": used,
+        "dense_quarter_octave_evaluations": dense,
+        "evaluations_vs_dense": used / dense if dense else None,
+        "targets": TARGETS,
+    }
+    s["meets_targets"] = bool(
+        regrets
+        and s["regret_median"] <= TARGETS["median"]
+        and s["regret_p90"] <= TARGETS["p90"]
+        and s["regret_max"] <= TARGETS["max"]
+        and (s["evaluations_vs_dense"] or 0) <= TARGETS["evaluations_vs_dense"]
+    )
+    return s
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def write(result: dict[str, Any], path: Path) -> None:
+    s = result["summary"]
+    line = (
+        f"regret median {_fmt(s['regret_median'])} (target ≤ {TARGETS['median']}), p90 {_fmt(s['regret_p90'])} "
+        f"(≤ {TARGETS['p90']}), max {_fmt(s['regret_max'])} (≤ {TARGETS['max']}); geometric-mean speedup over "
+        f"always-default {_fmt(s['geomean_speedup_vs_default'])}; worker evaluations {s['evaluations']} vs "
+        f"{s['dense_quarter_octave_evaluations']} for a dense quarter-octave grid ({_fmt(s['evaluations_vs_dense'])}, "
+        f"target ≤ {TARGETS['evaluations_vs_dense']}); {s['points']} points ({s['points_between']} between, "
+        f"{s['points_beyond']} beyond); targets {'met' if s['meets_targets'] else 'NOT met'}"
+    )
+    print(line)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    md = [
+        f"# select() regret at held-out points\n\n`{result['command']}`\n",
+        f"{result['date']}; {result['machine']['platform']}, {result['machine']['cpus']} CPUs; "
+        f"device {result['device']['fingerprint'].get('name', '?') if 'device' in result else '?'}; "
+        f"load average {result['load_avg_start']} at the start, {result['load_avg_end']} at the end.\n",
+        line + "\n",
+        "| point | where | selected (source) | map lookup | best | regret | × vs default | candidates timed |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for r in result["points"]:
+        md.append(
+            f"| {r['workload']} | {r['where']} | {r['selected']} ({r['source']}) | {r['map_lookup']} | {r['best']} | "
+            f"{_fmt(r['regret'])} | {_fmt(r['speedup_vs_default'])} | {r['timed_candidates']} |"
+        )
+    path.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print(f"wrote {path} and {path.with_suffix('.md')}")
+
+
+def combine(files: list[Path], *, out: Path | None, argv: list[str]) -> int:
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    rows = [r for run in runs for r in run["points"]]
+    used = sum(run["evaluations"]["total"] for run in runs)
+    dense = sum(run["evaluations"]["dense_quarter_octave"] for run in runs)
+    result = {
+        "command": "python scripts/regret.py " + " ".join(shlex.quote(a) for a in argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": runs[0]["machine"],
+        "device": runs[0]["device"],
+        "load_avg_start": runs[0]["load_avg_start"],
+        "load_avg_end": runs[-1]["load_avg_end"],
+        "combined": [str(f) for f in files],
+        "points": rows,
+        "summary": summarize(rows, used=used, dense=dense),
+    }
+    dev = runs[0]["device"]["fingerprint"]
+    write(
+        result, out or Path("results") / f"regret-combined-{dev.get('kind', 'cpu')}-{hardware_id(dev)}.json"
+    )
+    return 0
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
