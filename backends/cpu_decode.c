@@ -130,7 +130,7 @@ static inline size_t tile_offset(const item_t *it, int t) {
 static void item_scalar(const item_t *it) {
     const int G = it->G, D = it->D, P = it->P, dt = it->dt;
     float s[TILE];
-    float *qv = (float *)malloc(sizeof(float) * (size_t)G * D);
+    float *qv = (float *)malloc(sizeof(float) * ((size_t)G + 1) * D), *tmp = qv + (size_t)G * D;
     for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, dt);
     for (int g = 0; g < G; g++) {
         it->m[g] = -INFINITY;
@@ -153,13 +153,14 @@ static void item_scalar(const item_t *it) {
             float mn = mt > it->m[g] ? mt : it->m[g];
             float alpha = expf(it->m[g] - mn), sum = 0.0f;
             float *acc = it->acc + (size_t)g * D;
-            for (int d = 0; d < D; d++) acc[d] *= alpha;
+            for (int d = 0; d < D; d++) tmp[d] = 0.0f;
             for (int j = 0; j < n; j++) {
                 float p = expf(s[j] - mn);
                 sum += p;
                 for (int d = 0; d < D; d++)
-                    acc[d] += p * load_elem(it->vc, base + ((size_t)(j / P) * D + d) * P + j % P, dt);
+                    tmp[d] += p * load_elem(it->vc, base + ((size_t)(j / P) * D + d) * P + j % P, dt);
             }
+            for (int d = 0; d < D; d++) acc[d] = acc[d] * alpha + tmp[d]; /* one addition per tile */
             it->l[g] = it->l[g] * alpha + sum;
             it->m[g] = mn;
         }
@@ -222,9 +223,7 @@ TGT_BF16 INLINE void pv_bf16(int gn, int nu, int np, const uint16_t *vt, const u
     __m512 a[4][4];
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < nu; u++)
-            a[g][u] = alpha[g] == 1.0f ? _mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u)
-                                       : _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u),
-                                                       _mm512_set1_ps(alpha[g]));
+            a[g][u] = _mm512_setzero_ps();
     for (int jp = 0; jp < np; jp++) {
         for (int u = 0; u < nu; u++) {
             __m512i v = _mm512_loadu_si512((const void *)(vt + (size_t)jp * 2 * D + 2 * (c + 16 * u)));
@@ -232,8 +231,13 @@ TGT_BF16 INLINE void pv_bf16(int gn, int nu, int np, const uint16_t *vt, const u
                 a[g][u] = dp_bcast(a[g][u], v, pp + g * 16 + jp);
         }
     }
+    /* the step's sum joins the running one once: over n keys the running sum takes n / 16 or n / 32
+     * additions, not n (fp32 error growth), at the cost of the multiply it replaces */
     for (int g = 0; g < gn; g++)
-        for (int u = 0; u < nu; u++) _mm512_storeu_ps(acc + (size_t)g * D + c + 16 * u, a[g][u]);
+        for (int u = 0; u < nu; u++) {
+            float *o = acc + (size_t)g * D + c + 16 * u;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(alpha[g]), a[g][u]));
+        }
 }
 
 /* NT (1 or 2) adjacent 16-key tiles of one page for GN heads: scores, online softmax, p·v.
@@ -309,17 +313,20 @@ TGT INLINE void pv_f32(int gn, int nu, int dt, const void *vc, size_t vbase, con
     __m512 a[4][4];
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < nu; u++)
-            a[g][u] = alpha[g] == 1.0f ? _mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u)
-                                       : _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * D + c + 16 * u),
-                                                       _mm512_set1_ps(alpha[g]));
+            a[g][u] = _mm512_setzero_ps();
     for (int j = 0; j < TILE; j++) {
         for (int u = 0; u < nu; u++) {
             __m512 v = load16(vc, vbase + (size_t)j * D + c + 16 * u, dt);
             for (int g = 0; g < gn; g++) a[g][u] = _mm512_fmadd_ps(v, _mm512_set1_ps(p[g * TILE + j]), a[g][u]);
         }
     }
+    /* the step's sum joins the running one once: over n keys the running sum takes n / 16 or n / 32
+     * additions, not n (fp32 error growth), at the cost of the multiply it replaces */
     for (int g = 0; g < gn; g++)
-        for (int u = 0; u < nu; u++) _mm512_storeu_ps(acc + (size_t)g * D + c + 16 * u, a[g][u]);
+        for (int u = 0; u < nu; u++) {
+            float *o = acc + (size_t)g * D + c + 16 * u;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(alpha[g]), a[g][u]));
+        }
 }
 
 TGT INLINE void tile_f32(int gn, const item_t *it, int g0, const float *qv, size_t base, __mmask16 valid) {

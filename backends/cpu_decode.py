@@ -16,7 +16,8 @@ One page of one KV head is contiguous, and so is each 16-key tile, so the kernel
 page by page and prefetches the next tile (in a random page) while it computes on this one. For
 bf16, one 64-byte row of a K tile is 16 keys × 2 dims and one of V is 16 dims × 2 keys: the operands
 of ``vdpbf16ps``, so neither q·k nor p·v needs a shuffle or a horizontal sum. Each K/V row is loaded
-once for up to four query heads of its GQA group. Softmax is online over the tiles, in fp32; p·v
+once for up to four query heads of its GQA group. Softmax is online, in fp32, over 32 keys at a
+time for bf16 (two tiles of one page; 16 for fp32, fp16 and on 16-token pages); p·v
 accumulates in fp32 (for bf16 the probabilities are rounded to bf16 for ``vdpbf16ps``, as flash
 attention rounds P to the input dtype; the denominator sums the rounded values).
 
@@ -29,9 +30,11 @@ a CPU with AVX512_BF16), ``c-avx512`` (fp32 and fp16 on AVX-512: fused multiply-
 widened on load) and ``c-scalar`` (plain C, any dtype, where the CPU lacks those). Unavailable, with
 the reason, where no C compiler builds the file.
 
-Which call may allocate: ``create_cache`` (the pages, workspace and step buffers), ``plan`` (nothing:
-it writes the step's lengths into the cache's buffers); ``decode`` allocates only its output.
-``prefill`` writes the prompt with the kernel's writer and runs torch's causal attention on it.
+Which call may allocate: ``create_cache`` (the pages, workspace and step buffers); ``plan`` (host
+work: small host tensors, copied into the cache's step buffers, which the plan then names);
+``decode`` allocates only its output. ``prefill`` is the base class's: the prompt goes through
+``append`` (the kernel's writer), its attention through torch's causal attention. Everything runs on
+the host: there is no graph capture.
 """
 
 from __future__ import annotations

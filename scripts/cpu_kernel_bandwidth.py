@@ -6,7 +6,8 @@ first, then whole decode steps of ``--layers`` layers through the synthetic mode
 calls over distinct layer caches worth at least 4 × the last-level cache (``layers mat.``), so every
 call reads from DRAM; the timed run is spot-checked against float64 afterwards. The read bandwidth
 (a large ``sum``, :func:`attnbench.device.measure_bandwidth`) is measured in the same run, at the
-same thread count, before the first point and after the last; shares are against the one before.
+same thread count, before each (batch, context) point — that point's shares are against it, and
+bench's plausibility check uses it — and once more after the last.
 Writes ``<out>.json`` and ``<out>.md`` with the command, the machine, the date and the load average.
 
     python scripts/cpu_kernel_bandwidth.py                 # the full run (quiet machine)
@@ -51,6 +52,19 @@ def _kernels(page_sizes: list[int], *, probe: bool) -> list[tuple[str, Any, dict
     return out
 
 
+def _profile(load: tuple[float, float, float]) -> DeviceProfile:
+    """The device profile with copy and read bandwidth measured now (at the current thread count)."""
+    copy_bw, read_bw, nbytes = measure_bandwidth("cpu")
+    return DeviceProfile(
+        fingerprint=fingerprint("cpu"),
+        copy_bandwidth=copy_bw,
+        read_bandwidth=read_bw,
+        buffer_bytes=nbytes,
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        load_avg=load,
+    )
+
+
 def _row(label: str, m: Any, read_bw: float) -> dict[str, Any]:
     share = m.gbps * 1e9 / read_bw
     return {
@@ -64,6 +78,7 @@ def _row(label: str, m: Any, read_bw: float) -> dict[str, Any]:
         "p90_step_ms": m.step.p90_s * 1e3 if m.step else None,
         "gbps": m.gbps,
         "share_of_read": share,
+        "read_gbps": read_bw / 1e9,
         "layers": m.num_layers,
         "layers_materialised": m.layers_materialised,
         "llc_flushed": m.llc_flushed,
@@ -81,21 +96,22 @@ def _markdown(record: dict[str, Any]) -> str:
         f"- date: {record['date']}",
         f"- machine: {record['machine']} ({record['cpu']}, {record['threads']} thread(s), "
         f"last-level cache {record['llc_mib']:.0f} MiB)",
-        f"- read bandwidth (same run, same threads): {record['read_gbps_before']:.1f} GB/s before, "
-        f"{record['read_gbps_after']:.1f} GB/s after",
+        f"- read bandwidth (same run, same threads), measured before each point: "
+        f"{', '.join(f'{x:.1f}' for x in record['read_gbps_points'])} GB/s; after the last: "
+        f"{record['read_gbps_after']:.1f} GB/s",
         f"- load average at start / end: {record['load_start']} / {record['load_end']}",
         f"- wall time: {record['wall_s']:.0f} s",
         "",
-        "| batch | context | kernel | implementation | ms / layer | GB/s | share of read bw | layers mat. | rel_l2 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| batch | context | kernel | implementation | ms / layer | GB/s | read GB/s | share of read bw | layers mat. | rel_l2 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in record["rows"]:
         if "error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['kernel']} | — | {r['error']} | | | | |")
+            lines.append(f"| {r['batch']} | {r['context']} | {r['kernel']} | — | {r['error']} | | | | | |")
             continue
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['kernel']} | {r['implementation']} | "
-            f"{r['ms_per_layer']:.3f} | {r['gbps']:.1f} | {100 * r['share_of_read']:.0f} % | "
+            f"{r['ms_per_layer']:.3f} | {r['gbps']:.1f} | {r['read_gbps']:.1f} | {100 * r['share_of_read']:.0f} % | "
             f"{r['layers_materialised']}/{r['layers']} | {r['rel_l2']:.1e} |"
         )
     return "\n".join(lines) + "\n"
@@ -129,18 +145,13 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     load_start = os.getloadavg()
-    copy_bw, read_bw, nbytes = measure_bandwidth("cpu")
-    profile = DeviceProfile(
-        fingerprint=fingerprint("cpu"),
-        copy_bandwidth=copy_bw,
-        read_bandwidth=read_bw,
-        buffer_bytes=nbytes,
-        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        load_avg=load_start,
-    )
     rows: list[dict[str, Any]] = []
+    read_points: list[float] = []
     for batch in batches:
         for context in contexts:
+            profile = _profile(os.getloadavg())
+            read_bw = profile.read_bandwidth
+            read_points.append(read_bw / 1e9)
             workload = Workload.uniform(args.model, batch=batch, context=context, dtype=args.dtype)
             for label, backend, config in _kernels(page_sizes, probe=not args.no_probe):
                 try:
@@ -175,9 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": fp.get("name", "unknown"),
         "threads": args.threads,
         "llc_mib": last_level_cache_bytes("cpu") / 2**20,
-        "read_gbps_before": read_bw / 1e9,
+        "read_gbps_points": read_points,
         "read_gbps_after": read_after / 1e9,
-        "copy_gbps_before": copy_bw / 1e9,
         "load_start": [round(x, 2) for x in load_start],
         "load_end": [round(x, 2) for x in os.getloadavg()],
         "wall_s": time.perf_counter() - started,
