@@ -148,6 +148,9 @@ def tune(
             report.results.append(result)
             report.evaluations["trials"] += result.ran
             if not result.records:
+                if result.interrupted:  # stopped in its first candidate: nothing to write
+                    report.interrupted = True
+                    break
                 continue
             old = prior.get(plan.key.row)
             retimed = None
