@@ -213,3 +213,33 @@ def test_the_map_file_round_trips_without_optuna(tmp_path):
 def test_a_grid_point_records_a_tie():
     p = GridPoint(1, 1, {DEFAULT: Interval(10, 9.9, 10.1, 15)})
     assert GridPoint.from_dict(p.as_dict()) == p
+
+
+class _FakeWorker:
+    """A worker whose interleaved run dies when ``planted_crash`` is in it (as a segfault would)."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[str]] = []
+
+    def request(self, message, *, timeout):
+        from attnbench.tuning.worker import Outcome
+
+        labels = [c["label"] for c in message["candidates"]]
+        self.groups.append(labels)
+        if "planted_crash" in labels:
+            return Outcome(ok=False, kind="crash", reason="worker process killed by SIGSEGV; replaced")
+        samples = {k: [1.0 + 0.01 * i for i in range(message["samples"])] for k in labels}
+        return Outcome(ok=True, attrs={"samples_ms": samples, "failed": {}})
+
+
+def test_a_crash_in_the_interleaved_run_falls_back_to_isolated_runs():
+    from attnbench.tuning.interleave import Finalist, retime
+    from attnbench.workload import Workload
+
+    fins = [Finalist(n, n, f"x:{n}", {}) for n in ("planted_a", "planted_crash", "planted_b")]
+    worker = _FakeWorker()
+    got = retime(worker, fins, workload=Workload.uniform("tiny-gqa", batch=1, context=64), samples=15)
+    assert worker.groups[0] == ["planted_a", "planted_crash", "planted_b"]  # interleaved first
+    assert worker.groups[1:] == [["planted_a"], ["planted_crash"], ["planted_b"]]  # then one at a time
+    assert set(got.times) == {"planted_a", "planted_b"} and got.times["planted_a"].samples == 15
+    assert "SIGSEGV" in got.failed["planted_crash"] and got.evaluations == 6
