@@ -1,161 +1,444 @@
 """``attnbench.select()``: the backend and config to use for a workload on this device.
 
-From the device's tuned results table when it holds the model and dtype (the nearest bucket in batch
-and context, measured in octaves). Outside the tuned region (batch or context bucket beyond the tuned
-ones, or nothing tuned) the device's calibrated step-time models choose when ``attnbench calibrate``
-wrote them (:mod:`attnbench.calibrated`), else a roofline heuristic: the candidate that reads the
-fewest KV-cache bytes per step wins, ties going to the default backend (``flash``, else ``naive``) —
-what a user gets without tuning. A candidate that failed the correctness gate is never chosen, and a table
-tuned on another device is refused::
+From what ``attnbench tune`` measured on this device, found in the one results location
+(:mod:`attnbench.locations`): the dispatch map of the model and dtype, interpolated between its grid
+points, else the nearest tuned entry of the results table. Outside the tuned region the device's
+calibrated step-time models choose when ``attnbench calibrate`` wrote them
+(:mod:`attnbench.calibrated`), else a roofline heuristic (:mod:`attnbench.select_heuristic`). A
+candidate that failed the correctness gate is never chosen, and a table tuned on another device is
+refused::
 
     >>> choice = attnbench.select(model="llama-3.1-8b", batch=8, context="8k", dtype="bf16")
     >>> choice.backend, choice.config, choice.source
     ('flash', {'num_splits': 0}, 'tuned')
     >>> backend = choice.build()
     >>> print(choice.explain())
+
+Serving code may call it per batch: a :class:`Selector` keeps everything it learnt in memory, so after
+the first call in a process it reads no file, rebuilds no registry and allocates no cache. It only
+``os.stat``-s the device's table and dispatch map (every call by default, ``recheck_s`` spaces the
+checks out) and reads them again when ``tune`` rewrote them. :func:`select` uses a default selector,
+whose caches are keyed by everything that decides an answer (the files' identity and modification
+time, the results location, the registry, the device and its thread count), so nothing has to be reset
+between uses; :meth:`Selector.clear` forgets everything at once.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import time
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from attnbench.backend import Backend
+from attnbench.backend import Resolution
+from attnbench.calibrated import calibrated_choice
+from attnbench.calibration import Calibration, CalibrationError, calibration_path, geometry_key
+from attnbench.choice import Choice, Rejected
+from attnbench.device import fingerprint, fingerprint_id, load_profile, resolve_device
+from attnbench.locations import RESULTS_ENV, check_table_file, readable_results
+from attnbench.probe import ask
 from attnbench.registry import Registry, load_registry
-from attnbench.workload import Workload
+from attnbench.select_heuristic import HeuristicRanking, rank, runnable_reason
+from attnbench.select_tuned import TunedIndex, entry_choice
+from attnbench.shapes import ModelShape, load_shape, parse_dtype
+from attnbench.tuning.dispatch import dispatch_path, load_maps
+from attnbench.tuning.space import code_hash
+from attnbench.tuning.table import DeviceMismatchError, ResultsTable, TableError, hardware_id, table_path
+from attnbench.workload import Workload, bucket, parse_tokens
 
-__all__ = ["Choice", "Rejected", "select"]
+__all__ = ["Choice", "Rejected", "Selector", "default_selector", "select"]
+
+_PLUGIN_ENV = ("ATTNBENCH_PLUGINS", "ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD")
+_Signature = tuple[int, int, int] | None  # (inode, size, mtime ns) of a file, None when missing
 
 
-@dataclass(frozen=True)
-class Rejected:
-    """A candidate that was not chosen, and why (with its measured time when there is one)."""
-
-    backend: str
-    reason: str
-    config: Mapping[str, Any] = field(default_factory=dict)
-    step_ms: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "config": dict(self.config),
-            "reason": self.reason,
-            "step_ms": self.step_ms,
-        }
+def _signature(path: Path) -> _Signature:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass
-class Choice:
-    """What :func:`select` chose for ``workload`` and why."""
+class _Files:
+    """One device's tuned files in one results folder, as last read."""
 
-    backend: str
-    config: dict[str, Any]
-    source: Literal["tuned", "calibrated", "heuristic"]
-    workload: Workload
-    reason: str
-    rejected: list[Rejected] = field(default_factory=list)
-    measured: list[dict[str, Any]] = field(default_factory=list)  # tuned candidates with their times
-    tuned_key: str | None = None
-    distance_octaves: float | None = None
-    step_ms: float | None = None  # measured at the tuned bucket
-    estimate_ms: float | None = None  # calibrated prediction, or the roofline floor (heuristic)
-    table: str | None = None
-    warnings: list[str] = field(default_factory=list)
-    #: when the backend is an engine's kernel (e.g. vLLM's): the engine's settings that run it there
-    engine_setting: str | None = None
-    #: what a lossy cache loses (e.g. "fp8 e4m3 K/V"); empty for exact attention
-    lossy: str = ""
-    #: the correctness gate's numbers for the choice when it was tuned (error, calibration, ratios)
-    gate: dict[str, Any] | None = None
+    signature: tuple[_Signature, _Signature]
+    checked_at: float
+    index: TunedIndex
+    notes: list[str]
+    templates: dict  # cached per-entry choices (invalidated with the files)
 
-    def _accuracy(self) -> str:
-        """One line: exact or lossy, with the gate's measured error where the table has it."""
-        g = self.gate or {}
-        err, cal = g.get("error") or {}, g.get("calibration") or {}
-        measured = ""
-        if err.get("rel_l2") is not None:
-            measured = f"; gate: rel_l2 {err['rel_l2']:.3g} against float64"
-            if cal.get("rel_l2") and not self.lossy:
-                measured += f" ({err['rel_l2'] / cal['rel_l2']:.2g}× the calibration error {cal['rel_l2']:.3g}, ×{g.get('multiple', 2):g} allowed)"
-        if self.lossy:
-            return f"lossy ({self.lossy}), error against exact attention{measured or ': not measured here'}"
-        return "exact" + measured
 
-    def build(self, registry: Registry | None = None) -> Backend:
-        """A fresh instance of the chosen backend (pass :attr:`config` to ``create_cache``)."""
-        registry = registry if registry is not None else load_registry()
-        return registry.get(self.backend)
+class Selector:
+    """:func:`select` with memory: the registry, model shapes, device fingerprints, the tables and
+    dispatch maps, the calibration, and each backend's :class:`~attnbench.backend.Resolution` per
+    batch and context bucket are computed once and reused.
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "config": self.config,
-            "source": self.source,
-            "workload": self.workload.describe(),
-            "reason": self.reason,
-            "tuned_key": self.tuned_key,
-            "distance_octaves": self.distance_octaves,
-            "step_ms": self.step_ms,
-            "estimate_ms": self.estimate_ms,
-            "measured": self.measured,
-            "rejected": [r.as_dict() for r in self.rejected],
-            "table": self.table,
-            "warnings": self.warnings,
-            "engine_setting": self.engine_setting,
-            "lossy": self.lossy,
-            "gate": self.gate,
-        }
+    Args:
+        registry: the backends to choose from (default: the full registry, built on first use and
+            again only when ``ATTNBENCH_PLUGINS`` / ``ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD`` change).
+        recheck_s: how often to ``os.stat`` the table and dispatch map for a rewrite (default 0:
+            every call, about a microsecond each on a local disk).
 
-    def explain(self) -> str:
-        cfg = ", ".join(f"{k}={v}" for k, v in self.config.items()) or "no tunables"
-        lines = [
-            f"chosen: {self.backend} ({cfg}) for {self.workload.describe()} [{self.source}]",
-            f"  why: {self.reason}",
-        ]
-        if self.engine_setting:
-            lines.append(f"  engine setting: {self.engine_setting}")
-        lines.append(f"  accuracy: {self._accuracy()}")
-        if self.tuned_key:
-            where = (
-                "exact bucket" if not self.distance_octaves else f"{self.distance_octaves:.2g} octaves away"
+    Thread-safe in the sense that matters for serving: concurrent calls may both fill a cache
+    entry, never see a half-built one.
+    """
+
+    def __init__(self, *, registry: Registry | None = None, recheck_s: float = 0.0) -> None:
+        self._registry = registry
+        self.recheck_s = recheck_s
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything learnt (the next call reads and asks again)."""
+        self._default_registry: tuple[tuple[str | None, ...], Registry] | None = None
+        self._shapes: dict[object, tuple[ModelShape, str]] = {}
+        self._devices: dict[tuple[str, int], tuple[dict, str, str]] = {}
+        self._paths: dict[tuple, Any] = {}  # results location → files; folder → calibration file
+        self._files: dict[Path, _Files] = {}
+        self._calibrations: dict[Path, tuple[_Signature, Calibration | None, str]] = {}
+        self._resolved: dict[tuple, list[tuple[str, Resolution, dict, str]]] = {}
+        self._heuristic: dict[tuple, HeuristicRanking | LookupError] = {}
+        self._bandwidth: dict[str, float] = {}
+        self._engine: dict[tuple, str | None] = {}
+        self._warned: set[str] = set()
+        self._registries: dict[int, tuple[weakref.ref[Registry], int]] = {}
+        self._serial = itertools.count()
+
+    def _reg_key(self, reg: Registry) -> int:
+        """A number for ``reg`` that no later registry reuses (an ``id`` may be, once it is freed)."""
+        hit = self._registries.get(id(reg))
+        if hit is None or hit[0]() is not reg:
+            hit = self._registries[id(reg)] = (weakref.ref(reg), next(self._serial))
+        return hit[1]
+
+    # -- what is asked ---------------------------------------------------------------------------
+    def select(
+        self,
+        workload: Workload | None = None,
+        *,
+        model: str | ModelShape | None = None,
+        batch: int | None = None,
+        context: int | str | None = None,
+        dtype: str | torch.dtype = "bf16",
+        device: str = "auto",
+        results_dir: str | Path | None = None,
+        table: str | Path | None = None,
+        registry: Registry | None = None,
+        bandwidth: float | None = None,
+        allow_lossy: bool = False,
+    ) -> Choice:
+        """See :func:`select`."""
+        workload, shape_hash = self._workload(workload, model, batch, context, dtype, device)
+        reg = registry if registry is not None else self._registry_now()
+        fp, fp_id, hw = self._device(workload.device)
+        table_file, map_file, folder, explicit = self._locate(results_dir, table, fp, hw)
+        files = self._load(table_file, map_file, fp, hw, folder=folder, explicit=explicit)
+        index = files.index
+        failed_gate = index.gate_failures.get(workload.dtype_name, {})
+        resolved, by_name, rkey = self._resolutions(reg, workload, shape_hash)
+
+        def why_not(backend: str, lossy: str) -> str:
+            res = by_name.get(backend)
+            if res is None:
+                return f"not registered now (registered: {', '.join(reg.names())})"
+            why = runnable_reason(res) or failed_gate.get(backend, "")
+            if not why and lossy and not allow_lossy:
+                why = f"lossy ({lossy}): chosen only with allow_lossy=True (--allow-lossy)"
+            return why
+
+        choice = None
+        dispatch = index.map_for(workload, shape_hash)
+        if dispatch is not None:
+            key = ("map", dispatch.key, allow_lossy, rkey)
+            refused = files.templates.get(key)
+            if refused is None:
+                refused = files.templates[key] = {
+                    label: why_not(c.backend, c.lossy) for label, c in dispatch.candidates.items()
+                }
+            name = index.table.path.name if index.table is not None else map_file.name
+            choice = index.from_map(dispatch, workload, refused=refused, source_name=name)
+            if choice is not None:  # the gate's numbers live in the table entry of the bucket
+                gkey = ("gate", choice.backend, repr(choice.config), rkey)
+                if gkey not in files.templates:
+                    files.templates[gkey] = index.gate_of(workload, shape_hash, choice.backend, choice.config)
+                choice.gate = files.templates[gkey]
+        if choice is None:
+            choice = self._from_entry(files, reg, rkey, workload, shape_hash, why_not, allow_lossy, by_name)
+        outside = index.beyond(workload, shape_hash)
+        if outside:  # the measured map wins inside the tuned region; beyond it, the calibrated model
+            calibration, note = self._calibration(folder, fp, hw)
+            calibrated = calibrated_choice(
+                workload,
+                resolved,
+                calibration=calibration,
+                failed_gate=failed_gate,
+                why_outside=outside,
+                skip=[] if allow_lossy else [n for n, r in by_name.items() if r.lossy],
             )
-            lines.append(f"  tuned entry: {self.tuned_key} ({where}) in {self.table}")
-        if self.step_ms is not None:
-            lines.append(f"  measured step: {self.step_ms:.4g} ms")
-        if self.estimate_ms is not None:
-            what = "calibrated model" if self.source == "calibrated" else "roofline floor"
-            lines.append(f"  {what}: {self.estimate_ms:.4g} ms")
-        if self.measured:
-            lines.append("  measured:")
-            for m in self.measured:
-                cfg_m = ",".join(f"{k}={v}" for k, v in m.get("config", {}).items())
-                t = (
-                    f"{m['step_ms']:.4g} ms"
-                    if m.get("step_ms") is not None
-                    else f"FAILED ({m.get('failed')})"
+            choice = calibrated or choice
+            if note:
+                choice.warnings.insert(0, note)
+        if choice is None:
+            choice = self._heuristic_choice(rkey, workload, resolved, failed_gate, fp_id, bandwidth)
+        choice.warnings = files.notes + choice.warnings
+        choice.registry = reg
+        choice.engine_setting = self._engine_setting(reg, choice)
+        for w in choice.warnings:
+            if w not in self._warned:  # said once per selector, not once per batch
+                self._warned.add(w)
+                warnings.warn(w, stacklevel=3)
+        return choice
+
+    # -- the workload and the device -------------------------------------------------------------
+    def _workload(
+        self,
+        workload: Workload | None,
+        model: str | ModelShape | None,
+        batch: int | None,
+        context: int | str | None,
+        dtype: str | torch.dtype,
+        device: str,
+    ) -> tuple[Workload, str]:
+        if workload is not None:
+            shape, shape_hash = self._shape(workload.shape)
+            return workload, shape_hash
+        if model is None or batch is None or context is None:
+            missing = [n for n, v in (("model", model), ("batch", batch), ("context", context)) if v is None]
+            raise ValueError(
+                f"select: give a workload, or model, batch and context (missing: {', '.join(missing)})"
+            )
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+            raise ValueError(f"workload: field 'batch' = {batch!r} must be an integer > 0")
+        ctx = context if type(context) is int and context > 0 else parse_tokens(context)
+        shape, shape_hash = self._shape(model)
+        dev = resolve_device(device) if device == "auto" else device
+        return Workload(shape, (ctx,) * batch, parse_dtype(dtype), dev), shape_hash
+
+    def _shape(self, model: str | ModelShape) -> tuple[ModelShape, str]:
+        key: object = id(model) if isinstance(model, ModelShape) else model
+        if isinstance(model, str) and (os.sep in model or model.endswith((".json", ".yaml", ".yml"))):
+            key = (model, _signature(Path(model)))  # a shape file: read again when it changes
+        hit = self._shapes.get(key)
+        if hit is None or (isinstance(model, ModelShape) and hit[0] is not model):
+            shape = model if isinstance(model, ModelShape) else load_shape(model)
+            if len(self._shapes) > 256:
+                self._shapes.clear()
+            hit = self._shapes[key] = (shape, shape.fingerprint())
+        return hit
+
+    def _device(self, device: str) -> tuple[dict, str, str]:
+        threads = torch.get_num_threads()  # part of a CPU fingerprint: a new count is another device
+        hit = self._devices.get((device, threads))
+        if hit is None:
+            fp = fingerprint(device)
+            hit = self._devices[(device, threads)] = (fp, fingerprint_id(fp), hardware_id(fp))
+        return hit
+
+    def _registry_now(self) -> Registry:
+        if self._registry is not None:
+            return self._registry
+        env = tuple(os.environ.get(k) for k in _PLUGIN_ENV)
+        if self._default_registry is None or self._default_registry[0] != env:
+            self._default_registry = (env, load_registry())
+        return self._default_registry[1]
+
+    # -- the files -------------------------------------------------------------------------------
+    def _locate(
+        self, results_dir: str | Path | None, table: str | Path | None, fp: dict, hw: str
+    ) -> tuple[Path, Path, Path, bool]:
+        where: tuple = (results_dir, table)
+        if results_dir is None and table is None:  # the location the environment gives
+            env, xdg = os.environ.get(RESULTS_ENV), None
+            if not env:
+                xdg = os.environ.get("XDG_DATA_HOME") or ("~", os.environ.get("HOME"))
+            where = (env, xdg)
+        key = (where, hw)
+        hit = self._paths.get(key)
+        if hit is None:
+            if table is not None:
+                path = check_table_file(table)
+                folder = Path(results_dir) if results_dir is not None else path.parent
+            else:
+                location = readable_results(results_dir)
+                folder, path = location.path, table_path(location.path, fp)
+            hit = self._paths[key] = (path, dispatch_path(path), folder, table is not None)
+        return hit
+
+    def _load(
+        self, table_file: Path, map_file: Path, fp: dict, hw: str, *, folder: Path, explicit: bool
+    ) -> _Files:
+        files = self._files.get(table_file)
+        now = time.monotonic()
+        if files is not None and self.recheck_s and now - files.checked_at < self.recheck_s:
+            return files
+        signature = (_signature(table_file), _signature(map_file))
+        if files is not None and files.signature == signature:
+            files.checked_at = now
+            return files
+        if explicit and signature[0] is None:
+            check_table_file(table_file)  # removed since: one clear line
+        notes: list[str] = []
+        try:
+            loaded: ResultsTable | None = ResultsTable.load(table_file, fingerprint=fp)
+        except DeviceMismatchError:
+            raise  # another device's table: refused, never used
+        except TableError as err:
+            if explicit:
+                raise
+            notes.append(f"{err}; ignoring it (re-run `attnbench tune` to rewrite it)")
+            loaded = None
+        try:
+            maps = load_maps(map_file, hardware_id=hw)
+        except ValueError as err:
+            if "another device" in str(err):
+                raise DeviceMismatchError(f"{err}; refusing another device's map") from None
+            notes.append(f"{err}; ignoring it (re-run `attnbench tune` to rewrite it)")
+            maps = {}
+        files = _Files(signature, now, TunedIndex.build(loaded, maps), notes, {})
+        self._files[table_file] = files
+        return files
+
+    def _calibration(self, folder: Path, fp: dict, hw: str) -> tuple[Calibration | None, str]:
+        path = self._paths.get((folder, hw))  # type: ignore[assignment]
+        if path is None:
+            path = self._paths[(folder, hw)] = calibration_path(folder, fp)  # type: ignore[assignment]
+        sig = _signature(path)
+        hit = self._calibrations.get(path)
+        if hit is None or hit[0] != sig:
+            cal, note = None, ""
+            if sig is not None:
+                try:
+                    cal = Calibration.load(path)
+                except CalibrationError as err:
+                    note = f"{err}; ignoring it (re-run `attnbench calibrate`)"
+            hit = self._calibrations[path] = (sig, cal, note)
+        return hit[1], hit[2]
+
+    # -- what the backends say -------------------------------------------------------------------
+    def _resolutions(
+        self, reg: Registry, workload: Workload, shape_hash: str
+    ) -> tuple[list[tuple[str, Resolution, dict, str]], dict[str, Resolution], tuple]:
+        """``(name, resolution, default config, geometry key)`` per backend, asked once per bucket
+        (as the plugin probes are cached: a backend's answer is taken as the bucket's), the
+        resolutions by name, and the key they are cached under."""
+        key = (self._reg_key(reg), shape_hash, workload.shape.name, workload.dtype, workload.device,
+               bucket(workload.batch), bucket(workload.context))  # fmt: skip
+        hit = self._resolved.get(key)
+        if hit is None:
+            listed = []
+            for e in reg:
+                res = ask(e.cls, workload)
+                geometry = geometry_key(e.cls, workload) if res.runnable else ""  # type: ignore[arg-type]
+                listed.append((e.name, res, e.cls.default_config(), geometry))
+            if len(self._resolved) > 4096:
+                self._resolved.clear()
+            hit = self._resolved[key] = (listed, {n: r for n, r, _, _ in listed}, key)
+        return hit
+
+    def _from_entry(
+        self, files, reg, rkey, workload, shape_hash, why_not, allow_lossy, by_name
+    ) -> Choice | None:
+        near = files.index.nearest(workload, shape_hash)
+        if near is None:
+            return None
+        row, distance = near
+        key = ("entry", row.row, allow_lossy, rkey)
+        template = files.templates.get(key)
+        if template is None:
+            table = files.index.table
+            assert table is not None
+            template = entry_choice(
+                row,
+                workload,
+                why_not=why_not,
+                lossy_of=lambda b: by_name[b].lossy if b in by_name else "",
+                table_warnings=table.warnings,
+                table_name=table.path.name,
+            )
+            if template is not None:
+                classes = [reg.entry(c.backend).cls for c in row.entry.candidates if c.backend in reg]
+                now = code_hash(classes) if classes else ""
+                if classes and row.entry.code_hash and now != row.entry.code_hash:
+                    template.warnings.append(
+                        f"{row.row}: backend code changed since tuning (code hash {row.entry.code_hash} "
+                        f"→ {now}); consider re-tuning"
+                    )
+            files.templates[key] = template
+        if template is None:
+            return None
+        return replace(
+            template,
+            workload=workload,
+            distance_octaves=distance,
+            rejected=list(template.rejected),
+            measured=list(template.measured),
+            warnings=list(template.warnings),
+        )
+
+    def _heuristic_choice(self, rkey, workload, resolved, failed_gate, fp_id, bandwidth) -> Choice:
+        key = (rkey, tuple(sorted(failed_gate.items())))
+        ranking = self._heuristic.get(key)
+        if ranking is None:
+            try:
+                ranking = rank(
+                    ((n, r, c) for n, r, c, _ in resolved),
+                    failed_gate=failed_gate,
+                    describe=workload.describe(),
                 )
-                lines.append(f"    {m['backend']}{f'[{cfg_m}]' if cfg_m else ''}: {t}")
-        if self.rejected:
-            lines.append("  rejected:")
-            lines += [f"    {r.backend}: {r.reason}" for r in self.rejected]
-        lines += [f"  warning: {w}" for w in self.warnings]
-        return "\n".join(lines)
+            except LookupError as err:
+                ranking = err
+            self._heuristic[key] = ranking
+        if isinstance(ranking, LookupError):
+            raise LookupError(str(ranking))
+        if bandwidth is None:
+            bandwidth = self._bandwidth.get(fp_id)
+            if bandwidth is None:
+                bandwidth = self._bandwidth[fp_id] = load_profile(workload.device).bandwidth
+        return ranking.choice(workload, bandwidth=bandwidth)
+
+    def _engine_setting(self, reg: Registry, choice: Choice) -> str | None:
+        """The engine settings that run the chosen kernel in its engine (``None``: not an engine's
+        kernel). A backend that wraps an engine's kernel declares ``engine_setting(config) -> str``
+        (the plugin checks the names against the installed engine); see docs/engines.md."""
+        key = (self._reg_key(reg), choice.backend, tuple(sorted(choice.config.items(), key=str)))
+        if key in self._engine:
+            return self._engine[key]
+        setting = None
+        if choice.backend in reg:
+            method = getattr(reg.entry(choice.backend).cls, "engine_setting", None)
+            if callable(method):
+                try:
+                    setting = str(reg.get(choice.backend).engine_setting(choice.config))  # type: ignore[attr-defined]
+                except Exception as err:  # e.g. the installed engine lacks the name: say so, keep the choice
+                    choice.warnings.append(
+                        f"{choice.backend}: cannot name its engine setting ({type(err).__name__}: {err})"
+                    )
+                    return None
+        self._engine[key] = setting
+        return setting
+
+
+#: The selector :func:`select` uses (``default_selector.clear()`` forgets what it learnt).
+default_selector = Selector()
 
 
 def select(
     workload: Workload | None = None,
     *,
-    model: str | None = None,
+    model: str | ModelShape | None = None,
     batch: int | None = None,
     context: int | str | None = None,
     dtype: str | torch.dtype = "bf16",
-    device: str = "cpu",
+    device: str = "auto",
     results_dir: str | Path | None = None,
     table: str | Path | None = None,
     registry: Registry | None = None,
@@ -165,293 +448,29 @@ def select(
     """The backend and config to use for ``workload`` (or ``model`` + ``batch`` + ``context`` + ``dtype``).
 
     Args:
-        results_dir: where the tuned tables live (default ``$ATTNBENCH_RESULTS_DIR`` or ``results/``).
-        table: a specific table file instead (refused with :class:`~attnbench.tuning.DeviceMismatchError`
-            when tuned on another device).
+        device: ``"auto"`` (CUDA when available, else CPU; the default), ``"cuda"`` or ``"cpu"``.
+        results_dir: where the tuned tables live (default: ``$ATTNBENCH_RESULTS_DIR``, else the
+            per-user ``$XDG_DATA_HOME/attnbench``, see :mod:`attnbench.locations`); a folder given
+            here that does not exist raises :class:`~attnbench.locations.ResultsLocationError`.
+        table: a specific table file instead (it must exist; refused with
+            :class:`~attnbench.tuning.DeviceMismatchError` when tuned on another device).
         registry: the backends to choose from (default: the full registry).
         bandwidth: bytes/s for the heuristic's roofline (default: the device profile's, measured once).
         allow_lossy: a lossy KV cache (``Backend.lossy``, e.g. fp8 K/V) may be chosen — from the table
             when it was measured fastest, never by the heuristic; the choice then says it is lossy.
+
+    Answers from memory after the first call (see :class:`Selector`).
     """
-    from attnbench.calibrated import beyond_tuned, calibrated_choice
-    from attnbench.calibration import CalibrationError, find_calibration
-    from attnbench.device import fingerprint
-    from attnbench.tuning.table import DeviceMismatchError, ResultsTable, TableError, table_path
-    from attnbench.tuning.tuner import default_results_dir
-
-    if workload is None:
-        missing = [n for n, v in (("model", model), ("batch", batch), ("context", context)) if v is None]
-        if missing:
-            raise ValueError(
-                f"select: give a workload, or model, batch and context (missing: {', '.join(missing)})"
-            )
-        workload = Workload.uniform(model, batch=batch, context=context, dtype=dtype, device=device)  # type: ignore[arg-type]
-    registry = registry if registry is not None else load_registry()
-    fp = fingerprint(workload.device)
-    path = Path(table) if table is not None else table_path(Path(results_dir or default_results_dir()), fp)
-    notes: list[str] = []
-    loaded: ResultsTable | None
-    try:
-        loaded = ResultsTable.load(path, fingerprint=fp)
-    except DeviceMismatchError:
-        raise  # another device's table: refused, never used
-    except TableError as err:
-        if table is not None:
-            raise
-        notes.append(f"{err}; ignoring it (re-run `attnbench tune` to rewrite it)")
-        loaded = None
-    failed_gate = _gate_failures(loaded, workload) if loaded else {}
-    choice = _from_table(loaded, workload, registry, allow_lossy=allow_lossy) if loaded else None
-    outside = beyond_tuned(loaded, workload)
-    if outside:  # the measured map wins inside the tuned region; beyond it, the calibrated model
-        lossy = [] if allow_lossy else [e.name for e in registry if _stores_lossily(e.cls)]
-        try:
-            calibration = find_calibration(fp, results_dir=path.parent)
-        except CalibrationError as err:
-            notes.append(f"{err}; ignoring it (re-run `attnbench calibrate`)")
-            calibration = None
-        calibrated = calibrated_choice(
-            workload,
-            registry,
-            calibration=calibration,
-            failed_gate=failed_gate,
-            why_outside=outside,
-            skip=lossy,
-        )
-        choice = calibrated or choice
-    if choice is None:
-        choice = _heuristic(workload, registry, failed_gate=failed_gate, bandwidth=bandwidth)
-    choice.warnings = notes + choice.warnings
-    choice.engine_setting = _engine_setting(registry, choice)
-    for w in choice.warnings:
-        warnings.warn(w, stacklevel=2)
-    return choice
-
-
-# --------------------------------------------------------------------------------------------------
-# tuned
-# --------------------------------------------------------------------------------------------------
-def _runnable(registry: Registry, name: str, workload: Workload) -> str:
-    """Empty when ``name`` is registered, supports ``workload`` and is not interpreted; else why not."""
-    if name not in registry:
-        return f"not registered now (registered: {', '.join(registry.names())})"
-    from attnbench.probe import ask
-
-    answers = ask(registry.entry(name).cls, workload)  # plugin code: bounded in time, answer cached
-    if answers.reasons:
-        return "cannot run this workload: " + "; ".join(answers.reasons)
-    if answers.interpreted:
-        return "would run interpreted here (never timed, never chosen)"
-    return ""
-
-
-def _from_table(table: Any, workload: Workload, registry: Registry, *, allow_lossy: bool) -> Choice | None:
-    from attnbench.tuning.key import TuningKey, bucket_distance
-    from attnbench.tuning.space import code_hash
-
-    shape_hash = workload.shape.fingerprint()
-    rows = [
-        (row, e)
-        for row, e in table.entries.items()
-        if e.get("model") == workload.shape.name
-        and e.get("shape_hash") == shape_hash
-        and e.get("dtype") == workload.dtype_name
-        and e.get("winner")
-    ]
-    if not rows:
-        return None
-
-    def distance(item: tuple[str, dict]) -> tuple[float, int, int]:
-        key = TuningKey.from_row(item[0], device="")
-        d = bucket_distance(key, batch=workload.batch, context=workload.context)
-        return (round(d, 9), -key.context_bucket, -key.batch_bucket)
-
-    row, entry = min(rows, key=distance)
-    dist = distance((row, entry))[0]
-    candidates = [c for c in entry.get("candidates", [])]
-    measured = [dict(c) for c in candidates]
-    rejected: list[Rejected] = [
-        Rejected(x["backend"], f"excluded when tuned: {x['reason']}") for x in entry.get("excluded", [])
-    ]
-    for c in candidates:
-        if c.get("step_ms") is None:
-            rejected.append(
-                Rejected(
-                    c["backend"], f"failed when tuned ({c.get('failed')}): {c.get('reason', '')}", c["config"]
-                )
-            )
-    winner = entry["winner"]
-    others = sorted(
-        (c for c in candidates if c.get("step_ms") is not None and c != winner), key=lambda c: c["step_ms"]
+    return default_selector.select(
+        workload,
+        model=model,
+        batch=batch,
+        context=context,
+        dtype=dtype,
+        device=device,
+        results_dir=results_dir,
+        table=table,
+        registry=registry,
+        bandwidth=bandwidth,
+        allow_lossy=allow_lossy,
     )
-    ordered = [winner, *others]
-    chosen = None
-    for c in ordered:
-        why_not = _runnable(registry, c["backend"], workload)
-        lossy = c.get("lossy") or (registry.entry(c["backend"]).cls.lossy if c["backend"] in registry else "")
-        if not why_not and lossy and not allow_lossy:
-            why_not = f"lossy ({lossy}): chosen only with allow_lossy=True (--allow-lossy)"
-        if why_not:
-            rejected.append(Rejected(c["backend"], why_not, c["config"], c.get("step_ms")))
-            continue
-        chosen = c
-        break
-    if chosen is None:
-        return None
-    for c in ordered:
-        if c is not chosen and not any(
-            r.backend == c["backend"] and dict(r.config) == c["config"] for r in rejected
-        ):
-            if (
-                c.get("step_ms") is not None
-                and chosen.get("step_ms") is not None
-                and c["step_ms"] < chosen["step_ms"]
-            ):
-                why = f"faster by {chosen['step_ms'] / c['step_ms'] - 1:.1%}, under the {entry.get('switch_margin', 0):.0%} switch margin over the default"
-            else:
-                why = f"slower: {c['step_ms']:.4g} ms vs {chosen['step_ms']:.4g} ms"
-            rejected.append(Rejected(c["backend"], why, c["config"], c["step_ms"]))
-    reason = (
-        entry.get("decision", "tuned winner")
-        if chosen is winner
-        else "tuned winner cannot run here; next fastest"
-    )
-    warns = [w for w in table.warnings if w.startswith(row)]
-    classes = [registry.entry(c["backend"]).cls for c in candidates if c["backend"] in registry]
-    if classes and entry.get("code_hash") and code_hash(classes) != entry["code_hash"]:
-        warns.append(
-            f"{row}: backend code changed since tuning (code hash {entry['code_hash']} → {code_hash(classes)}); consider re-tuning"
-        )
-    if not entry.get("complete", True):
-        warns.append(f"{row}: the tuning run was interrupted; not every candidate was measured")
-    return Choice(
-        backend=chosen["backend"],
-        config=dict(chosen["config"]),
-        lossy=chosen.get("lossy")
-        or (registry.entry(chosen["backend"]).cls.lossy if chosen["backend"] in registry else ""),
-        gate=chosen.get("gate"),
-        source="tuned",
-        workload=workload,
-        reason=reason,
-        rejected=rejected,
-        measured=measured,
-        tuned_key=row,
-        distance_octaves=dist,
-        step_ms=chosen.get("step_ms"),
-        table=table.path.name,
-        warnings=warns,
-    )
-
-
-def _engine_setting(registry: Registry, choice: Choice) -> str | None:
-    """The engine settings that run the chosen kernel in its engine (``None``: not an engine's kernel).
-
-    A backend that wraps an engine's kernel declares ``engine_setting(config) -> str`` (the plugin
-    checks the names against the installed engine, e.g. vLLM's attention-backend enum); see
-    docs/engines.md.
-    """
-    if choice.backend not in registry:
-        return None
-    setting = getattr(registry.get(choice.backend), "engine_setting", None)
-    if not callable(setting):
-        return None
-    try:
-        return str(setting(choice.config))
-    except Exception as err:  # e.g. the installed engine lacks the name: say so, keep the choice
-        choice.warnings.append(
-            f"{choice.backend}: cannot name its engine setting ({type(err).__name__}: {err})"
-        )
-        return None
-
-
-def _gate_failures(table: Any, workload: Workload) -> dict[str, str]:
-    """Backends that failed the correctness gate in this device's table at this dtype."""
-    out: dict[str, str] = {}
-    for row, e in table.entries.items():
-        if e.get("dtype") != workload.dtype_name:
-            continue
-        for c in e.get("candidates", []):
-            if c.get("failed") in ("gate", "nan"):
-                out.setdefault(c["backend"], f"failed the correctness gate when tuning {row}")
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# heuristic
-# --------------------------------------------------------------------------------------------------
-def _kv_bytes(backend: Backend, workload: Workload) -> int:
-    """KV bytes one step reads with ``backend``'s cache layout (scales included), over all layers."""
-    from attnbench.costmodel import backend_kv_bytes_per_token, kv_bytes_per_step
-
-    per_token = backend_kv_bytes_per_token(backend, workload)
-    return int(kv_bytes_per_step(per_token, tokens=workload.total_tokens + workload.batch))
-
-
-def _stores_lossily(cls: type[Backend]) -> bool:
-    """A backend that declares a lossy cache (``Backend.lossy``, e.g. ``"fp8 e4m3 K/V"``)."""
-    return bool(getattr(cls, "lossy", ""))
-
-
-def _heuristic(
-    workload: Workload, registry: Registry, *, failed_gate: dict[str, str], bandwidth: float | None
-) -> Choice:
-    from attnbench.tuning.space import DEFAULT_BACKENDS
-
-    rejected: list[Rejected] = []
-    scored: list[tuple[int, int, str]] = []
-    lossy: list[str] = []
-    for i, entry in enumerate(registry):
-        why_not = _runnable(registry, entry.name, workload) or failed_gate.get(entry.name, "")
-        if why_not:
-            rejected.append(Rejected(entry.name, why_not))
-            continue
-        if _stores_lossily(entry.cls):
-            lossy.append(entry.name)
-            continue
-        rank = (
-            DEFAULT_BACKENDS.index(entry.name)
-            if entry.name in DEFAULT_BACKENDS
-            else len(DEFAULT_BACKENDS) + i
-        )
-        scored.append((_kv_bytes(registry.get(entry.name), workload), rank, entry.name))
-    rejected += [
-        Rejected(
-            n,
-            f"lossy ({registry.entry(n).cls.lossy}): chosen only from a tuned table with allow_lossy=True, "
-            "never by the heuristic",
-        )
-        for n in lossy
-    ]
-    if not scored:
-        raise LookupError(
-            f"no registered backend can run {workload.describe()}: "
-            + "; ".join(f"{r.backend}: {r.reason}" for r in rejected)
-        )
-    least = min(b for b, _, _ in scored)
-    # within 1 % of the fewest bytes is a tie on the roofline: the default backend's order decides
-    ties = sorted((rank, name, b) for b, rank, name in scored if b <= least * 1.01)
-    _, name, nbytes = ties[0]
-    if bandwidth is None:
-        from attnbench.device import load_profile
-
-        bandwidth = load_profile(workload.device).bandwidth
-    from attnbench.costmodel import StepCost, roofline
-
-    memory_only = StepCost(form="any", kv_bytes=nbytes, io_bytes=0.0, weight_bytes=0.0, flops=0.0)
-    estimate = roofline(memory_only, bandwidth=bandwidth, peak_flops=float("inf")).floor_s * 1e3
-    for b, _, other in scored:
-        if other != name:
-            why = (
-                f"reads {b / nbytes:.2f}× the KV bytes"
-                if b > least * 1.01
-                else "same KV bytes; not first in the default order"
-            )
-            rejected.append(Rejected(other, why))
-    reason = (
-        f"no tuned entry for {workload.shape.name} {workload.dtype_name} on this device; roofline: a step reads "
-        f"{nbytes / 1e6:.4g} MB of KV cache, ≥ {estimate:.4g} ms at {bandwidth / 1e9:.3g} GB/s; "
-        f"{name} reads the fewest bytes"
-        + (" (tie broken by the default order flash, naive)" if len(ties) > 1 else "")
-    )
-    config = registry.entry(name).cls.default_config()
-    return Choice(name, config, "heuristic", workload, reason, rejected=rejected, estimate_ms=estimate)

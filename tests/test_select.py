@@ -127,7 +127,8 @@ def test_cli_tune_then_select(tmp_path, capsys):
         "--results",
         str(tmp_path),
     ]
-    assert main(["tune", *args, "--repeats", "3", "--timeout", "60", "--json"]) == 0
+    tune = ["--backends", "naive,flash", "--repeats", "3", "--samples", "3", "--timeout", "60", "--json"]
+    assert main(["tune", *args, *tune]) == 0
     tuned = json.loads(capsys.readouterr().out)
     (entry,) = tuned["entries"].values()
     assert entry["winner"]["backend"] in attnbench.load_registry().names() and entry["complete"]
@@ -155,6 +156,9 @@ def test_the_heuristic_never_picks_a_lossy_cache_untuned(tmp_path):
         def reference_kv(self, k, v, *, config):
             return k, v
 
+        def kv_bytes_per_token(self, workload, *, config):
+            return super().kv_bytes_per_token(workload, config=config) // 2
+
     class Plugin:
         @hookimpl
         def attnbench_backends(self):
@@ -168,4 +172,215 @@ def test_the_heuristic_never_picks_a_lossy_cache_untuned(tmp_path):
     )
     assert choice.backend == "naive"
     assert any(r.backend == "halved" and "lossy (int4 K/V)" in r.reason for r in choice.rejected)
+    assert choice.registry is reg and choice.build().name == "naive"  # built from the registry chosen from
     assert choice.lossy == "" and "accuracy: exact" in choice.explain()
+
+
+# --------------------------------------------------------------------------------------------------
+# per batch: answers from memory; a rewritten table is picked up
+# --------------------------------------------------------------------------------------------------
+def test_later_calls_read_no_file_rebuild_nothing_and_allocate_no_cache(tmp_path, monkeypatch):
+    import importlib
+
+    from attnbench.backend import Backend
+    from attnbench.select import Selector
+
+    sel = importlib.import_module("attnbench.select")  # the module (attnbench.select is the function)
+    p = _profile()
+    w = Workload.uniform("tiny-gqa", batch=1, context=1024)
+    _table(tmp_path, [_entry(w, flash=1e-3, naive=3e-3, profile=p)])
+    selector = Selector()
+    first = selector.select(model="tiny-gqa", batch=1, context=1000, dtype="bf16", results_dir=tmp_path)
+    assert first.source == "tuned" and first.backend == "flash"
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("select() did work its first call should have cached")
+
+    for module, name in (
+        (sel, "load_registry"),
+        (sel, "load_shape"),
+        (sel, "fingerprint"),
+        (sel, "load_maps"),
+        (sel, "load_profile"),
+        (sel, "ask"),
+    ):
+        monkeypatch.setattr(module, name, forbidden)
+    monkeypatch.setattr(sel.ResultsTable, "load", forbidden)
+    monkeypatch.setattr(Backend, "create_cache", forbidden)
+    # values not seen before, in the bucket seen (a new bucket asks each backend's resolve() once)
+    for batch, context in ((1, 999), (1, 1100), (1, 800), (1, 1400)):
+        again = selector.select(
+            model="tiny-gqa", batch=batch, context=context, dtype="bf16", results_dir=tmp_path
+        )
+        assert again.source == "tuned" and again.backend == "flash"
+        assert again.workload.batch == batch and again.workload.context == context
+    selector.clear()
+    with pytest.raises(AssertionError, match="should have cached"):
+        selector.select(model="tiny-gqa", batch=1, context=1000, dtype="bf16", results_dir=tmp_path)
+
+
+def test_a_table_rewritten_by_tune_is_picked_up(tmp_path):
+    from attnbench.select import Selector
+
+    p = _profile()
+    w = Workload.uniform("tiny-gqa", batch=1, context=64)
+    selector = Selector()
+    _table(tmp_path, [_entry(w, flash=1e-3, naive=3e-3, profile=p)])
+    assert selector.select(model="tiny-gqa", batch=1, context=64, results_dir=tmp_path).backend == "flash"
+    _table(tmp_path, [_entry(w, flash=9e-3, naive=3e-3, profile=p)])  # written atomically: a new file
+    assert selector.select(model="tiny-gqa", batch=1, context=64, results_dir=tmp_path).backend == "naive"
+    for f in tmp_path.glob("tuning-*.yaml"):
+        f.unlink()
+    assert selector.select(model="tiny-gqa", batch=1, context=64, results_dir=tmp_path).source == "heuristic"
+
+
+# --------------------------------------------------------------------------------------------------
+# one results location
+# --------------------------------------------------------------------------------------------------
+def test_serving_code_in_another_directory_finds_the_tuned_table(tmp_path, monkeypatch, capsys):
+    """`tune` without --results writes the per-user location; select() from elsewhere reads it."""
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    monkeypatch.setenv("XDG_DATA_HOME", str(data))
+    tiny = ["--model", "tiny-gqa", "--batch", "1", "--context", "64", "--dtype", "fp32", "--device", "cpu"]
+    tune = ["--backends", "naive,flash", "--repeats", "3", "--samples", "3", "--timeout", "60"]
+    assert main(["tune", *tiny, *tune]) == 0
+    out = capsys.readouterr().out
+    assert f"results: {data / 'attnbench'} (the per-user default" in out
+    (table,) = (data / "attnbench").glob("tuning-*.yaml")
+    winner = ResultsTable.load(table).typed()
+    (entry,) = winner.values()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = (
+        "import attnbench, json; from attnbench.cli import main; "
+        "c = attnbench.select(model='tiny-gqa', batch=1, context=64, dtype='fp32', device='cpu'); "
+        "print(json.dumps([c.source, c.backend, c.table])); "
+        "main(['select', '--model', 'tiny-gqa', '--batch', '1', '--context', '64', '--dtype', 'fp32', '--json'])"
+    )
+    env = dict(os.environ, XDG_DATA_HOME=str(data), ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, rest = proc.stdout.split("\n", 1)
+    assert json.loads(first) == ["tuned", entry.winner.backend, table.name]
+    (cli,) = json.loads(rest)
+    assert cli["source"] == "tuned" and cli["backend"] == entry.winner.backend
+    assert not (elsewhere / "results").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (
+            ["--results", "{tmp}/missing"],
+            "--results '{tmp}/missing' does not exist; accepted: an existing folder",
+        ),
+        (
+            ["--table", "{tmp}/missing.yaml"],
+            "--table '{tmp}/missing.yaml' does not exist; accepted: a tuning-",
+        ),
+        (["--table", "{tmp}"], "--table '{tmp}' is a folder"),
+    ],
+)
+def test_a_missing_results_folder_or_table_is_an_error(tmp_path, capsys, argv, match):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    code = main(["select", "--model", "tiny-gqa", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert match.format(tmp=tmp_path) in err
+
+
+def test_the_results_variable_and_a_missing_folder_from_python(tmp_path, monkeypatch):
+    from attnbench.locations import ResultsLocationError, default_results_dir, results_location
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert results_location().path == default_results_dir() == tmp_path / "xdg" / "attnbench"
+    assert results_location().origin == "default"
+    with pytest.raises(ResultsLocationError, match=r"--results .* does not exist"):
+        attnbench.select(model="tiny-gqa", batch=1, context=64, results_dir=tmp_path / "nope")
+    monkeypatch.setenv("ATTNBENCH_RESULTS_DIR", str(tmp_path / "nope"))
+    assert results_location().origin == "env"
+    with pytest.raises(ResultsLocationError, match=r"\$ATTNBENCH_RESULTS_DIR .* does not exist"):
+        attnbench.select(model="tiny-gqa", batch=1, context=64)
+    p = _profile()
+    _table(
+        tmp_path,
+        [_entry(Workload.uniform("tiny-gqa", batch=1, context=64), flash=1e-3, naive=3e-3, profile=p)],
+    )
+    monkeypatch.setenv("ATTNBENCH_RESULTS_DIR", str(tmp_path))
+    assert attnbench.select(model="tiny-gqa", batch=1, context=64, device="cpu").source == "tuned"
+
+
+def test_tune_refuses_the_committed_reference_runs_unless_asked(tmp_path, capsys):
+    from pathlib import Path
+
+    from attnbench.locations import REFERENCE_MARKER
+
+    repo_results = Path(__file__).resolve().parents[1] / "results"
+    assert (repo_results / REFERENCE_MARKER).is_file()  # the repository's results/ is marked
+    (tmp_path / REFERENCE_MARKER).write_text("reference runs\n")
+    tiny = ["--model", "tiny-gqa", "--batch", "1", "--context", "64", "--dtype", "fp32"]
+    code = main(["tune", *tiny, "--results", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "holds committed reference runs" in err and "--update-reference" in err
+    assert not list(tmp_path.glob("tuning-*"))
+    from attnbench.cli import build_parser
+    from attnbench.locations import writable_results
+
+    assert build_parser().parse_args(["tune", *tiny, "--update-reference"]).update_reference
+    assert writable_results(tmp_path, update_reference=True).path == tmp_path  # asked: allowed
+
+
+# --------------------------------------------------------------------------------------------------
+# --device auto
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "-m", "tiny-gqa"],
+        ["tune", "-m", "tiny-gqa"],
+        ["select", "-m", "tiny-gqa"],
+        ["backends", "-m", "tiny-gqa"],
+        ["decode", "-m", "tiny-gqa", "-p", "4", "-n", "2"],
+        ["calibrate"],
+    ],
+)
+def test_device_defaults_to_auto_everywhere(argv):
+    import torch
+
+    from attnbench.cli import build_parser
+    from attnbench.device import resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto") == expected and resolve_device("cpu") == "cpu"
+    args = build_parser().parse_args(argv)
+    assert args.device == expected
+    assert build_parser().parse_args([*argv, "--device", "cpu"]).device == "cpu"
+
+
+def test_the_latency_script_runs(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "select_latency.py"
+    spec = importlib.util.spec_from_file_location("select_latency", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (
+        module.main(
+            ["--model", "tiny-gqa", "--calls", "50", "--device", "cpu", "--out", str(tmp_path / "sl")]
+        )
+        == 0
+    )
+    report = json.loads((tmp_path / "sl.json").read_text())
+    assert report["command"].startswith("python scripts/select_latency.py") and report["load_avg_start"]
+    heuristic, mapped = report["rows"].values()
+    assert heuristic["sources"] == ["heuristic"] and mapped["sources"] == ["tuned"]
+    assert heuristic["calls"] == mapped["calls"] == 50 and mapped["median_us"] > 0
+    assert "| source | first call µs |" in (tmp_path / "sl.md").read_text()

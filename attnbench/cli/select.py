@@ -20,8 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "select",
         help="the backend and config to use for a workload (tuned table, else roofline heuristic)",
         description=(
-            "Answer from this device's tuned results table (the nearest batch/context bucket of the same "
-            "model and dtype), or, when nothing is tuned, from a roofline heuristic: the candidate that reads "
+            "Answer from this device's dispatch map (interpolated between tuned points) or tuned results "
+            "table (the nearest batch/context bucket of the same model and dtype), found in the results "
+            "location `attnbench tune` printed; beyond the tuned region from the calibrated step-time "
+            "models (`attnbench calibrate`), and when nothing is tuned from a roofline heuristic: the candidate that reads "
             "the fewest KV-cache bytes, ties going to the default backend (flash, else naive). A candidate that "
             "failed the correctness gate is never chosen, a lossy KV cache (fp8) only with --allow-lossy; a table from "
             "another device is refused."
@@ -29,8 +31,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_model_option(p, required=True)
     add_workload_options(p, batch="1", context="4096")
-    p.add_argument("--results", metavar="DIR", help="where the tuned tables live (default results/)")
-    p.add_argument("--table", metavar="PATH", help="use this table file (refused if tuned on another device)")
+    p.add_argument(
+        "--results",
+        metavar="DIR",
+        help="where the tuned tables live, an existing folder (default $ATTNBENCH_RESULTS_DIR, else the "
+        "per-user $XDG_DATA_HOME/attnbench, i.e. ~/.local/share/attnbench: where `attnbench tune` writes)",
+    )
+    p.add_argument(
+        "--table",
+        metavar="PATH",
+        help="use this table file, which must exist (refused if tuned on another device)",
+    )
     p.add_argument("--explain", action="store_true", help="say what was chosen, what was rejected and why")
     p.add_argument(
         "--allow-lossy",

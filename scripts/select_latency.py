@@ -1,0 +1,243 @@
+"""Latency of ``attnbench.select()`` as serving code calls it: once per batch, keyword form.
+
+For each source of an answer — the roofline heuristic (an empty results folder), a dispatch map (a
+planted map over a batch × context grid: the lookup's cost does not depend on the times in it), and,
+with ``--results DIR``, whatever that results folder holds — a fresh :class:`attnbench.select.Selector`
+is made, its first call is timed (registry, model shape, device fingerprint, table and map read), then
+``--calls`` further calls, each with a (batch, context) pair not used before, are timed one by one with
+``time.perf_counter_ns``. Reported: the first call, and the median, p90, p99 and mean of the later ones.
+
+    python scripts/select_latency.py                   # 10,000 calls per source (about 1 minute)
+    python scripts/select_latency.py --quick --out /tmp/sl   # a smoke test (200 calls)
+
+Writes ``results/select-latency.json`` and ``.md`` (``--out PREFIX`` elsewhere) with the command, the
+machine, the date and the load average before and after. Run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from attnbench.device import fingerprint
+from attnbench.select import Selector
+from attnbench.shapes import load_shape
+from attnbench.tuning.dispatch import DispatchMap, GridPoint, MapCandidate, dispatch_path, save_maps
+from attnbench.tuning.margin import Interval
+from attnbench.tuning.table import hardware_id, table_path
+from attnbench.workload import bucket
+
+
+def _planted_map(folder: Path, *, model: str, dtype: str, device: str) -> Path:
+    """A dispatch map over batch 1..256 × context 256..128k with three candidates whose planted times
+    cross, so lookups land in every kind of cell (the lookup reads the times, never measures)."""
+    shape = load_shape(model)
+    fp = fingerprint(device)
+    batches, contexts = [1, 4, 16, 64, 256], [256, 1024, 4096, 16384, 65536, 131072]
+    candidates = {
+        "flash": MapCandidate("flash", {}),
+        "naive": MapCandidate("naive", {}),
+        "triton_paged[page_size=64]": MapCandidate("triton_paged", {"page_size": 64}),
+    }
+    points = {}
+    for b in batches:
+        for c in contexts:
+            base = 1e-4 * b * c
+            times = {
+                "flash": Interval(base, base * 0.97, base * 1.03, 15),
+                "naive": Interval(base * (0.8 if b < 8 else 1.3), base * 0.78, base * 1.35, 15),
+                "triton_paged[page_size=64]": Interval(base * 1.1, base * 1.05, base * 1.15, 15),
+            }
+            points[(b, c)] = GridPoint(b, c, times, winner="flash")
+    m = DispatchMap(model, shape.fingerprint(), dtype, "flash", batches, contexts, candidates, points)
+    path = dispatch_path(table_path(folder, fp))
+    save_maps(path, [m], device={"hardware_id": hardware_id(fp)})
+    return path
+
+
+def _pairs(n: int, *, seed: int) -> list[tuple[int, int]]:
+    """``n`` distinct (batch, context) pairs, batch 1..256 and context 1..131072, log-uniform."""
+    rng = random.Random(seed)
+    seen: set[tuple[int, int]] = set()
+    while len(seen) < n:
+        seen.add((int(2 ** rng.uniform(0, 8)), int(2 ** rng.uniform(0, 17))))
+    out = list(seen)
+    rng.shuffle(out)
+    return out
+
+
+def _stats(times: list[float]) -> dict:
+    times = sorted(times)
+    if not times:
+        return {"calls": 0}
+    return {
+        "calls": len(times),
+        "median_us": round(statistics.median(times), 2),
+        "p90_us": round(times[int(0.9 * len(times))], 2),
+        "p99_us": round(times[int(0.99 * len(times))], 2),
+        "mean_us": round(statistics.fmean(times), 2),
+    }
+
+
+def _measure(folder: Path, *, model: str, dtype: str, device: str, calls: int, seed: int) -> dict:
+    """The first call, then ``calls`` calls with fresh (batch, context) pairs. A pair in a batch ×
+    context bucket the selector has not seen asks each backend's ``resolve()`` once (its answer holds
+    for the bucket), so those calls are also reported on their own."""
+    selector = Selector()
+    pairs = _pairs(calls + 1, seed=seed)
+    b, c = pairs[0]
+    t0 = time.perf_counter_ns()
+    first = selector.select(model=model, batch=b, context=c, dtype=dtype, device=device, results_dir=folder)
+    first_us = (time.perf_counter_ns() - t0) / 1e3
+    seen = {(bucket(b), bucket(c))}
+    times: list[float] = []
+    in_seen: list[float] = []
+    in_new: list[float] = []
+    sources = set()
+    for b, c in pairs[1:]:
+        new = (bucket(b), bucket(c)) not in seen
+        t0 = time.perf_counter_ns()
+        choice = selector.select(
+            model=model, batch=b, context=c, dtype=dtype, device=device, results_dir=folder
+        )
+        dt = (time.perf_counter_ns() - t0) / 1e3
+        times.append(dt)
+        (in_new if new else in_seen).append(dt)
+        seen.add((bucket(b), bucket(c)))
+        sources.add(choice.source)
+    return {
+        "first_call_us": round(first_us, 1),
+        "first_source": first.source,
+        **_stats(times),
+        "seen_bucket": _stats(in_seen),
+        "new_bucket": _stats(in_new),
+        "sources": sorted(sources),
+    }
+
+
+@contextlib.contextmanager
+def _plugins(load: bool) -> Iterator[None]:
+    """Built-in backends only unless ``load`` (the variable is restored afterwards)."""
+    name, old = "ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", os.environ.get("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD")
+    if not load:
+        os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--calls", type=int, default=10_000, help="timed calls after the first (default 10000)")
+    p.add_argument("--quick", action="store_true", help="200 calls: a smoke test, not a measurement")
+    p.add_argument("--results", metavar="DIR", help="also measure against this results folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--plugins",
+        action="store_true",
+        help="load plugin backends too (default: built-ins only; a plugin is first asked in a child "
+        "process per new bucket, which is then cached on disk)",
+    )
+    p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json/.md (default results/select-latency)")
+    args = p.parse_args(argv)
+    calls = 200 if args.quick else args.calls
+    if calls < 1:
+        p.error(f"--calls {calls} must be ≥ 1")
+    device = (
+        "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
+    )
+    load_start = os.getloadavg()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp, _plugins(args.plugins):
+        empty, mapped = Path(tmp) / "empty", Path(tmp) / "map"
+        empty.mkdir()
+        _planted_map(mapped, model=args.model, dtype=args.dtype, device=device)
+        common = {
+            "model": args.model,
+            "dtype": args.dtype,
+            "device": device,
+            "calls": calls,
+            "seed": args.seed,
+        }
+        rows["heuristic (empty results folder)"] = _measure(empty, **common)
+        rows["dispatch map (planted 5×6 grid, 3 candidates)"] = _measure(mapped, **common)
+        if args.results:
+            rows[f"results folder {args.results}"] = _measure(Path(args.results), **common)
+    fp = fingerprint(device)
+    report = {
+        "command": "python scripts/select_latency.py"
+        + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "device": fp.get("name"),
+            "kind": fp.get("kind"),
+            "threads": fp.get("threads"),
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": str(torch.__version__),
+        },
+        "load_avg_start": [round(x, 2) for x in load_start],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "quick": args.quick,
+        "plugins": args.plugins,
+        "target": "median ≤ 50 µs for (batch, context) values never seen before",
+        "rows": rows,
+    }
+    prefix = Path(args.out) if args.out else Path("results") / "select-latency"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        "# select() latency",
+        "",
+        f"`{report['command']}` · {report['date']} · {fp.get('name')} ({os.cpu_count()} CPUs, {fp.get('threads')} "
+        f"torch threads) · load average {load_start[0]:.2f} → {report['load_avg_end'][0]:.2f}"
+        + (" · **--quick: a smoke test, not a measurement**" if args.quick else ""),
+        "",
+        "| source | first call µs | calls | median µs | p90 µs | p99 µs | mean µs "
+        "| seen bucket: calls, median µs | new bucket: calls, median µs | answered from |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in rows.items():
+        seen, new = r["seen_bucket"], r["new_bucket"]
+        lines.append(
+            f"| {name} | {r['first_call_us']:.0f} | {r['calls']} | {r['median_us']:.1f} | {r['p90_us']:.1f} | "
+            f"{r['p99_us']:.1f} | {r['mean_us']:.1f} | {seen['calls']}, {seen.get('median_us', '-')} | "
+            f"{new['calls']}, {new.get('median_us', '-')} | {', '.join(r['sources'])} |"
+        )
+    lines += [
+        "",
+        "Every timed call has a (batch, context) pair not used before (batch 1–256, context 1–128k, "
+        "log-uniform). A pair in a batch × context bucket not seen before asks each backend's "
+        "`resolve()` once for that bucket; later pairs in the bucket are answered from memory. "
+        + ("Plugins loaded." if args.plugins else "Built-in backends only (--plugins loads plugins)."),
+    ]
+    prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {prefix.with_suffix('.json')} and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
