@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from attnbench.backend import Backend
 from attnbench.registry import Registry, load_registry
+from attnbench.tuning.dispatch import Lookup
 from attnbench.workload import Workload
-
-if TYPE_CHECKING:
-    from attnbench.tuning.dispatch import Lookup
 
 __all__ = ["Choice", "Rejected"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 
 from rich.table import Table
 
@@ -13,6 +14,7 @@ from attnbench.cli.common import (
     emit_json,
     workloads_from_args,
 )
+from attnbench.select import select
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,10 +55,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import warnings
-
-    from attnbench.select import select
-
     choices = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the warnings are printed with the choice below
