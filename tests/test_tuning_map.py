@@ -16,6 +16,7 @@ from attnbench.backends.naive import NaiveBackend
 from attnbench.device import DeviceProfile, fingerprint
 from attnbench.hookspecs import hookimpl
 from attnbench.registry import Registry, Source, load_registry
+from attnbench.select import select
 from attnbench.tuning import ResultsTable, TuneOptions, tune
 from attnbench.tuning.dispatch import load_maps, map_key
 from attnbench.workload import Workload
@@ -131,6 +132,11 @@ def test_the_refined_map_locates_a_crossover_between_two_tuned_batches(tmp_path,
     assert m.lookup(2, 64).label == steady
     assert m.lookup(7, 64).label == over
     assert m.lookup(16, 64).label == over and m.lookup(16, 64).extrapolated
+    # and select(), as serving code calls it, from the map in the results folder
+    for b, want in ((2, steady), (3, steady), (5, over), (7, over)):  # batch 3: a bucket lookup says over
+        w = _workloads([b])[0]
+        choice = select(w, results_dir=tmp_path, registry=reg)
+        assert choice.backend == want, choice.explain()
     assert report.evaluations["refined"] > 0 and m.refinement["points"] == len(m.batches)
     # every point's times carry intervals from interleaved samples
     p = m.points[(8, 64)]
