@@ -116,7 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--storage",
         metavar="URL",
         help="Optuna RDB URL (e.g. postgresql://user@host/db) so that many machines tune one study; "
-        "default: the journal file results/studies.journal",
+        "default: the journal file studies.journal in the results location (--results)",
     )
     p.add_argument(
         "--host-id",
