@@ -9,14 +9,16 @@ regret = median(choice) / median(best), counted as 1.0 when the best does not be
 beyond both intervals (:func:`attnbench.tuning.margin.beats` with no margin: the one margin
 policy). Lossy caches (fp8) compete only with ``--allow-lossy``.
 
-Printed and written (results/regret-<model>-<device>.json and .md, with the command, machine, date
+Printed and written (results/regret-<model>-<dtypes>-<device>.json and .md, with the command, machine, date
 and load average): regret median, p90 and max (targets ≤ 1.01, ≤ 1.05, ≤ 1.15), the geometric-mean
 speedup over always using the default backend, and the worker evaluations the tuning used against a
-dense quarter-octave grid over the tuned range (target ≤ 50 %). One model per run keeps each run
-short; ``--combine FILE…`` pools several runs' points into one summary::
+dense quarter-octave grid over the tuned range (target ≤ 50 %). One model and dtype per run keeps each
+run short; ``--combine FILE…`` pools several runs' points into one summary::
 
-    python scripts/regret.py --model llama-3.1-8b
-    python scripts/regret.py --model qwen2.5-72b
+    python scripts/regret.py --model llama-3.1-8b --dtypes bf16
+    python scripts/regret.py --model llama-3.1-8b --dtypes fp32
+    python scripts/regret.py --model qwen2.5-72b --dtypes bf16
+    python scripts/regret.py --model qwen2.5-72b --dtypes fp32
     python scripts/regret.py --combine results/regret-llama-3.1-8b-*.json results/regret-qwen2.5-72b-*.json
     python scripts/regret.py --quick          # a smoke test on a tiny shape (seconds of timing)
 """
@@ -85,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--allow-lossy", action="store_true", help="let lossy caches (fp8) compete")
     p.add_argument("--quick", action="store_true", help="a smoke test on a tiny shape")
-    p.add_argument("--out", type=Path, help="JSON output (default results/regret-<model>-<device>.json)")
+    p.add_argument(
+        "--out", type=Path, help="JSON output (default results/regret-<model>-<dtypes>-<device>.json)"
+    )
     p.add_argument("--combine", nargs="+", type=Path, metavar="FILE", help="pool the points of earlier runs")
     args = p.parse_args(argv)
     argv_used = list(argv if argv is not None else sys.argv[1:])
@@ -181,7 +185,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         "points": rows,
     }
     result["summary"] = summarize(rows, used=used, dense=dense)
-    stem = f"regret-{args.model}-{profile.fingerprint.get('kind', 'cpu')}-{hardware_id(profile.fingerprint)}"
+    stem = f"regret-{args.model}-{'-'.join(dtypes)}-{profile.fingerprint.get('kind', 'cpu')}-{hardware_id(profile.fingerprint)}"
     if args.quick:
         stem += "-quick"
     write(result, args.out or Path("results") / f"{stem}.json")
