@@ -72,11 +72,6 @@ class Resolution:
     def runnable(self) -> bool:
         return not self.reasons
 
-    @property
-    def timeable(self) -> bool:
-        """Runnable and native: a time measured for it means something."""
-        return self.runnable and not self.interpreted
-
     def require(self) -> Resolution:
         """``self`` if runnable; else ``ValueError`` naming the backend, the workload and every reason."""
         if self.reasons:

@@ -166,10 +166,6 @@ class ModelShape:
         return self.kv_lora_rank is not None
 
     @property
-    def attention_kind(self) -> Literal["mla", "gqa"]:
-        return "mla" if self.is_mla else "gqa"
-
-    @property
     def params_read_per_token(self) -> int:
         """Parameters a decode step reads at batch 1 (MoE: the activated ones)."""
         return self.active_params or self.num_params

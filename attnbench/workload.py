@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -60,7 +60,6 @@ class Workload:
     context_lens: tuple[int, ...]
     dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
-    extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not self.context_lens:

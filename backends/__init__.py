@@ -1,23 +1,30 @@
 """Built-in backends, registered through the same hook as third-party plugins.
 
 One file per backend. To add one: write ``backends/<name>.py`` with a :class:`attnbench.Backend`
-subclass and add it to the list below.
+subclass, add its one line to :data:`BUILTIN` below, and give it a conformance test file
+(``tests/test_<name>.py`` with a ``BackendConformance`` subclass); docs/writing-a-backend.md.
 """
 
 from __future__ import annotations
+
+import importlib
 
 from attnbench.hookspecs import hookimpl
 
 ATTNBENCH_PLUGIN_API = 1
 
+#: ``module:class`` of every built-in backend, in the order ``attnbench backends`` lists them.
+BUILTIN = (
+    "naive:NaiveBackend",
+    "flash:FlashBackend",
+    "mla:MLABackend",
+    "fp8:FP8Backend",
+    "triton_paged:TritonPagedBackend",
+    "cpu_decode:CpuDecodeBackend",
+)
+
 
 @hookimpl
 def attnbench_backends() -> list[type]:
-    from attnbench.backends.cpu_decode import CpuDecodeBackend
-    from attnbench.backends.flash import FlashBackend
-    from attnbench.backends.fp8 import FP8Backend
-    from attnbench.backends.mla import MLABackend
-    from attnbench.backends.naive import NaiveBackend
-    from attnbench.backends.triton_paged import TritonPagedBackend
-
-    return [NaiveBackend, FlashBackend, MLABackend, FP8Backend, TritonPagedBackend, CpuDecodeBackend]
+    modules = (entry.partition(":") for entry in BUILTIN)
+    return [getattr(importlib.import_module(f"{__name__}.{mod}"), cls) for mod, _, cls in modules]

@@ -14,6 +14,16 @@ if not torch.cuda.is_available():
 pytest_plugins = ["pytester"]
 
 
+@pytest.fixture(scope="module")
+def one_thread():  # type: ignore[no-untyped-def]
+    """Tiny matrices: one torch thread is many times faster than several contending for busy cores
+    (``pytestmark = pytest.mark.usefixtures("one_thread")`` in a module of tiny-model tests)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_results_location(tmp_path_factory):
     """Tests never read or write the user's own results location: the per-user default points into a

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_hf import TINY_COMMON, tiny_deepseek
 
 import attnbench
 from attnbench.backend import Backend, KVCache, StepPlan
@@ -39,17 +40,7 @@ LONG, SHORT = 8, 5  # prompt lengths; the short one is left-padded to LONG
 NEW_TOKENS = 32
 MAX_SEQ_LEN = LONG + NEW_TOKENS
 
-_COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    max_position_embeddings=128,
-    initializer_range=0.2,  # wide logits: top-1 well clear of top-2, so fp32 rounding cannot flip a token
-    bos_token_id=None,
-    eos_token_id=None,  # never stop early: all 32 tokens are compared
-    pad_token_id=None,
-)
+_COMMON = TINY_COMMON
 _GQA = dict(num_attention_heads=4, num_key_value_heads=2, **_COMMON)
 
 
@@ -63,26 +54,6 @@ def _llama() -> transformers.PreTrainedModel:
         "original_max_position_embeddings": 16,
     }
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(head_dim=16, rope_parameters=rope, **_GQA))
-
-
-def _deepseek() -> transformers.PreTrainedModel:
-    cfg = transformers.DeepseekV3Config(
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=16,  # Dk = 32 != Dv = 16, as in the real model
-        first_k_dense_replace=2,  # all layers dense
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        moe_intermediate_size=32,
-        **_COMMON,
-    )
-    return transformers.DeepseekV3ForCausalLM(cfg)
 
 
 ARCHITECTURES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
@@ -110,19 +81,13 @@ ARCHITECTURES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     "gemma3": lambda: transformers.Gemma3ForCausalLM(  # scale 1/sqrt(8) != 1/sqrt(16); windows ≥ the run
         transformers.Gemma3TextConfig(head_dim=16, query_pre_attn_scalar=8, sliding_window=64, **_GQA)
     ),
-    "deepseek-v3-expanded": _deepseek,
+    "deepseek-v3-expanded": tiny_deepseek,
 }
 #: The architectures interpreted (slow) backends run on.
 INTERPRETED_ON = ("llama", "qwen3")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny matrices: one torch thread is many times faster than several contending for busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_hf import tiny_deepseek
 
 import attnbench
 from attnbench.backend import Backend, Tolerance
@@ -51,54 +52,14 @@ def _backends() -> dict[str, type[Backend]]:
 BACKENDS = _backends()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny matrices: one torch thread is many times faster than several contending for busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-_COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    max_position_embeddings=128,
-    initializer_range=0.2,  # wide logits: top-1 well clear of top-2, so fp32 rounding cannot flip a token
-    bos_token_id=None,
-    eos_token_id=None,  # never stop early: all 32 tokens are compared
-    pad_token_id=None,
-)
-
-
-def _deepseek(**overrides: object) -> transformers.PreTrainedModel:
-    fields = dict(
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=16,  # Dk = 32 != Dv = 16, as in the real model (192 / 128)
-        first_k_dense_replace=2,  # = num_hidden_layers: all layers dense
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        moe_intermediate_size=32,
-        **_COMMON,
-    )
-    fields.update(overrides)
-    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _deepseek_variant() -> transformers.PreTrainedModel:
-    return _deepseek(q_lora_rank=None, rope_interleave=False, v_head_dim=32, attention_bias=True)
+    return tiny_deepseek(q_lora_rank=None, rope_interleave=False, v_head_dim=32, attention_bias=True)
 
 
-BUILDERS = {"deepseek-v3-dense": _deepseek, "deepseek-v3-variant": _deepseek_variant}
+BUILDERS = {"deepseek-v3-dense": tiny_deepseek, "deepseek-v3-variant": _deepseek_variant}
 #: Every latent backend runs each of them.
 MAIN_MODELS = tuple(BUILDERS)
 
@@ -333,7 +294,7 @@ def _config_and_weights(name: str) -> tuple[dict, dict]:
 
 def test_moe_layers_are_refused() -> None:
     torch.manual_seed(0)
-    hf = _deepseek(first_k_dense_replace=1)
+    hf = tiny_deepseek(first_k_dense_replace=1)
     with pytest.raises(UnsupportedModelError, match=r"MoE layers are not supported: layers 1\.\.1 of 2"):
         load_model(hf, backend="mla")
 

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"attnbench.cli.{name}").register(sub)
+    for command in sub.choices.values():  # for cli.common.command_line
+        command.set_defaults(command_parser=command)
     return parser
 
 

@@ -1,4 +1,9 @@
-"""``attnbench backends`` — every registered backend, where it comes from, and whether it can run."""
+"""``attnbench backends`` — list registered backends and whether each can run a workload.
+
+List every registered backend (built-in and plugins), where it comes from, the implementation it
+would use, and — with --model — whether it can run that workload or why not. Plugins that failed to
+load are listed with their error.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from rich.table import Table
 
 from attnbench.backend import Backend
 from attnbench.cli.common import (
+    add_command,
     add_model_option,
     add_workload_options,
     console,
@@ -21,15 +27,7 @@ from attnbench.workload import Workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "backends",
-        help="list registered backends and whether each can run a workload",
-        description=(
-            "List every registered backend (built-in and plugins), where it comes from, the "
-            "implementation it would use, and — with --model — whether it can run that workload or why "
-            "not. Plugins that failed to load are listed with their error."
-        ),
-    )
+    p = add_command(sub, "backends", __doc__)
     add_model_option(p)
     add_workload_options(p, batch="1", context="4096")
     p.add_argument("--json", action="store_true", help="machine-readable output")

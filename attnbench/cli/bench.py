@@ -1,4 +1,11 @@
-"""``attnbench bench`` — check, then time, every runnable backend's decode step on each workload."""
+"""``attnbench bench`` — check and time each backend's decode step; report GB/s against measured bandwidth.
+
+For every workload (model × batch × context × dtype) and every runnable backend in its default
+config: run the correctness gate against float64 attention, then time whole decode steps (all
+layers) of the synthetic attention-only model. Reports the error numbers, step time (median, p90),
+KV bytes read per step, achieved GB/s, the share of the device's measured memory bandwidth, and the
+speedup over 'naive'. Backends that would run in an interpreter are checked but never timed.
+"""
 
 from __future__ import annotations
 
@@ -21,13 +28,17 @@ from rich.table import Table
 from attnbench.bench import CheckFailed, Implausible, measure_decode
 from attnbench.calibration import CalibrationError, find_calibration
 from attnbench.cli.common import (
+    add_command,
     add_model_option,
     add_workload_options,
+    command_line,
     console,
     emit_json,
+    run_options,
+    timing_options,
     workloads_from_args,
 )
-from attnbench.cli.gate_options import gate_options
+from attnbench.cli.gate_options import add_gate_options, gate_options
 from attnbench.costmodel import decode_cost, roofline
 from attnbench.device import DeviceProfile, load_profile
 from attnbench.gpuspec import measured_gpu
@@ -38,37 +49,16 @@ BASELINE = "naive"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "bench",
-        help="check and time each backend's decode step; report GB/s against measured bandwidth",
-        description=(
-            "For every workload (model × batch × context × dtype) and every runnable backend in its "
-            "default config: run the correctness gate against float64 attention, then time whole decode "
-            "steps (all layers) of the synthetic attention-only model. Reports the error numbers, step "
-            "time (median, p90), KV bytes read per step, achieved GB/s, the share of the device's "
-            "measured memory bandwidth, and the speedup over 'naive'. Backends that would run in an "
-            "interpreter are checked but never timed."
-        ),
+        __doc__,
         epilog="example: attnbench bench --model llama-3.1-8b --batch 1,8 --context 1k,8k,32k --dtype bf16,fp32",
+        parents=[timing_options(), run_options()],
     )
     add_model_option(p, required=True)
     add_workload_options(p, batch="1", context="1k")
     p.add_argument("--backends", help="comma-separated backend names (default: every registered backend)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps before timing (default 2)")
-    p.add_argument("--repeats", type=int, default=10, help="timed decode steps (default 10)")
-    p.add_argument(
-        "--max-seconds",
-        type=float,
-        default=None,
-        help="stop sampling a backend after this long (≥ 3 samples)",
-    )
-    p.add_argument("--layers", type=int, default=None, help="layers per step (default: the model's)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: torch's choice); part of the device fingerprint",
-    )
     p.add_argument(
         "--probe",
         action="store_true",
@@ -76,14 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "cache buffer (nothing copied), the bandwidth a plain matmul reaches on this device",
     )
     p.add_argument("--remeasure", action="store_true", help="measure the device's bandwidth again")
-    p.add_argument(
-        "--tolerance-multiple",
-        type=str,
-        metavar="M",
-        help="the gate accepts M × the error of a calibration reference that rounds as carefully as the "
-        "dtype allows, per metric (default 2; backends that declare a larger multiple keep it)",
-    )
-    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    add_gate_options(p, lossy=False)
     p.add_argument(
         "--save",
         metavar="PREFIX",
@@ -141,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     def make_report(complete: bool) -> dict[str, Any]:
         _add_speedups(rows)
         return {
-            "command": _reconstruct(args),
+            "command": command_line(args),
             "date": started,
             "complete": complete,
             "device": profile.as_dict(),
@@ -175,28 +158,6 @@ def run(args: argparse.Namespace) -> int:
     out.print(_table(report))
     _print_notes(out, report)
     return 0
-
-
-def _reconstruct(args: argparse.Namespace) -> str:
-    """The command line that reproduces this run (from the parsed options, so no local paths)."""
-    parts = ["attnbench bench", f"--model {args.model}", f"--batch {args.batch}", f"--context {args.context}"]
-    parts.append(f"--dtype {args.dtype}")
-    if args.device != "cpu":
-        parts.append(f"--device {args.device}")
-    if args.backends:
-        parts.append(f"--backends {args.backends}")
-    for flag, value, default in [
-        ("--warmup", args.warmup, 2),
-        ("--repeats", args.repeats, 10),
-        ("--max-seconds", args.max_seconds, None),
-        ("--layers", args.layers, None),
-        ("--threads", args.threads, None),
-    ]:
-        if value != default:
-            parts.append(f"{flag} {value}")
-    if args.probe:
-        parts.append("--probe")
-    return " ".join(parts)
 
 
 def _measure_row(

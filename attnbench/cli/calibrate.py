@@ -1,4 +1,11 @@
-"""``attnbench calibrate`` — fit this device's step-time models from what tune and bench measured."""
+"""``attnbench calibrate`` — fit per-backend step-time models from tuned tables and bench runs.
+
+Fit, per backend and dtype (and per attention geometry with enough points), the step-time model t =
+layers · (t0 + t_seq · batch) + kv_bytes / bw_eff to the decode steps this device's tuned table and
+the given bench JSON files measured (≥ 5 points spanning ≥ 16× in batch × context per fit), and
+write calibration-<device>.yaml beside the tuned table. `attnbench estimate --gpu this` and select()
+beyond the tuned region then use it; docs/latency-model.md explains the model.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +15,14 @@ from pathlib import Path
 
 from rich.table import Table
 
-from attnbench.cli.common import add_device_option, console, emit_json
+from attnbench.cli.common import add_command, add_device_option, console, emit_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "calibrate",
-        help="fit per-backend step-time models from tuned tables and bench runs",
-        description=(
-            "Fit, per backend and dtype (and per attention geometry with enough points), the step-time "
-            "model t = layers · (t0 + t_seq · batch) + kv_bytes / bw_eff to the decode steps this device's "
-            "tuned table and the given bench JSON files measured (≥ 5 points spanning ≥ 16× in "
-            "batch × context per fit), and write calibration-<device>.yaml beside the tuned table. "
-            "`attnbench estimate --gpu this` and select() beyond the tuned region then use it; "
-            "docs/latency-model.md explains the model."
-        ),
+        __doc__,
         epilog="example: attnbench calibrate --bench results/bench-cpu-llama-3.1-8b-1k-8k.json",
     )
     p.add_argument(

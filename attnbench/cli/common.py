@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -20,15 +21,29 @@ from attnbench.shapes import list_presets, load_shape
 from attnbench.workload import Workload, parse_int_list, parse_tokens
 
 __all__ = [
+    "add_command",
     "add_device_option",
     "add_model_option",
     "add_workload_options",
+    "command_line",
     "console",
     "emit_json",
     "json_stdout",
+    "run_options",
     "sigterm_as_interrupt",
+    "timing_options",
     "workloads_from_args",
 ]
+
+
+def add_command(
+    sub: argparse._SubParsersAction, name: str, doc: str | None, **kwargs: Any
+) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``, described by its module's docstring: the first line, after
+    the dash, is the ``--help`` line; the paragraphs after it are the description."""
+    head, _, body = (doc or "").strip().partition("\n")
+    help_line = head.partition(" — ")[2].rstrip(".") or head
+    return sub.add_parser(name, help=help_line, description=body.strip() or None, **kwargs)
 
 
 def console() -> Console:
@@ -76,6 +91,78 @@ def add_device_option(parser: argparse.ArgumentParser, *, what: str = "torch dev
         type=resolve_device,
         help=f"{what}: auto (CUDA when available, else cpu; the default), cuda, cuda:N or cpu",
     )
+
+
+def timing_options(
+    *, warmup: int = 2, repeats: int = 10, max_seconds: float | None = None
+) -> argparse.ArgumentParser:
+    """A parent parser (``parents=[...]``): how decode steps are timed, shared by ``bench`` and ``tune``."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--warmup", type=int, default=warmup, help=f"untimed decode steps first (default {warmup})"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=repeats, help=f"timed decode steps (median; default {repeats})"
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=max_seconds,
+        metavar="S",
+        help="stop sampling a candidate's steps after S seconds, keeping at least 3 samples"
+        + (f" (default {max_seconds:g})" if max_seconds is not None else " (default: no limit)"),
+    )
+    return p
+
+
+def run_options() -> argparse.ArgumentParser:
+    """A parent parser: ``--layers``, ``--threads`` and ``--json``, shared by ``bench``, ``tune`` and ``decode``."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers per decode step of the synthetic model (default: the model's); fewer make a long "
+        "context quicker, and the per-layer times are what the backends differ in",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch, here and in any worker (default: torch's choice); part of the device "
+        "fingerprint, so each thread count has its own results",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    return p
+
+
+#: Options named first in :func:`command_line` (what ran), in this order; the rest follow (how).
+_FIRST = ("model", "prompt_len", "new_tokens", "batch", "context", "backend", "dtype", "device", "backends")
+#: Options never written into a reproduced command: output and storage locations of this machine.
+_LOCAL = ("json", "save", "out", "results_dir", "storage")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run, rebuilt from the parsed options against the parser's
+    defaults (``attnbench bench --model m --batch 1,8 …``): options left at their default are left
+    out, and so are output and storage locations (``--save``, ``--results``, ``--storage``, ``--json``)."""
+    parser: argparse.ArgumentParser = args.command_parser
+    options = [a for a in parser._actions if a.option_strings and a.dest not in _LOCAL and a.dest != "help"]
+    options.sort(key=lambda a: _FIRST.index(a.dest) if a.dest in _FIRST else len(_FIRST))
+    parts = [parser.prog]
+    for action in options:
+        value = getattr(args, action.dest, action.default)
+        default = action.default
+        if isinstance(default, str) and action.type is not None:
+            default = action.type(default)  # argparse converts a string default the same way
+        if value == default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(value, bool) and action.nargs == 0:
+            parts.append(flag)
+        else:
+            parts.append(f"{flag} {shlex.quote(str(value))}")
+    return " ".join(parts)
 
 
 def workloads_from_args(args: argparse.Namespace) -> list[Workload]:

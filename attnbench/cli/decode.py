@@ -1,4 +1,15 @@
-"""``attnbench decode`` — run a prompt then N new tokens through the decode loop; TTFT, ITL, e2e."""
+"""``attnbench decode`` — prompt + N new tokens through the decode loop: TTFT, ITL p50/p90, end-to-end.
+
+Run a prompt of --prompt-len tokens, then decode until --new-tokens tokens exist, through the
+synthetic attention-only model (every layer of the model's shape, attention and KV cache only) with
+one backend — or, when --model is a checkpoint directory (config.json + safetensors), through the
+real model, loaded by transformers, its attention routed through the backend
+(attnbench.integrations.transformers; for the MLA latent cache, the DeepSeek latent decoder; random
+prompt tokens, greedy). The backend is checked against float64 attention first. Prints TTFT (the
+prefill, which yields the first token), ITL p50/p90 over the N-1 decode steps, end-to-end latency
+and, beside it, TTFT + (N-1)·ITL (mean, and p50): with the mean the two agree within 10% when the
+loop adds nothing of its own; the p50 form also needs a quiet machine.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +26,15 @@ from rich.table import Table
 
 from attnbench.backend import Backend
 from attnbench.bench import CheckFailed, check_workload
-from attnbench.cli.common import add_model_option, console, emit_json
+from attnbench.cli.common import (
+    add_command,
+    add_device_option,
+    add_model_option,
+    command_line,
+    console,
+    emit_json,
+    run_options,
+)
 from attnbench.decode import SyntheticModel, generate
 from attnbench.device import load_profile
 from attnbench.gate import check
@@ -28,23 +47,12 @@ E2E_TOLERANCE = 0.10
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "decode",
-        help="prompt + N new tokens through the decode loop: TTFT, ITL p50/p90, end-to-end",
-        description=(
-            "Run a prompt of --prompt-len tokens, then decode until --new-tokens tokens exist, through "
-            "the synthetic attention-only model (every layer of the model's shape, attention and KV "
-            "cache only) with one backend — or, when --model is a checkpoint directory (config.json + "
-            "safetensors), through the real model, loaded by transformers, its attention routed through "
-            "the backend (attnbench.integrations.transformers; for the MLA latent cache, the DeepSeek "
-            "latent decoder; random prompt tokens, greedy). The "
-            "backend is checked against float64 attention first. "
-            "Prints TTFT (the prefill, which yields the first token), ITL p50/p90 over the N-1 decode "
-            "steps, end-to-end latency and, beside it, TTFT + (N-1)·ITL (mean, and p50): with the mean the "
-            "two agree within 10% when the loop adds nothing of its own; the p50 form also needs a quiet "
-            "machine."
-        ),
+        __doc__,
         epilog="example: attnbench decode --model llama-3.1-8b --prompt-len 1k --new-tokens 64 --backend flash",
+        parents=[run_options()],
     )
     add_model_option(p, required=True)
     p.add_argument("--prompt-len", "-p", required=True, help="prompt tokens per sequence (k suffix accepted)")
@@ -54,23 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--backend", default="naive", help="backend name (default naive; see `attnbench backends`)"
     )
     p.add_argument("--dtype", default="bf16", help="compute/KV dtype: bf16, fp16, fp32 (default bf16)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="layers per step (default: the model's; synthetic model only)",
-    )
+    add_device_option(p)
     p.add_argument("--warmup-runs", type=int, default=1, help="untimed short runs first (default 1)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness gate (not recommended)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: torch's choice); part of the device fingerprint",
-    )
     p.add_argument("--remeasure", action="store_true", help="measure the device's bandwidth again")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
 
@@ -137,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         materialised = model.layers_materialised
         model.release()
     report: dict[str, Any] = {
-        "command": _reconstruct(args),
+        "command": command_line(args),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": shape.name,
         "model_kind": kind,
@@ -189,23 +184,6 @@ def _real_model(checkpoint: Path, backend: Backend, *, batch: int, dtype: torch.
     except (OSError, KeyError) as err:
         raise ValueError(f"--model {str(checkpoint)!r}: transformers cannot load it: {err}") from None
     return TransformersDecodeModel(hf.to(device=device, dtype=dtype).eval(), backend, batch=batch)
-
-
-def _reconstruct(args: argparse.Namespace) -> str:
-    parts = [
-        "attnbench decode",
-        f"--model {args.model}",
-        f"--prompt-len {args.prompt_len}",
-        f"--new-tokens {args.new_tokens}",
-        f"--batch {args.batch}",
-        f"--backend {args.backend}",
-        f"--dtype {args.dtype}",
-    ]
-    if args.layers:
-        parts.append(f"--layers {args.layers}")
-    if args.threads:
-        parts.append(f"--threads {args.threads}")
-    return " ".join(parts)
 
 
 def _print(out: Console, r: dict[str, Any]) -> None:

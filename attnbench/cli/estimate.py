@@ -1,4 +1,13 @@
-"""``attnbench estimate`` — where generation time goes: weight reads, KV reads or FLOPs."""
+"""``attnbench estimate`` — estimate TTFT, ITL and end-to-end latency from the cost model.
+
+Estimate generation latency TTFT + N·ITL for a model on a GPU from the cost model: a decode step
+reads every weight and the whole KV cache once, so ITL ≈ fixed + max(bytes / (bandwidth ·
+achievable), FLOPs / (peak · achievable)), fixed being kernel launches and the engine's host work;
+on a calibrated device the KV term is the measured model of the backend select() chooses. TTFT comes
+from the prefill's FLOPs. Shows the split into weight reads, KV reads and the FLOP bound, and the
+batch × context at which the KV cache overtakes the weights. All byte and FLOP figures are per GPU
+of the tensor-parallel group. The model is described in docs/latency-model.md.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +15,7 @@ import argparse
 
 from rich.table import Table
 
-from attnbench.cli.common import add_model_option, console, emit_json
+from attnbench.cli.common import add_command, add_model_option, console, emit_json
 from attnbench.estimate import KV_DTYPES, WEIGHT_DTYPES, Estimate, MoERouting, estimate, list_gpus
 from attnbench.workload import parse_tokens
 
@@ -34,23 +43,12 @@ def _fraction(text: str) -> float:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "estimate",
-        help="estimate TTFT, ITL and end-to-end latency from the cost model",
-        description=(
-            "Estimate generation latency TTFT + N·ITL for a model on a GPU from the cost model: a decode "
-            "step reads every weight and the whole KV cache once, so ITL ≈ fixed + max(bytes / (bandwidth · "
-            "achievable), FLOPs / (peak · achievable)), fixed being kernel launches and the engine's host "
-            "work; on a calibrated device the KV term is the measured model of the backend select() "
-            "chooses. TTFT comes from the prefill's FLOPs. Shows the "
-            "split into weight reads, KV reads and the FLOP bound, and the batch × context at which the KV "
-            "cache overtakes the weights. All byte and FLOP figures are per GPU of the tensor-parallel "
-            "group. The model is described in docs/latency-model.md."
-        ),
-        epilog=(
-            "example: attnbench estimate --model llama-3.3-70b --gpu h100 --tp 2 --batch 1 --context 8192 "
-            "--new-tokens 250"
-        ),
+        __doc__,
+        epilog="example: attnbench estimate --model llama-3.3-70b --gpu h100 --tp 2 --batch 1 --context 8192 "
+        "--new-tokens 250",
     )
     add_model_option(p, required=True)
     p.add_argument(
