@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -84,10 +84,13 @@ DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
 
 @dataclass
 class StepPlan:
-    """Per-step metadata shared by every layer. Backends subclass it to add their own fields.
+    """Per-step metadata shared by every layer. Backends subclass it (a typed dataclass each) for theirs.
 
     ``positions[i]`` is where sequence ``i``'s new tokens start; ``seq_lens_after[i]`` its length
-    once the step is committed.
+    once the step is committed (host copies, for host work). ``device_lens`` and ``device_positions``
+    are the cache's own buffers (:attr:`KVCache.device_lens`), filled in place by every plan, so a
+    CUDA graph captured with one step's plan reads the next step's lengths. Tensor fields whose
+    ``metadata`` has ``scratch=True`` are workspace (kept storage, undefined contents).
     """
 
     num_new: tuple[int, ...]
@@ -95,7 +98,6 @@ class StepPlan:
     seq_lens_after: tuple[int, ...]
     device_lens: torch.Tensor  # [B] int32, == seq_lens_after, on the cache's device
     device_positions: torch.Tensor  # [B] int64, == positions, on the cache's device
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def max_new(self) -> int:
@@ -125,6 +127,12 @@ class KVCache:
         self.dtype = workload.dtype
         self.device = torch.device(workload.device)
         self.seq_lens: tuple[int, ...] = (0,) * workload.batch
+        # the plan's length buffers, allocated once and filled in place by every plan (base_plan)
+        self.device_lens = torch.zeros(workload.batch, dtype=torch.int32, device=self.device)
+        self.device_positions = torch.zeros(workload.batch, dtype=torch.int64, device=self.device)
+        #: this cache's decode path replays as a CUDA graph across steps (set by the backend that
+        #: gives it plan buffers and a grid fixed per context bucket; see ``Backend.capturable``)
+        self.capturable = False
 
     def commit(self, plan: StepPlan) -> None:
         """Make the tokens written under ``plan`` part of every sequence (after the last layer)."""
@@ -156,6 +164,7 @@ class Backend(ABC):
         lossy: empty for an exact cache; else what is lost, e.g. ``"fp8 e4m3 K/V"``. A lossy backend
             competes only when the user allows it (``--allow-lossy``, ``select(allow_lossy=True)``),
             and everything that reports it says so.
+        capturable: a decode step replays as a CUDA graph across steps (see the attribute).
     """
 
     name: ClassVar[str]
@@ -164,6 +173,10 @@ class Backend(ABC):
     kv_form: ClassVar[str] = "expanded"
     plugin_api: ClassVar[int] = PLUGIN_API_VERSION
     lossy: ClassVar[str] = ""
+    #: True when a whole decode step (``decode()`` of every layer, after ``plan()``) can be captured
+    #: as a CUDA graph once and replayed for later steps of the same batch and context bucket: the
+    #: plan lives in buffers the cache owns and no host integer that changes per step is baked in
+    capturable: ClassVar[bool] = False
 
     # -- what it can do --------------------------------------------------------------------------
     def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution:
@@ -277,7 +290,11 @@ class Backend(ABC):
         """Allocate an empty cache for ``workload.batch`` sequences of up to ``max_seq_len`` tokens."""
 
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:
-        """Build the step's shared metadata (host work; may allocate). Override to add fields."""
+        """Build the step's shared metadata (host work, once per step). Override to add fields.
+
+        A capturable backend (``capturable = True``) writes its plan into buffers its cache allocated
+        once and allocates nothing on the device here; the base plan fills the cache's length buffers.
+        """
         return base_plan(cache, num_new)
 
     @abstractmethod
@@ -385,6 +402,8 @@ def _unavailable(reasons: Sequence[str]) -> str:
 
 
 def base_plan(cache: KVCache, num_new: Sequence[int]) -> StepPlan:
+    """The shared part of every plan: lengths checked, and written into the cache's length buffers in
+    place (one host-to-device copy each; no device allocation)."""
     num_new = tuple(int(n) for n in num_new)
     if len(num_new) != cache.batch:
         raise ValueError(f"plan: num_new has {len(num_new)} entries; the cache holds {cache.batch} sequences")
@@ -393,12 +412,14 @@ def base_plan(cache: KVCache, num_new: Sequence[int]) -> StepPlan:
         raise ValueError(
             f"plan: a sequence would reach {max(after)} tokens; cache max_seq_len is {cache.max_seq_len}"
         )
+    cache.device_lens.copy_(torch.tensor(after, dtype=torch.int32))
+    cache.device_positions.copy_(torch.tensor(cache.seq_lens, dtype=torch.int64))
     return StepPlan(
         num_new=num_new,
         positions=cache.seq_lens,
         seq_lens_after=after,
-        device_lens=torch.tensor(after, dtype=torch.int32, device=cache.device),
-        device_positions=torch.tensor(cache.seq_lens, dtype=torch.int64, device=cache.device),
+        device_lens=cache.device_lens,
+        device_positions=cache.device_positions,
     )
 
 

@@ -60,7 +60,8 @@ from attnbench.decode import SyntheticModel
 from attnbench.device import DeviceProfile, last_level_cache_bytes
 from attnbench.gate import CheckResult, Judge
 from attnbench.gate import check as gate_check
-from attnbench.timing import Timing, measure
+from attnbench.graph_step import GraphedDecodeStep
+from attnbench.timing import Timing, measure, timing_mode
 from attnbench.workload import Workload
 
 __all__ = [
@@ -94,8 +95,11 @@ class CheckFailed(RuntimeError):
 class DecodeMeasurement:
     """One backend, one config, one workload.
 
-    ``step`` is the time of ONE full decode step over all ``num_layers`` layers (``None`` when the
-    backend was not timed: see ``timed`` and ``note``). ``kv_bytes`` is the KV-cache bytes a timed step
+    ``step`` is the time of ONE full decode step over all ``num_layers`` layers in the ``timing`` mode
+    (the objective: ``"graph"`` replay on CUDA by default, ``"eager"`` on the CPU; a backend whose
+    cache is not capturable is timed eagerly and ``note`` says so), ``None`` when the backend was
+    not timed (see ``timed`` and ``note``). ``eager_step`` and ``graph_step`` are both modes' times
+    (``graph_step`` only on CUDA, for a capturable cache). ``kv_bytes`` is the KV-cache bytes a timed step
     read; ``gbps`` is ``kv_bytes / step.median_s`` in 1e9 bytes/s; ``pct_of_bandwidth`` relates it to
     the profile's measured bandwidth (``None`` without a profile).
     """
@@ -118,6 +122,9 @@ class DecodeMeasurement:
     context: int = 0
     llc_flushed: bool = False  # the last-level cache was evicted before each timed step (small caches)
     timed_check: CheckResult | None = None  # one timed step and layer, checked after timing
+    timing: str = "eager"  # the mode ``step`` was timed in
+    eager_step: Timing | None = None
+    graph_step: Timing | None = None
     gate_s: float = 0.0  # wall seconds of the correctness gate and of the timed run's check
     load_avg: tuple[float, float, float] = field(default_factory=lambda: os.getloadavg())
 
@@ -141,6 +148,9 @@ class DecodeMeasurement:
             "timed": self.timed,
             "note": self.note,
             "step": self.step.as_dict() if self.step else None,
+            "timing": self.timing,
+            "eager_step": self.eager_step.as_dict() if self.eager_step else None,
+            "graph_step": self.graph_step.as_dict() if self.graph_step else None,
             "kv_bytes": self.kv_bytes,
             "gbps": None if math.isnan(self.gbps) else self.gbps,
             "pct_of_bandwidth": self.pct_of_bandwidth,
@@ -256,6 +266,7 @@ def measure_decode(
     accuracy_budget: float | None = None,
     peak_flops: float | None = None,
     resolution: Resolution | None = None,
+    timing: str | None = None,
 ) -> DecodeMeasurement:
     """Check ``backend`` on ``workload``, then time its decode step through the synthetic model.
 
@@ -272,6 +283,9 @@ def measure_decode(
         accuracy_budget: for a lossy cache, the largest rel_l2 against exact attention accepted.
         peak_flops: the measured matmul peak (FLOP/s); a step above it is refused too.
         resolution: ``backend.resolve(workload, config)`` if the caller has it (else resolved here).
+        timing: ``"eager"`` or ``"graph"`` (:func:`attnbench.timing.timing_mode`; default: graph on
+            CUDA, eager elsewhere). On CUDA both are measured, one after the other on the same cache;
+            ``timing`` says which one ``step`` (the objective) is.
 
     Raises:
         ValueError: the backend cannot run the workload (the message lists why).
@@ -280,6 +294,8 @@ def measure_decode(
     if resolution is None or not resolution.matches(workload, config):
         resolution = backend.resolve(workload, config)
     cfg = dict(resolution.require().config)
+    mode = timing_mode(timing, workload.device)
+    on_cuda = torch.device(workload.device).type == "cuda"
     layers = num_layers or workload.shape.num_layers
     base = {
         "backend": backend.name,
@@ -333,7 +349,7 @@ def measure_decode(
     spot = random.Random(os.urandom(8))
     model.record_layer = spot.randrange(layers) if check else None
     try:
-        model.fill(extra_tokens=max(warmup, 1) + repeats + 1)
+        model.fill(extra_tokens=(2 if on_cuda else 1) * (max(warmup, 1) + repeats) + 1)
         start_bytes = model.kv_bytes_per_step()
         growth = model.kv_bytes_per_step_growth()
         evict = _llc_evictor(model)
@@ -362,12 +378,30 @@ def measure_decode(
             else None
         )
         gate_s += time.perf_counter() - check_start
+        eager_timing, graph_timing, graph_note = timing, None, ""
+        if on_cuda and getattr(model.cache, "capturable", False):
+            graphed = GraphedDecodeStep(model)
+            graph_timing = measure(
+                graphed,
+                device=workload.device,
+                warmup=warmup,
+                repeats=repeats,
+                max_seconds=max_seconds,
+                before=evict,
+            )
+        elif mode == "graph":
+            graph_note = "not capturable: timed eagerly (as an engine would run it)"
     finally:
         model.release()
         evict = None
         gc.collect()
-    # step j of the run reads start_bytes + j · growth; the timed ones follow the warm-up
-    kv_bytes = int(start_bytes + (timing.warmup + (timing.repeats - 1) / 2) * growth)
+    # step j of the run reads start_bytes + j · growth; the timed ones follow the warm-up (and the
+    # graph run follows the eager one)
+    if mode == "graph" and graph_timing is not None:
+        timing, before_steps = graph_timing, eager_timing.warmup + eager_timing.repeats
+    else:
+        timing, before_steps = eager_timing, 0
+    kv_bytes = int(start_bytes + (before_steps + timing.warmup + (timing.repeats - 1) / 2) * growth)
     if timed_check is not None and not timed_check.passed:
         raise CheckFailed(timed_check)
     flops = decode_cost(workload, form=backend.kv_form, num_layers=layers).flops if peak_flops else 0.0
@@ -388,6 +422,10 @@ def measure_decode(
         llc_flushed=timed_with_flush,
         timed_check=timed_check,
         gate_s=gate_s,
+        timing=mode if graph_timing is not None or mode == "eager" else "eager",
+        eager_step=eager_timing,
+        graph_step=graph_timing,
+        note=graph_note,
     )
 
 

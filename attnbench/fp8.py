@@ -126,8 +126,18 @@ class FP8KVCache(PagedKVCache):
     """Paged fp8 K/V with float32 scales (see the module docstring for the layout).
 
     ``granularity``: ``"token_head"`` (a scale per token and KV head, computed on append) or
-    ``"tensor"`` (``static_scale`` for every K and V tensor of every layer).
+    ``"tensor"`` (``static_scale`` for every K and V tensor of every layer). ``implementation``: the
+    attention path that reads it, ``"triton"`` (it gets the split-KV state, ``split_kv``) or
+    ``"torch"`` (it gets the gather buffers below, sized for one layer of every sequence at
+    ``max_seq_len``). Everything is allocated here, once.
     """
+
+    implementation: str  # "triton" or "torch"
+    page_index: torch.Tensor  # torch path: [B * pages_per_seq] int64, the step's pages
+    pad_buffer: torch.Tensor  # torch path: [B * pages_per_seq * page_size] bool, the step's mask
+    columns: torch.Tensor  # torch path: arange(pages_per_seq * page_size)
+    gather_bytes: dict[str, torch.Tensor]  # torch path: "k"/"v" → flat int8, one layer's gathered bytes
+    gather_fp16: dict[str, torch.Tensor]  # torch path: "k"/"v" → flat int16, the same as fp16 bit patterns
 
     def __init__(
         self,
@@ -141,6 +151,7 @@ class FP8KVCache(PagedKVCache):
         granularity: str = "token_head",
         static_scale: float = 1.0,
         page_order: str = "random",
+        implementation: str = "torch",
     ) -> None:
         super().__init__(
             workload=workload,
@@ -167,9 +178,19 @@ class FP8KVCache(PagedKVCache):
             self.k_scales = torch.full((num_layers,), self.static_scale, **f32)
             self.v_scales = torch.full((num_layers,), self.static_scale, **f32)
         self.nonfinite = torch.zeros(num_layers, dtype=torch.bool, device=self.device)  # deferred check
-        self.check_on_commit = False  # set by plan() for decode steps
-        self.path = "torch"  # which attention path reads this cache (set by the backend)
-        self.workspace: dict[str, torch.Tensor] = {}  # torch path: reusable gather buffers
+        if implementation not in ("triton", "torch"):
+            raise ValueError(f"fp8 cache: implementation = {implementation!r} not in ('triton', 'torch')")
+        self.implementation = implementation
+        if implementation == "torch":
+            tokens = self.batch * self.pages_per_seq * page_size
+            dev = {"device": self.device}
+            self.page_index = torch.zeros(self.batch * self.pages_per_seq, dtype=torch.int64, **dev)
+            self.pad_buffer = torch.zeros(tokens, dtype=torch.bool, **dev)
+            self.columns = torch.arange(self.pages_per_seq * page_size, **dev)
+            dims = {"k": geometry.qk_head_dim, "v": geometry.v_head_dim}
+            n = {name: tokens * geometry.num_kv_heads * d for name, d in dims.items()}
+            self.gather_bytes = {name: torch.empty(n[name], dtype=torch.int8, **dev) for name in dims}
+            self.gather_fp16 = {name: torch.empty(n[name], dtype=torch.int16, **dev) for name in dims}
 
     def store(
         self, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor, defer_check: bool
@@ -184,7 +205,7 @@ class FP8KVCache(PagedKVCache):
         kq, ks, kmax = quantize(k, **kw)
         vq, vs, vmax = quantize(v, **kw)
         amax = torch.stack([kmax, vmax], -1)  # [B, T, Hkv, 2]
-        if defer_check:  # device-side only (capturable); plan() armed the check in commit()
+        if defer_check:  # device-side only (capturable); commit() of a decode step checks the flags
             self.nonfinite[layer].logical_or_(~torch.isfinite(amax).all())
         else:
             rows = (
@@ -205,15 +226,14 @@ class FP8KVCache(PagedKVCache):
             dst.view(-1, hkv, new.shape[-1]).index_copy_(0, plan.slots, flat)
 
     def commit(self, plan: StepPlan) -> None:
-        if self.check_on_commit:  # one host sync per step, not per layer
-            self.check_on_commit = False
-            if bool(self.nonfinite.any()):
-                layers = self.nonfinite.nonzero().flatten().tolist()
-                self.nonfinite.zero_()
-                raise NonFiniteKVError(
-                    f"fp8 cache: decode K/V of layer(s) {layers} held NaN or inf at positions "
-                    f"{list(plan.positions)} (stored as zeros; the step's outputs are not valid)"
-                )
+        # decode stored with defer_check: one host sync per step, not per layer
+        if plan.max_new == 1 and bool(self.nonfinite.any()):
+            layers = self.nonfinite.nonzero().flatten().tolist()
+            self.nonfinite.zero_()
+            raise NonFiniteKVError(
+                f"fp8 cache: decode K/V of layer(s) {layers} held NaN or inf at positions "
+                f"{list(plan.positions)} (stored as zeros; the step's outputs are not valid)"
+            )
         super().commit(plan)
 
     def dequantized(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

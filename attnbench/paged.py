@@ -27,21 +27,25 @@ Which call does what::
     cache.write(plan, layer=l, k=k, v=v)         # per layer: one index_copy_, no host sync (capturable)
     cache.commit(plan)                           # after the last layer
 
-``plan_step`` may allocate (small index tensors) and copies the block table to the device when it
-changed; ``write`` allocates nothing on the host and does no host-device sync.
+``plan_step`` fills buffers the cache allocated once (lengths, slots, the block table) in place: one
+small host-to-device copy each, no device allocation, so the plan a CUDA graph was captured with
+stays valid for later steps; ``write`` allocates nothing on the host and does no host-device sync.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from attnbench.backend import KVCache, StepPlan, base_plan
 from attnbench.shapes import AttentionGeometry
 from attnbench.workload import Workload
+
+if TYPE_CHECKING:
+    from attnbench.split_kv import SplitKV
 
 __all__ = ["PAGE_ORDERS", "PagedKVCache", "PagedStepPlan", "cdiv"]
 
@@ -59,7 +63,8 @@ class PagedStepPlan(StepPlan):
     ``block_table`` is the cache's device table ``[B, max_pages_per_seq]`` (int32) as of this step.
     ``slots`` ``[N]`` (int64) is the flat slot of each new token, in the order of ``src``;
     ``src`` ``[N]`` (int64) indexes the new tokens in the flattened right-padded ``[B * T]`` input,
-    or is ``None`` when every row is full (``num_new`` uniform, e.g. decode: ``N = B * T``).
+    or is ``None`` when every row is full (``num_new`` uniform, e.g. decode: ``N = B * T``). All three
+    are the cache's buffers (``slots``/``src``: views of their first ``N`` entries), filled in place.
     """
 
     block_table: torch.Tensor | None = None
@@ -133,6 +138,12 @@ class PagedKVCache(KVCache):
                 num_layers, self.num_pages, page_size, g.num_kv_heads, g.v_head_dim, **kw
             )
         self.block_table = torch.zeros(self.batch, self.pages_per_seq, dtype=torch.int32, device=self.device)
+        # the plan's slot mapping, for up to every token of every sequence (a prompt), allocated once
+        idx = {"dtype": torch.int64, "device": self.device}
+        self.slot_buffer = torch.zeros(self.batch * max_seq_len, **idx)
+        self.src_buffer = torch.zeros(self.batch * max_seq_len, **idx)
+        #: split-KV kernel state (launch shape, partial buffers) of a Triton-family reader, else None
+        self.split_kv: SplitKV | None = None
         self._init_pages()
 
     # -- page allocation (host side) -------------------------------------------------------------
@@ -196,12 +207,15 @@ class PagedKVCache(KVCache):
                 slots.append(self.slot(i, p + j))
                 src.append(i * t + j)
         uniform = len(set(base.num_new)) == 1
-        dev = self.device
+        n = len(slots)
+        self.slot_buffer[:n].copy_(torch.tensor(slots, dtype=torch.int64))
+        if not uniform:
+            self.src_buffer[:n].copy_(torch.tensor(src, dtype=torch.int64))
         return PagedStepPlan(
             **{f.name: getattr(base, f.name) for f in fields(StepPlan)},
             block_table=self.block_table,
-            slots=torch.tensor(slots, dtype=torch.int64, device=dev),
-            src=None if uniform else torch.tensor(src, dtype=torch.int64, device=dev),
+            slots=self.slot_buffer[:n],
+            src=None if uniform else self.src_buffer[:n],
         )
 
     def write(self, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

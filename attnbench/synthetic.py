@@ -303,6 +303,10 @@ class SyntheticModel:
         assert out is not None
         return out
 
+    def step_inputs(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The ``(q, k, v)`` of every layer that decode step ``step`` uses (the prepared tensors themselves)."""
+        return self._decode_inputs[step % self.input_sets]
+
     def decode_step_call_times(self) -> tuple[float, list[float]]:
         """One decode step with each backend call timed on its own (device-synced around each).
 

@@ -3,6 +3,16 @@
 On CUDA each call is timed with CUDA events; on CPU with ``perf_counter``. The callable takes the
 index of the input set to use, so that callers can rotate among several copies of their inputs and
 caches do not flatter small cases. Compile and autotune time belong in the warm-up, never in a sample.
+
+Two ways to time a decode step (:data:`TIMING_MODES`), the way engines serve it:
+
+- ``"eager"``: ``plan()``, every layer's ``decode()`` launched from Python, ``commit()``;
+- ``"graph"`` (CUDA only): ``plan()`` (host work, filling the cache's buffers), one replay of a CUDA
+  graph holding every layer's ``decode()`` of the step, ``commit()`` — vLLM's and FlashInfer's
+  decode under ``use_cuda_graph``. Only backends with ``capturable = True`` can be timed so.
+
+:func:`timing_mode` picks and checks the mode: graph replay by default on CUDA, eager on the CPU
+(where ``"graph"`` is refused in one line).
 """
 
 from __future__ import annotations
@@ -14,7 +24,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Timing", "measure", "synchronize"]
+__all__ = ["TIMING_MODES", "Timing", "measure", "synchronize", "timing_mode"]
+
+#: how a decode step is timed: launched layer by layer from Python, or replayed as one CUDA graph
+TIMING_MODES = ("eager", "graph")
 
 
 @dataclass(frozen=True)
@@ -92,3 +105,22 @@ def measure(
         repeats=len(samples),
         warmup=max(warmup, rotate),
     )
+
+
+def timing_mode(requested: str | None, device: torch.device | str) -> str:
+    """The timing mode for ``device``: ``requested``, or ``"graph"`` on CUDA and ``"eager"`` elsewhere.
+
+    Raises ``ValueError`` (one line naming ``--timing``, the value and what is accepted) for an
+    unknown mode, or for ``"graph"`` off CUDA.
+    """
+    dev = torch.device(device)
+    if requested is None:
+        return "graph" if dev.type == "cuda" else "eager"
+    if requested not in TIMING_MODES:
+        raise ValueError(f"--timing = {requested!r} not in {TIMING_MODES}")
+    if requested == "graph" and dev.type != "cuda":
+        raise ValueError(
+            f"--timing = 'graph' needs a CUDA device (CUDA graphs); on {dev.type} decode steps are "
+            "timed eagerly: use --timing eager"
+        )
+    return requested

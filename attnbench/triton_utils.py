@@ -1,4 +1,5 @@
-"""Helpers for backends written in Triton: where their kernels can run, and compiling them ahead of time.
+"""Helpers for backends written in Triton: where their kernels can run, and compiling them ahead of time
+(the Markdown report of a set of specialisations: ``python -m attnbench.triton_decode_aot``).
 
 Where a kernel runs (:func:`triton_mode`):
 
@@ -452,55 +453,3 @@ def _read_cubin(cubin: bytes) -> dict[str, Any]:
         "sass": sass.stdout,
         "tool_note": "cuobjdump",
     }
-
-
-# -- a report: ``python -m attnbench.triton_utils MODULE`` -------------------------------------------
-def aot_markdown(rows: Sequence[tuple[Mapping[str, Any], AotResult | Exception]]) -> str:
-    """A Markdown table of compile results: registers, local memory (spills), shared memory, loads."""
-    lines = [
-        "| kernel | arch | first pointer | specialisation | warps | registers | local (spill) bytes | shared bytes "
-        "| 16-byte global loads | other global loads |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
-    ]
-    for request, r in rows:
-        spec = ", ".join(
-            f"{k}={v}"
-            for k, v in request["constexprs"].items()
-            if k.isupper() and not k.startswith(("BLOCK_D", "DOT_"))
-        )
-        name = getattr(_python_fn(request["kernel"]), "__name__", "?")
-        arch = f"sm_{request.get('arch', _DEFAULTS['arch'])}"
-        ptr = next((t.lstrip("*") for t in request["signature"].values() if t.startswith("*")), "")
-        if isinstance(r, Exception):
-            lines.append(
-                f"| {name} | {arch} | {ptr} | {spec} | | FAILED: {str(r).splitlines()[0][:80]} | | | | |"
-            )
-            continue
-        loads = r.global_loads()
-        wide = ", ".join(f"{op} ×{n}" for op, n in loads.items() if op.endswith(".128")) or "none"
-        other = ", ".join(f"{op} ×{n}" for op, n in loads.items() if not op.endswith(".128")) or "none"
-        lines.append(
-            f"| {name} | {arch} | {ptr} | {spec} | {r.num_warps} | {r.registers} | {r.local_bytes} | {r.shared_bytes} "
-            f"| {wide} | {other} |"
-        )
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Compile every specialisation a backend module declares (its ``aot_specializations()``) and print
-    the Markdown table; exit status 1 if any failed."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m attnbench.triton_utils", description=main.__doc__)
-    p.add_argument("module", help="module with aot_specializations(), e.g. attnbench.backends.triton_paged")
-    p.add_argument("--arch", default="80,90", help="comma-separated SM versions (default: %(default)s)")
-    args = p.parse_args(argv)
-    specs = list(importlib.import_module(args.module).aot_specializations())
-    requests = [{**s, "arch": int(a)} for a in args.arch.split(",") for s in specs]
-    results = aot_compile_many(requests)
-    print(aot_markdown(list(zip(requests, results, strict=True))))
-    return 1 if any(isinstance(r, Exception) for r in results) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

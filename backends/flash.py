@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -69,6 +70,20 @@ def _implementation(workload: Workload, kv_form: str) -> tuple[str | None, list[
     return None, [*reasons, err]
 
 
+class FlashCache(ContiguousKVCache):
+    """The contiguous cache, and which implementation reads it (a declared attribute, set once)."""
+
+    implementation: str  # FLASH_ATTN or SDPA_FLASH
+
+
+@dataclass
+class FlashPlan(StepPlan):
+    """The base plan plus flash-attn's int32 lengths, or SDPA's mask of a ragged batch."""
+
+    cache_seqlens: torch.Tensor | None = None  # [B] int32 (flash-attn)
+    keep: torch.Tensor | None = None  # [B, 1, 1, S] bool (SDPA, ragged batch)
+
+
 class FlashBackend(ResolvingBackend):
     name = "flash"
     description = "FlashAttention: flash-attn on CUDA, else torch SDPA's flash kernel"
@@ -91,9 +106,9 @@ class FlashBackend(ResolvingBackend):
 
     def create_cache(
         self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
-    ) -> ContiguousKVCache:
+    ) -> FlashCache:
         impl = self.resolve(workload).require().implementation
-        cache = ContiguousKVCache(
+        cache = FlashCache(
             workload=workload,
             geometry=workload.geometry(self.kv_form),
             config=config,
@@ -101,16 +116,19 @@ class FlashBackend(ResolvingBackend):
             max_seq_len=max_seq_len,
             heads_first=impl == SDPA_FLASH,
         )
-        cache.config["implementation"] = impl
+        cache.implementation = impl
         return cache
 
-    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:
-        plan = base_plan(cache, num_new)
-        if cache.config["implementation"] == FLASH_ATTN:
-            plan.extra["cache_seqlens"] = plan.device_positions.to(torch.int32)
+    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> FlashPlan:
+        """Host work once per step; may allocate (the int32 lengths, a ragged batch's mask)."""
+        assert isinstance(cache, FlashCache)
+        base = base_plan(cache, num_new)
+        plan = FlashPlan(**{f.name: getattr(base, f.name) for f in fields(StepPlan)})
+        if cache.implementation == FLASH_ATTN:
+            plan.cache_seqlens = plan.device_positions.to(torch.int32)
         elif len(set(plan.seq_lens_after)) > 1:
             cols = torch.arange(max(plan.seq_lens_after), device=cache.device)
-            plan.extra["keep"] = (cols[None, :] < plan.device_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+            plan.keep = (cols[None, :] < plan.device_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
         return plan
 
     def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -120,9 +138,9 @@ class FlashBackend(ResolvingBackend):
     def decode(
         self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        assert isinstance(cache, ContiguousKVCache)
+        assert isinstance(cache, FlashCache) and isinstance(plan, FlashPlan)
         scale = cache.geometry.scale
-        if cache.config["implementation"] == FLASH_ATTN:
+        if cache.implementation == FLASH_ATTN:
             from flash_attn import flash_attn_with_kvcache
 
             out = flash_attn_with_kvcache(
@@ -131,7 +149,7 @@ class FlashBackend(ResolvingBackend):
                 cache.v[layer],
                 k=k[:, None],
                 v=v[:, None],
-                cache_seqlens=plan.extra["cache_seqlens"],
+                cache_seqlens=plan.cache_seqlens,
                 softmax_scale=scale,
                 causal=True,
                 num_splits=cache.config.get("num_splits", 0),
@@ -146,7 +164,7 @@ class FlashBackend(ResolvingBackend):
                 q[:, :, None],  # [B, Hq, 1, D]
                 cache.k[layer, :, :, :s],  # [B, Hkv, S, D]
                 cache.v[layer, :, :, :s],
-                attn_mask=plan.extra.get("keep"),
+                attn_mask=plan.keep,
                 scale=scale,
                 enable_gqa=True,
             )

@@ -13,12 +13,16 @@ the same math on contiguous K/V, on a CPU). One head's first ``s`` rows *are* co
 matmul reads them in place. Each sequence attends over its own length, so a ragged batch needs no
 mask. On CUDA, where the batched kernels take strided operands, the batched form is kept (one
 launch per layer instead of ``B · Hkv``).
+
+Not capturable (``capturable = False``), on purpose: it is the plain baseline, so every step slices
+K/V to the step's lengths (host integers) and ``plan()`` may allocate (the ragged-batch mask on CUDA).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 
@@ -27,10 +31,19 @@ from attnbench.kvcache import ContiguousKVCache
 from attnbench.workload import Workload
 
 
+@dataclass
+class NaivePlan(StepPlan):
+    """The base plan plus a ragged batch's mask ``[B, 1, 1, S]`` (CUDA's batched path only)."""
+
+    mask: torch.Tensor | None = None
+
+
 class NaiveBackend(Backend):
     name = "naive"
     description = "plain torch matmul + softmax over a contiguous cache (the baseline)"
     tunables = ()
+    #: the length-sliced baseline: host lengths in every step, so a captured graph would replay stale
+    capturable: ClassVar[bool] = False
 
     def implementation(self, workload: Workload) -> str:
         return "torch.matmul"
@@ -61,15 +74,15 @@ class NaiveBackend(Backend):
             heads_first=True,
         )
 
-    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:
-        plan = base_plan(cache, num_new)
+    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> NaivePlan:
+        """Host work once per step; allocates the ragged-batch mask on CUDA (not capturable)."""
+        base = base_plan(cache, num_new)
+        plan = NaivePlan(**{f.name: getattr(base, f.name) for f in fields(StepPlan)})
         s = max(plan.seq_lens_after)
         if cache.device.type == "cuda" and len(set(plan.seq_lens_after)) > 1:
             # ragged batch on the batched path: mask the tail of shorter sequences, once per step
             cols = torch.arange(s, device=cache.device)
-            plan.extra["mask"] = (cols[None, :] >= plan.device_lens[:, None])[
-                :, None, None, :
-            ]  # [B, 1, 1, S]
+            plan.mask = (cols[None, :] >= plan.device_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
         return plan
 
     def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -90,7 +103,7 @@ class NaiveBackend(Backend):
         values = cache.v[layer, :, :, :s]  # [B, Hkv, S, Dv]
         qg = q.view(b, g.num_kv_heads, g.group_size, g.qk_head_dim)  # [B, Hkv, G, Dk]
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * g.scale  # [B, Hkv, G, S]
-        mask = plan.extra.get("mask")
+        mask = plan.mask if isinstance(plan, NaivePlan) else None
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)

@@ -10,7 +10,10 @@ On a CUDA machine, in this order:
    Llama-3.1-8B's attention, all 32 layers per step) through :func:`attnbench.bench.measure_decode`
    (which checks each workload again before timing it). The 32 layer calls cycle over distinct layer
    caches of ``--materialise-gib`` (4 GiB) in all, far more than any L2, so every call reads from
-   HBM. Reported: step time, GB/s of KV cache read, and the share of the measured copy bandwidth.
+   HBM. Each step is timed both ways engines can run it: eagerly (every layer launched from Python)
+   and as one replayed CUDA graph holding all layers (capturable backends: ``triton_paged``, ``fp8``,
+   ``mla``; the others show "—"). Reported: both step times, GB/s of KV cache read and the share of
+   the measured copy bandwidth (at the graph time where there is one: the tuning objective on CUDA).
 
 It prints one table and writes JSON (the command, the device fingerprint, the load average, every
 number). A time budget (``--budget-s``, default 420 s for steps 2-3; non-default configs stop being
@@ -260,7 +263,8 @@ def fmt_tokens(n: int) -> str:
 
 
 def build_table(report: dict[str, Any], table_cls: Any) -> Any:
-    """One row per (batch, context, backend): step time, per-layer time, GB/s, % of copy bandwidth."""
+    """One row per (batch, context, backend): eager and graph step times, per-layer time (of the ranked
+    one), GB/s, % of copy bandwidth."""
     dev = report["device"]
     table = table_cls(
         title=f"decode step, {report['model']} {report['dtype']} on {dev['fingerprint'].get('name', '?')} "
@@ -271,7 +275,8 @@ def build_table(report: dict[str, Any], table_cls: Any) -> Any:
         "context",
         "backend",
         "implementation",
-        "step ms",
+        "eager ms",
+        "graph ms",
         "layer µs",
         "GB/s",
         "% copy BW",
@@ -283,17 +288,31 @@ def build_table(report: dict[str, Any], table_cls: Any) -> Any:
         if not m.get("timed") or not m.get("step"):
             note = m.get("note") or "not timed"
             note = "interpreted: not timed" if note.startswith("interpreted") else note[:60]
-            cells = (str(m["batch"]), fmt_tokens(m["context"]), m["backend"], note, "—", "—", "—", "—", "—")
+            cells = (
+                str(m["batch"]),
+                fmt_tokens(m["context"]),
+                m["backend"],
+                note,
+                "—",
+                "—",
+                "—",
+                "—",
+                "—",
+                "—",
+            )
             table.add_row(*cells, style="dim")
             continue
         step = m["step"]["median_s"]
+        eager = (m.get("eager_step") or m["step"])["median_s"]
+        graph = (m.get("graph_step") or {}).get("median_s")
         rel = (m.get("check") or {}).get("error", {}).get("rel_l2")
         table.add_row(
             str(m["batch"]),
             fmt_tokens(m["context"]),
             m["backend"],
             m.get("implementation", ""),
-            f"{step * 1e3:.3f}",
+            f"{eager * 1e3:.3f}",
+            f"{graph * 1e3:.3f}" if graph is not None else "—",
             f"{step / max(m['num_layers'], 1) * 1e6:.1f}",
             f"{m['gbps']:.0f}",
             f"{m['pct_of_bandwidth']:.0f}%" if m.get("pct_of_bandwidth") is not None else "—",

@@ -1,5 +1,6 @@
-"""Compile the ``mla`` backend's Triton kernels for sm_80 and sm_90 (no GPU needed) and print a table of
-registers, spills, shared memory and 16-byte global loads for every declared tile (DeepSeek-V3 dims, bf16)::
+"""Compile the ``mla`` backend's kernels — the split-KV family kernel in its latent form, and the family's
+merge — for sm_80 and sm_90 (no GPU needed) and print a table of registers, spills, shared memory and
+16-byte global loads for every declared tile (DeepSeek-V3 dims: 128 heads, rows of 512 + 64, bf16)::
 
     python scripts/mla_aot.py
 """
@@ -8,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from attnbench.backends.mla import TILES, kernel_specs
+from attnbench.backends.mla import TILES, decode_spec
 from attnbench.device import fingerprint
-from attnbench.triton_utils import aot_compile
+from attnbench.triton_decode_aot import merge_specialization, specialization
+from attnbench.triton_utils import aot_compile_many
 
 
 def main() -> None:
@@ -18,14 +20,23 @@ def main() -> None:
     print(f"triton {fp['triton']}, torch {fp['torch']}, compiled on: {fp['name']} (no GPU needed)\n")
     print("| tile | arch | kernel | registers | spill bytes | shared bytes | 16-byte global loads |")
     print("|---|---|---|---:|---:|---:|---:|")
-    for tile in TILES:
-        for arch in (80, 90):
-            for spec in kernel_specs(tile=tile, dtype=torch.bfloat16):
-                r = aot_compile(**spec, arch=arch)
-                wide = sum(n for op, n in r.global_loads().items() if op.endswith(".128"))
-                print(
-                    f"| {tile} | sm_{arch} | {r.kernel} | {r.registers} | {r.local_bytes} | {r.shared_bytes} | {wide} |"
-                )
+    bf16 = torch.bfloat16
+    jobs = [
+        (tile, arch, specialization(decode_spec(tile, bf16, heads=128, dk=576, dv=512, page_size=64), bf16))
+        for tile in TILES
+        for arch in (80, 90)
+    ]
+    jobs += [("(merge)", arch, merge_specialization(512, bf16)) for arch in (80, 90)]
+    for (tile, arch, _), r in zip(
+        jobs, aot_compile_many([{**s, "arch": a} for _, a, s in jobs]), strict=True
+    ):
+        if isinstance(r, Exception):
+            print(f"| {tile} | sm_{arch} | FAILED: {str(r).splitlines()[0][:80]} | | | | |")
+            continue
+        wide = sum(n for op, n in r.global_loads().items() if op.endswith(".128"))
+        print(
+            f"| {tile} | sm_{arch} | {r.kernel} | {r.registers} | {r.local_bytes} | {r.shared_bytes} | {wide} |"
+        )
 
 
 if __name__ == "__main__":

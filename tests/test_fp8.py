@@ -14,16 +14,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from attnbench.backends.fp8 import (
-    BLOCK_N,
-    EXACT_TOLERANCE,
-    FP8Backend,
-    aot_specializations,
-)
+from attnbench.backends.fp8 import BLOCK_N, EXACT_TOLERANCE, FP8Backend
 from attnbench.fp8 import FP8_MAX, FP8KVCache, NonFiniteKVError, dequantize, fp8_bits_to_fp16, quantize
 from attnbench.gate import check
 from attnbench.shapes import load_shape
 from attnbench.testing import CASES, BackendConformance
+from attnbench.triton_decode import DecodeSpec
+from attnbench.triton_decode_aot import merge_specialization, specialization
 from attnbench.triton_utils import aot_compile_many
 from attnbench.workload import Workload
 
@@ -226,21 +223,21 @@ def test_declared_exact_bound_is_not_vacuous() -> None:
 
 
 # -- ahead-of-time compilation for NVIDIA targets -------------------------------------------------------
-SPECS = list(aot_specializations())
+#: the family kernel with fp8 pages, for Llama-3.1-8B's geometry: every tile (one split or several is a
+#: run-time flag of the same binary); the merge
+SPECS = [specialization(DecodeSpec(4, 128, 128, 64, n, kv_fp8=True), torch.bfloat16) for n in BLOCK_N]
+SPECS += [merge_specialization(128, torch.bfloat16)]
 
 
 def _spec_id(spec: dict) -> str:
     c = spec["constexprs"]
     if "BLOCK_N" in c:
-        return f"decode-n{c['BLOCK_N']}-{'direct' if c['DIRECT'] else 'split'}"
-    return f"reduce-s{c['BLOCK_S']}"
+        return f"decode-n{c['BLOCK_N']}"
+    return "merge"
 
 
 def test_aot_covers_every_declared_tile() -> None:
-    tiles = {
-        (s["constexprs"]["BLOCK_N"], s["constexprs"]["DIRECT"]) for s in SPECS if "BLOCK_N" in s["constexprs"]
-    }
-    assert tiles == {(n, d) for n in BLOCK_N for d in (True, False)}
+    assert {s["constexprs"]["BLOCK_N"] for s in SPECS if "BLOCK_N" in s["constexprs"]} == set(BLOCK_N)
 
 
 @pytest.fixture(scope="module")

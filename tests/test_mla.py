@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from attnbench.backend import Backend, ConfigError
-from attnbench.backends.mla import TILES, MLABackend, auto_splits, effective_tile
+from attnbench.backends.mla import TILES, MLABackend, decode_spec, effective_tile
 from attnbench.backends.naive import NaiveBackend
 from attnbench.costmodel import decode_cost, decode_roofline
 from attnbench.gate import check
@@ -33,6 +33,9 @@ from attnbench.mla import (
 from attnbench.reference import compare, reference_decode
 from attnbench.shapes import ModelShape, load_shape
 from attnbench.testing import BackendConformance
+from attnbench.triton_decode import auto_splits
+from attnbench.triton_decode_aot import specialization
+from attnbench.triton_utils import aot_compile_many
 from attnbench.workload import Workload
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -247,89 +250,50 @@ SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # opt-in shared memory per bloc
 ARCHS = (80, 90)
 FP32_TILE = max(TILES, key=lambda n: TILES[n].block_h * TILES[n].block_n)  # the widest tile
 
-# Run in a fresh interpreter without TRITON_INTERPRET: in this process triton.language's own jit
-# helpers (tl.cdiv, tl.max, tl.sum) were created as interpreted functions at import and cannot be
-# compiled for a GPU target.
-_AOT_SCRIPT = """
-import json, os, sys
-os.environ["TRITON_INTERPRET"] = "0"
-import torch
-from attnbench.backends.mla import kernel_specs
-from attnbench.triton_utils import aot_compile
-results = []
-for tile, dtype, arch, read_sass, splits, page in json.loads(sys.argv[1]):
-    specs = kernel_specs(tile=tile, dtype=getattr(torch, dtype), num_splits=splits, page_size=page)
-    for spec in specs:
-        row = {"tile": tile, "dtype": dtype, "arch": arch, "kernel": spec["kernel"].__name__,
-               "splits": splits, "page": page}
-        try:
-            r = aot_compile(**spec, arch=arch, read_sass=read_sass)
-        except Exception as err:
-            row["error"] = f"{type(err).__name__}: {err}"
-        else:
-            row = r.summary() | row | {"entry": ".entry" in r.ptx, "cubin": len(r.cubin),
-                                       "sass": r.sass is not None, "stl": r.sass_count("STL"), "note": r.tool_note}
-        results.append(row)
-print(json.dumps(results))
-"""
+
+def _latent(tile: str, dtype: torch.dtype, page: int) -> dict[str, Any]:
+    spec = decode_spec(tile, dtype, heads=128, dk=576, dv=512, page_size=page)  # DeepSeek-V3
+    return specialization(spec, dtype)
 
 
 @pytest.fixture(scope="module")
-def aot_results() -> dict[tuple, list[dict]]:
-    import json
-    import subprocess
-    import sys
-
-    jobs = [(t, "bfloat16", a, True, 8, 64) for t in TILES for a in ARCHS]
-    jobs += [(FP32_TILE, "float32", 80, False, 8, 64)]
-    # the extremes of the other constexprs, in fp16: one split / 32 splits, pages of 16 / 128
-    jobs += [("h16_n32_w4", "float16", 90, False, 1, 16), ("h16_n32_w4", "float16", 90, False, 32, 128)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, json.dumps(jobs)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results: dict[tuple, list[dict]] = {}
-    for row in json.loads(proc.stdout.strip().splitlines()[-1]):
-        key = (row["tile"], row["dtype"], row["arch"])
-        if (row["splits"], row["page"]) != (8, 64):
-            key = (*key, row["splits"], row["page"])
-        results.setdefault(key, []).append(row)
-    return results
+def aot_results() -> dict[tuple, Any]:
+    """The family kernel in its latent form, compiled in one batch (one child process when interpreted)."""
+    jobs = {(t, "bfloat16", a): _latent(t, torch.bfloat16, 64) for t in TILES for a in ARCHS}
+    jobs[(FP32_TILE, "float32", 80)] = _latent(FP32_TILE, torch.float32, 64)
+    # the extremes of the other constexprs, in fp16: pages of 16 / 128
+    jobs[("h16_n32_w4", "float16", 90, 1, 16)] = _latent("h16_n32_w4", torch.float16, 16)
+    jobs[("h16_n32_w4", "float16", 90, 32, 128)] = _latent("h16_n32_w4", torch.float16, 128)
+    results = aot_compile_many([{**spec, "arch": key[2]} for key, spec in jobs.items()])
+    return dict(zip(jobs, results, strict=True))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tile", list(TILES))
 def test_kernels_compile_ahead_of_time(aot_results: dict, tile: str, arch: int) -> None:
     """Every declared tile, DeepSeek-V3 dims, bf16: compiles, fits shared memory, no spills, 16-byte loads."""
-    rows = aot_results[(tile, "bfloat16", arch)]
-    assert {r["kernel"] for r in rows} == {"_mla_decode_partial", "_mla_decode_merge"}
-    for r in rows:
-        assert "error" not in r, r
-        assert r["entry"] and r["cubin"] > 0
-        assert r["shared_bytes"] is not None and r["shared_bytes"] <= SHARED_LIMIT[arch], r
-        if r["sass"]:
-            assert r["local_bytes"] == 0 and not r["stl"], f"register spills: {r}"
-            if r["kernel"] == "_mla_decode_partial":
-                assert r["global_loads"].get("LDG.E.128", 0) > 0, f"no 16-byte loads: {r['global_loads']}"
+    r = aot_results[(tile, "bfloat16", arch)]
+    if isinstance(r, Exception):
+        raise r
+    assert ".entry" in r.ptx and r.cubin
+    assert r.shared_bytes is not None and r.shared_bytes <= SHARED_LIMIT[arch], r.summary()
+    if r.sass is not None:
+        assert r.local_bytes == 0 and not r.sass_count("STL"), f"register spills: {r.summary()}"
+        assert r.global_loads().get("LDG.E.128", 0) + r.global_loads().get("LDGSTS.E.BYPASS.128", 0) > 0
 
 
 @pytest.mark.parametrize(("splits", "page"), [(1, 16), (32, 128)])
 def test_split_and_page_extremes_compile(aot_results: dict, splits: int, page: int) -> None:
-    rows = aot_results[("h16_n32_w4", "float16", 90, splits, page)]
-    assert len(rows) == 2 and all("error" not in r for r in rows), rows
+    r = aot_results[("h16_n32_w4", "float16", 90, splits, page)]
+    assert not isinstance(r, Exception), r
 
 
 def test_fp32_kernel_fits_shared_memory(aot_results: dict) -> None:
     """float32 rows are twice as wide: the capped widest tile must still fit sm_80's shared memory."""
     assert effective_tile(FP32_TILE, torch.float32).block_n == 32
-    for r in aot_results[(FP32_TILE, "float32", 80)]:
-        assert "error" not in r, r
-        assert r["shared_bytes"] is not None and r["shared_bytes"] <= SHARED_LIMIT[80], r
+    r = aot_results[(FP32_TILE, "float32", 80)]
+    assert not isinstance(r, Exception), r
+    assert r.shared_bytes is not None and r.shared_bytes <= SHARED_LIMIT[80], r.summary()
 
 
 # -- cache, bytes, roofline, errors ------------------------------------------------------------------
@@ -383,7 +347,7 @@ def test_refusals_and_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mla_module, "triton_mode", lambda device: (None, why))  # as without the interpreter
     assert backend.implementation(mla).startswith("torch") and not backend.interpreted(mla)
     assert [t.name for t in backend.tunables_for(mla)] == ["page_size"]
-    with pytest.raises(ConfigError, match="kernel = 'triton' cannot run on cpu: .*TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match="kernel = 'triton' cannot run on cpu: .*TRITON_INTERPRET=1"):
         backend.create_cache(mla, config={"kernel": "triton"}, num_layers=1, max_seq_len=16)
     assert check(backend, mla).passed  # the torch path still runs
 
@@ -402,10 +366,11 @@ def test_interpreted_is_reported_and_splits_are_powers_of_two() -> None:
     w = Workload.uniform("tiny-mla", batch=2, context=8)
     backend = MLABackend()
     assert backend.interpreted(w) and "interpreted" in backend.implementation(w)
-    assert auto_splits(batch=1, head_blocks=8, max_seq_len=8192, block_n=32, sm_count=132) == 32
-    assert auto_splits(batch=64, head_blocks=8, max_seq_len=8192, block_n=32, sm_count=132) == 1
-    assert auto_splits(batch=1, head_blocks=8, max_seq_len=300, block_n=32, sm_count=132) == 2
+    kw = {"block_n": 32, "programs": 264, "max_splits": 32}
+    assert auto_splits(programs_per_split=8, max_len=8192, **kw) == 32
+    assert auto_splits(programs_per_split=64 * 8, max_len=8192, **kw) == 1
+    assert auto_splits(programs_per_split=8, max_len=300, **kw) == 4  # ≥ 2 tiles of 32 per split
     for b in (1, 3, 7):
-        n = auto_splits(batch=b, head_blocks=1, max_seq_len=10**6, block_n=16, sm_count=108)
+        n = auto_splits(programs_per_split=b, max_len=10**6, block_n=16, programs=216, max_splits=32)
         assert n & (n - 1) == 0 and 1 <= n <= 32
     assert math.isclose(w.geometry("latent").scale, 1 / math.sqrt(24))

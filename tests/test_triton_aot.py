@@ -19,7 +19,9 @@ import pytest
 import triton
 import triton.language as tl
 
-from attnbench.backends.triton_paged import AOT_GEOMETRIES, BLOCK_N, PAGE_SIZES, aot_specializations
+from attnbench.backends import fp8, mla
+from attnbench.backends.triton_paged import AOT_GEOMETRIES, BLOCK_N, PAGE_SIZES
+from attnbench.triton_decode_aot import covering_specializations, spec_id
 from attnbench.triton_utils import (
     AotCompileError,
     aot_compile,
@@ -119,53 +121,53 @@ def test_aot_compile_names_bad_arguments() -> None:
         aot_compile(_scale_kernel, signature={"x_ptr": "*fp32"}, constexprs={})
 
 
-# -- triton_paged: every kernel specialisation its tunables can launch --------------------------------------
-_SPECS = list(aot_specializations())
+# -- the split-KV family: every constexpr value at least once, not the whole product ------------------
+_SPECS = list(covering_specializations())
+_DECODE = [s["constexprs"] for s in _SPECS if "PAGE_SIZE" in s["constexprs"]]
 
 
-def _spec_id(spec: dict) -> str:
-    c = spec["constexprs"]
-    if "PAGE_SIZE" in c:
-        dtype = spec["signature"]["q_ptr"].lstrip("*")
-        return f"decode-{dtype}-g{c['GROUP']}-d{c['DK']}x{c['DV']}-page{c['PAGE_SIZE']}-block{c['BLOCK_N']}"
-    return f"reduce-s{c['BLOCK_S']}"
+def test_aot_specializations_cover_every_constexpr_value() -> None:
+    def seen(name: str) -> set:
+        return {c[name] for c in _DECODE}
 
-
-def test_aot_specializations_cover_every_tile_config() -> None:
-    decode = {
-        (s["constexprs"]["PAGE_SIZE"], s["constexprs"]["BLOCK_N"])
-        for s in _SPECS
-        if "PAGE_SIZE" in s["constexprs"]
-    }
-    assert decode == {(p, n) for p in PAGE_SIZES for n in BLOCK_N}
-    geometries = {(s["signature"]["q_ptr"], s["constexprs"]["GROUP"], s["constexprs"]["DK"], s["constexprs"]["DV"])
-                  for s in _SPECS if "PAGE_SIZE" in s["constexprs"]}  # fmt: skip
-    assert len(geometries) == 1 + len(AOT_GEOMETRIES)
-    assert len({_spec_id(s) for s in _SPECS}) == len(_SPECS)
-    assert any("BLOCK_S" in s["constexprs"] for s in _SPECS)
+    assert seen("PAGE_SIZE") >= set(PAGE_SIZES) and seen("BLOCK_N") >= set(BLOCK_N) | set(fp8.BLOCK_N)
+    assert seen("KV_FP8") == seen("LATENT") == {True, False}
+    assert seen("DOT_PRECISION") == {"ieee", "tf32"}
+    assert {c["BLOCK_G"] for c in _DECODE if c["LATENT"]} == {t.block_h for t in mla.TILES.values()}
+    warps = {s["num_warps"] for s in _SPECS}
+    assert warps >= {t.num_warps for t in mla.TILES.values()}
+    geometries = {(c["GROUP"], c["DK"], c["DV"]) for c in _DECODE if not c["LATENT"] and not c["KV_FP8"]}
+    assert geometries >= {(g, dk, dv) for _, g, dk, dv in AOT_GEOMETRIES}
+    assert len({spec_id(s) for s in _SPECS}) == len(_SPECS)
+    assert any("PAGE_SIZE" not in s["constexprs"] for s in _SPECS)  # the merge
+    # each value once, not the product: far fewer than page sizes × tiles × dtypes × forms
+    assert len(_SPECS) < len(PAGE_SIZES) * len(BLOCK_N) * 3 * 3 * 2
 
 
 @pytest.fixture(scope="module")
-def paged_aot() -> dict:
+def family_aot() -> dict:
     """Every specialisation for every arch, compiled in one batch (one child process when interpreted)."""
-    keys = [(_spec_id(spec), arch) for arch in ARCHS for spec in _SPECS]
+    keys = [(spec_id(spec), arch) for arch in ARCHS for spec in _SPECS]
     results = aot_compile_many([{**spec, "arch": arch} for arch in ARCHS for spec in _SPECS])
     return dict(zip(keys, results, strict=True))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("spec", _SPECS, ids=[_spec_id(s) for s in _SPECS])
-def test_aot_compiles_for_nvidia(paged_aot: dict, spec: dict, arch: int) -> None:
-    r = paged_aot[_spec_id(spec), arch]
+@pytest.mark.parametrize("spec", _SPECS, ids=[spec_id(s) for s in _SPECS])
+def test_aot_compiles_for_nvidia(family_aot: dict, spec: dict, arch: int) -> None:
+    r = family_aot[spec_id(spec), arch]
     if isinstance(r, Exception):
         raise r
     assert r.cubin, "no cubin"
     if r.sass is None:
         pytest.skip(f"compiled; SASS not read: {r.tool_note}")
-    assert r.local_bytes == 0, f"{_spec_id(spec)} sm_{arch}: {r.local_bytes} bytes of local memory (spills)"
+    assert r.local_bytes == 0, f"{spec_id(spec)} sm_{arch}: {r.local_bytes} bytes of local memory (spills)"
     assert r.registers is not None and r.registers <= 255
     loads = r.global_loads()
     wide = sum(n for op, n in loads.items() if op.endswith(".128"))
-    assert wide >= 1, f"{_spec_id(spec)} sm_{arch}: no 16-byte global loads: {loads}"
-    if "PAGE_SIZE" in spec["constexprs"]:  # K/V tiles stream through cp.async, 16 bytes at a time
+    assert wide >= 1, f"{spec_id(spec)} sm_{arch}: no 16-byte global loads: {loads}"
+    c = spec["constexprs"]
+    if "PAGE_SIZE" in c and not c["LATENT"] and not c["KV_FP8"]:  # K/V tiles stream through cp.async
         assert loads.get("LDGSTS.E.BYPASS.128", 0) >= 2, loads
+    if c.get("KV_FP8"):  # the fp8 bytes arrive in 16-byte pieces, never byte by byte
+        assert not r.sass_count("LDG.E.U8"), r.summary()

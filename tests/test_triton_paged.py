@@ -21,12 +21,13 @@ from attnbench.backends.triton_paged import (
     NUM_SPLITS,
     PAGE_SIZES,
     TritonPagedBackend,
-    auto_splits,
 )
 from attnbench.gate import check
 from attnbench.paged import PagedKVCache, PagedStepPlan
 from attnbench.shapes import ModelShape
+from attnbench.split_kv import SplitKVPlan
 from attnbench.testing import BackendConformance, ConformanceCase
+from attnbench.triton_decode import auto_splits, context_bucket
 from attnbench.triton_utils import triton_mode
 from attnbench.workload import Workload
 
@@ -264,13 +265,17 @@ def test_unavailable_without_the_interpreter() -> None:
 
 def test_auto_splits() -> None:
     # batch 1 with 8 KV heads on a 132-SM GPU: split until the grid fills the device
-    assert auto_splits(batch=1, kv_heads=8, max_len=32768, block_n=32, programs=264) == 16
+    kw = {"block_n": 32, "programs": 264, "max_splits": 16}
+    assert auto_splits(programs_per_split=8, max_len=32768, **kw) == 16
     # a big batch fills the device alone
-    assert auto_splits(batch=64, kv_heads=8, max_len=32768, block_n=32, programs=264) == 1
-    assert auto_splits(batch=8, kv_heads=8, max_len=32768, block_n=32, programs=264) == 8
+    assert auto_splits(programs_per_split=64 * 8, max_len=32768, **kw) == 1
+    assert auto_splits(programs_per_split=8 * 8, max_len=32768, **kw) == 8
     # short sequences are not split into less than two tiles per split
-    assert auto_splits(batch=1, kv_heads=8, max_len=100, block_n=32, programs=264) == 1
-    assert auto_splits(batch=1, kv_heads=1, max_len=256, block_n=16, programs=8) == 8
+    assert auto_splits(programs_per_split=8, max_len=100, **kw) == 1
+    assert auto_splits(programs_per_split=1, max_len=256, block_n=16, programs=8, max_splits=16) == 8
+    # the split count is a function of the context bucket: the same for every length in it
+    assert {context_bucket(n, max_seq_len=4096) for n in range(1025, 2049)} == {2048}
+    assert context_bucket(5000, max_seq_len=4096) == 4096 and context_bucket(3, max_seq_len=4096) == 64
 
 
 def test_plan_is_per_step_and_pages_are_permuted() -> None:
@@ -281,9 +286,10 @@ def test_plan_is_per_step_and_pages_are_permuted() -> None:
     plan = backend.plan(cache, num_new=[40, 3])
     pages = [p for row in cache.pages for p in row]
     assert pages != sorted(pages) or len(pages) < 3
-    assert plan.extra["num_splits"] == 4 and plan.extra["part_o"].shape == (2, 4, 4, 16)
+    assert isinstance(plan, SplitKVPlan) and plan.num_splits == 4 and plan.part_o.shape == (2, 4, 4, 16)
     one = backend.plan(cache, num_new=[1, 1])
-    assert one.extra["num_splits"] == 4 and one.extra["mode"] == triton_mode(DEVICE)[0]
+    assert one.num_splits == 4 and cache.split_kv.mode == triton_mode(DEVICE)[0]
+    assert one.part_o.data_ptr() == plan.part_o.data_ptr()  # the cache's buffers, not the step's
 
 
 def test_gate_single_token_and_empty_splits() -> None:

@@ -47,8 +47,9 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
 
     from attnbench.bench import CheckFailed, Implausible, measure_decode, plausibility
     from attnbench.device import DeviceProfile
+    from attnbench.graph_step import GraphedDecodeStep
     from attnbench.synthetic import SyntheticModel
-    from attnbench.timing import synchronize
+    from attnbench.timing import synchronize, timing_mode
     from attnbench.tuning.space import load_backend_class
     from attnbench.tuning.worker import workload_from_dict
 
@@ -58,6 +59,8 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
     samples, warmup = int(task.get("samples", 15)), int(task.get("warmup", 1))
     failed: dict[str, str] = {}
     models: dict[str, Any] = {}
+    steps: dict[str, Any] = {}  # label -> the step as timed: a CUDA graph replay where capturable
+    graph = timing_mode(task.get("timing"), workload.device) == "graph"
     try:
         for cand in task["candidates"]:
             label = cand["label"]
@@ -89,9 +92,10 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
                     materialise_bytes=task.get("materialise_bytes"),
                 )
                 model.fill(extra_tokens=warmup + 4 * samples + 1)
-                for _ in range(warmup):
-                    model.decode_step()
-                models[label] = model
+                step = GraphedDecodeStep(model) if graph and model.cache.capturable else model.decode_step
+                for _ in range(max(warmup, 1 if graph else 0)):  # a graph is captured in its first step
+                    step()
+                models[label], steps[label] = model, step
             except CheckFailed as err:
                 failed[label] = f"gate: {err}"
             except Implausible as err:
@@ -105,7 +109,7 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
             k = r % len(order)
             for label in order[k:] + order[:k]:  # rotated: no candidate always runs first
                 t0 = clock()
-                models[label].decode_step()
+                steps[label]()
                 synchronize(workload.device)
                 got[label] = (clock() - t0) * 1e3
             return got
@@ -128,6 +132,7 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
         for model in models.values():
             model.release()
         models.clear()
+        steps.clear()
         gc.collect()
     return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}}
 
@@ -161,6 +166,7 @@ def retime(
     timeout_s: float = 120.0,
     seed: int = 0,
     clock: str | None = None,
+    timing: str | None = None,
 ) -> PointMeasurement:
     """Time ``finalists`` interleaved in ``worker``; fall back to one at a time if it dies.
 
@@ -182,6 +188,7 @@ def retime(
         "profile": profile,
         "seed": seed,
         "clock": clock,
+        "timing": timing,
     }
 
     def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[float]], dict[str, str]]:

@@ -62,6 +62,7 @@ class TuneOptions:
     max_seconds: float | None = None
     num_layers: int | None = None
     materialise_bytes: int | None = None
+    timing: str | None = None  # "eager" or "graph" (attnbench.timing); None: graph on CUDA, else eager
     seed: int = 0
     grid_limit: int = 64
     default_trials: int = 40
@@ -310,6 +311,7 @@ def run_study(
             materialise_bytes=options.materialise_bytes,
             error_multiple=options.error_multiple,
             accuracy_budget=options.accuracy_budget,
+            timing=options.timing,
         )
         try:
             with heartbeat(study._storage, trial._trial_id):

@@ -256,6 +256,7 @@ def _retime(
         timeout_s=options.timeout_s,
         seed=options.seed,
         clock=options.clock,
+        timing=options.timing,
     )
 
 

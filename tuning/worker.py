@@ -51,6 +51,7 @@ class WorkerTask:
     materialise_bytes: int | None = None
     error_multiple: float | None = None
     accuracy_budget: float | None = None
+    timing: str | None = None  # the objective: "eager" or "graph" (None: graph on CUDA, else eager)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -128,6 +129,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
             num_layers=task["num_layers"],
             materialise_bytes=task["materialise_bytes"],
             error_multiple=task.get("error_multiple"),
+            timing=task.get("timing"),
             accuracy_budget=task.get("accuracy_budget"),
         )
     except CheckFailed as err:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 
 from rich.markup import escape
@@ -14,11 +13,15 @@ from rich.table import Table
 from attnbench.cli.common import (
     add_model_option,
     add_workload_options,
+    command_line,
     console,
     emit_json,
+    run_options,
+    timing_options,
     workloads_from_args,
 )
 from attnbench.cli.gate_options import add_gate_options, gate_options
+from attnbench.timing import TIMING_MODES, timing_mode
 from attnbench.tuning.margin import SWITCH_MARGIN
 
 DEFAULT_BATCH = "1"
@@ -40,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "measured is kept, and running the same command again resumes without repeating it. Defaults "
             f"(--batch {DEFAULT_BATCH} --context {DEFAULT_CONTEXT}) take a few minutes on a CPU."
         ),
+        parents=[timing_options(max_seconds=10.0), run_options()],
     )
     add_model_option(p, required=True)
     add_workload_options(p, batch=DEFAULT_BATCH, context=DEFAULT_CONTEXT)
@@ -58,9 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="seconds one candidate (check + timing) may take in its worker before it is killed (default 120)",
     )
     p.add_argument(
-        "--repeats", type=int, default=10, help="timed decode steps per candidate (median; default 10)"
+        "--timing",
+        choices=TIMING_MODES,
+        default=None,
+        help="the objective: eager (layers launched from Python) or graph (a step replayed as one CUDA "
+        "graph, as engines serve decode); default graph on CUDA, eager on the CPU (where graph is refused)",
     )
-    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (default 2)")
     p.add_argument(
         "--samples",
         type=int,
@@ -86,30 +93,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "within a quarter octave",
     )
     p.add_argument(
-        "--max-seconds",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="stop sampling a candidate's steps after S seconds, keeping at least 3 samples (default 10)",
-    )
-    p.add_argument(
         "--retry-failed",
         action="store_true",
         help="run candidates whose trials failed (e.g. timed out on a busy machine) again",
-    )
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="layers per timed decode step (default: the model's); fewer make a long context quicker "
-        "to tune, and the per-layer times are what the backends differ in",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch, here and in every worker (default: torch's choice); part of the "
-        "device fingerprint, so each thread count has its own results table",
     )
     p.add_argument("--seed", type=int, default=0, help="TPE sampler seed (default 0)")
     p.add_argument(
@@ -144,7 +130,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the repository's results/); refused without it",
     )
     add_gate_options(p)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
 
@@ -180,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--heartbeat {args.heartbeat} must be ≥ 1 second")
     gate = gate_options(args)
     workloads = workloads_from_args(args)
+    for w in workloads:  # --timing graph off CUDA: one line, before anything is measured
+        timing_mode(args.timing, w.device)
     options = TuneOptions(
         allow_lossy=gate.allow_lossy,
         accuracy_budget=gate.accuracy_budget,
@@ -188,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         repeats=args.repeats,
         warmup=args.warmup,
+        timing=args.timing,
         seed=args.seed,
         max_seconds=args.max_seconds,
         retry_failed=args.retry_failed,
@@ -196,9 +184,7 @@ def run(args: argparse.Namespace) -> int:
         **({"host_id": host} if (host := args.host_id or os.environ.get("ATTNBENCH_HOST_ID")) else {}),
     )
     out = console()
-    command = (
-        "attnbench " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "attnbench tune"
-    )
+    command = command_line(args)
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -109,6 +110,13 @@ def xformers_refusal(
     return None
 
 
+@dataclass
+class XformersPlan(StepPlan):
+    """The base plan plus the decode step's attention bias (built once per step, shared by every layer)."""
+
+    attn_bias: Any = None
+
+
 class XformersBackend(Backend):
     name = "xformers"
     description = (
@@ -152,10 +160,11 @@ class XformersBackend(Backend):
             heads_first=False,  # [L, B, S, Hkv, D]: each sequence is one padded block of B*S rows
         )
 
-    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:
-        plan = base_plan(cache, num_new)
+    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> XformersPlan:
+        base = base_plan(cache, num_new)
+        plan = XformersPlan(**{f.name: getattr(base, f.name) for f in fields(StepPlan)})
         if plan.max_new == 1:
-            plan.extra["attn_bias"] = _attn_bias(plan.seq_lens_after, cache.max_seq_len, cache.device)
+            plan.attn_bias = _attn_bias(plan.seq_lens_after, cache.max_seq_len, cache.device)
         return plan
 
     def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -172,7 +181,7 @@ class XformersBackend(Backend):
             q,
             cache.k[layer],
             cache.v[layer],
-            bias=plan.extra["attn_bias"],
+            bias=plan.attn_bias,
             scale=cache.geometry.scale,
             op=cache.config["op"],
         )
