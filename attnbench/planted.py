@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import Backend, KVCache, StepPlan
+from attnbench.backend import DEFAULT_ERROR_MULTIPLE, KVCache, StepPlan
+from attnbench.backends.naive import NaiveBackend
 from attnbench.kvcache import ContiguousKVCache
 from attnbench.shapes import ModelShape
 from attnbench.workload import Workload
@@ -52,28 +53,20 @@ def _pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return (probs[:, None] * values).sum(dim=0)
 
 
-class Precise(Backend):
-    """Exact attention over a contiguous cache, rounded as carefully as the dtype allows (no bug)."""
+class Precise(NaiveBackend):
+    """Exact attention over a contiguous cache, rounded as carefully as the dtype allows (no bug).
+
+    ``naive``'s cache, plan and append; its own decode, at the default error multiple."""
 
     name = "precise"
     description = "float32 scores, softmax and P·V over a contiguous cache (a test fixture)"
     kv_form: ClassVar[str] = "expanded"
 
-    def create_cache(
-        self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
-    ) -> ContiguousKVCache:
-        return ContiguousKVCache(
-            workload=workload,
-            geometry=workload.geometry(self.kv_form),
-            config=config,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
-            heads_first=True,
-        )
+    def implementation(self, workload: Workload) -> str:
+        return type(self).__qualname__
 
-    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        assert isinstance(cache, ContiguousKVCache)
-        cache.write(plan, layer=layer, k=k, v=v)
+    def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
+        return DEFAULT_ERROR_MULTIPLE
 
     def decode(
         self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

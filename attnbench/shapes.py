@@ -230,6 +230,32 @@ class ModelShape:
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
+    def attention_only(
+        cls,
+        name: str,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int = 2,
+        source: str = "",
+    ) -> ModelShape:
+        """A test geometry: only the attention fields matter; the rest are filled plausibly."""
+        hidden = num_heads * head_dim
+        return cls(
+            name=name,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            vocab_size=256,
+            num_params=1_000_000,
+            source=source or "attnbench test geometry",
+        )
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any], *, name: str, origin: str = "") -> ModelShape:
         where = f" ({origin})" if origin else ""
         if not isinstance(data, dict):

@@ -66,17 +66,8 @@ class ConformanceCase:
 
 
 def _shape(name: str, heads: int, kv_heads: int, head_dim: int) -> ModelShape:
-    return ModelShape(
-        name=name,
-        num_layers=2,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        hidden_size=heads * head_dim,
-        intermediate_size=4 * heads * head_dim,
-        vocab_size=256,
-        num_params=1_000_000,
-        source="attnbench conformance shape",
+    return ModelShape.attention_only(
+        name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, source="attnbench conformance shape"
     )
 
 

@@ -33,16 +33,8 @@ CONTEXTS = ((1,), (7, 1), (64,), (300, 17), (2048,), (1000, 3, 4000))
 
 
 def _shape(hq: int, hkv: int, d: int) -> ModelShape:
-    return ModelShape(
-        name=f"acc-h{hq}-kv{hkv}-d{d}",
-        num_layers=1,
-        num_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        hidden_size=hq * d,
-        intermediate_size=4 * hq * d,
-        vocab_size=256,
-        num_params=1_000_000,
+    return ModelShape.attention_only(
+        f"acc-h{hq}-kv{hkv}-d{d}", num_heads=hq, num_kv_heads=hkv, head_dim=d, num_layers=1
     )
 
 

@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
+from attnbench.cli.common import command_line, run_record
 from attnbench.gate import check, prepare_case
 from attnbench.registry import load_registry
 from attnbench.shapes import load_shape
@@ -75,14 +72,8 @@ def main() -> int:
             }
         )
         print(f"{ctx}: {rows[-1]}", file=sys.stderr, flush=True)
-    report = {
-        "command": "python " + " ".join(sys.argv),
-        "machine": f"{platform.node()} — {platform.machine()}, {os.cpu_count()} CPUs",
-        "torch": torch.__version__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "load_avg_start": list(load_start),
-        "load_avg_end": list(os.getloadavg()),
-        "seconds": round(time.time() - start, 1),
+    command = command_line(args, parser=ap, prog="python scripts/fp8_long_context.py")
+    report = run_record(command=command, load_start=load_start, started=start) | {
         "model": args.model,
         "dtype": args.dtype,
         "implementation": fp8.implementation(Workload(shape, (64,), args.dtype, "cpu")),

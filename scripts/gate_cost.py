@@ -13,25 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
+from attnbench.cli.common import command_line, run_record
 from attnbench.cli.tune import DEFAULT_BATCH, DEFAULT_CONTEXT
 from attnbench.shapes import load_shape
 from attnbench.tuning import TuneOptions, tune
-from attnbench.workload import Workload
+from attnbench.workload import Workload, parse_int_list
 
 
 def _ints(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
-    return out
+    return parse_int_list(text, field="--batch/--context")
 
 
 def main() -> int:
@@ -75,13 +70,9 @@ def main() -> int:
         tune(workloads, results_dir=results, options=TuneOptions(), on_trial=on_trial, command="gate_cost")
         total = time.perf_counter() - start
     gate = sum(t["gate_s"] or 0.0 for t in trials)
-    report = {
-        "command": "python " + " ".join(sys.argv),
+    command = command_line(args, parser=ap, prog="python scripts/gate_cost.py")
+    report = run_record(command=command, load_start=load_start) | {
         "equivalent": f"attnbench tune --model {args.model} --batch {args.batch} --context {args.context} --dtype {args.dtype}",
-        "machine": f"{platform.node()} — {platform.machine()}, {os.cpu_count()} CPUs",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "load_avg_start": list(load_start),
-        "load_avg_end": list(os.getloadavg()),
         "tune_s": round(total, 2),
         "gate_s": round(gate, 2),
         "gate_share": gate / total if total else None,

@@ -23,31 +23,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run interpreted on a CPU (checked only)
 
 import torch
 
+from attnbench.cli.common import command_line, run_record
 from attnbench.gate import check, prepare_case
 from attnbench.planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
 from attnbench.registry import load_registry
 from attnbench.shapes import load_shape
-from attnbench.workload import Workload
+from attnbench.workload import Workload, parse_int_list
 
 SMALL = GATE_SMALL
 
 
 def _contexts(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
-    return out
+    return parse_int_list(text, field="contexts")
 
 
 def _candidates(form: str, *, interpreted_ok: bool) -> dict[str, tuple]:
@@ -147,16 +142,8 @@ def main() -> int:
                 print(
                     f"{dtype} {ctx} {form}: done ({time.time() - start:.0f} s)", file=sys.stderr, flush=True
                 )
-    report = {
-        "command": "python " + " ".join(sys.argv),
-        "machine": f"{platform.node()} — {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "torch": torch.__version__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "load_avg_start": list(load_start),
-        "load_avg_end": list(os.getloadavg()),
-        "seconds": round(time.time() - start, 1),
-        "cells": cells,
-    }
+    command = command_line(args, parser=ap, prog="python scripts/gate_matrix.py")
+    report = run_record(command=command, load_start=load_start, started=start) | {"cells": cells}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")

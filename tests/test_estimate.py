@@ -277,41 +277,11 @@ def test_cli_errors_are_one_clear_line(capsys: pytest.CaptureFixture[str]) -> No
     err = capsys.readouterr().err
     assert "unknown GPU 'h300'; presets: a100-80gb, h100-sxm, h200, b200, this" in err
     assert "Traceback" not in err
-    assert (
-        main(
-            [
-                "estimate",
-                "--model",
-                "llama-3.1-8b",
-                "--gpu",
-                "h100",
-                "-c",
-                "1k",
-                "-n",
-                "1",
-                "--moe-experts",
-                "8",
-            ]
-        )
-        == 2
-    )
+    h100_8b = ["estimate", "--model", "llama-3.1-8b", "--gpu", "h100", "-c", "1k", "-n", "1"]
+    assert main([*h100_8b, "--moe-experts", "8"]) == 2
     assert "--moe-experts and --moe-top-k go together" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(
-            [
-                "estimate",
-                "--model",
-                "llama-3.1-8b",
-                "--gpu",
-                "h100",
-                "-c",
-                "1k",
-                "-n",
-                "1",
-                "--achievable",
-                "2",
-            ]
-        )
+        main([*h100_8b, "--achievable", "2"])
     assert "--achievable '2' must be a fraction in (0, 1]" in capsys.readouterr().err
 
 

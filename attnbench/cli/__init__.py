@@ -1,7 +1,9 @@
 """The ``attnbench`` command line. Each subcommand lives in its own module of this package.
 
-A subcommand module defines ``register(subparsers)``, which adds its parser and sets
-``func=run`` with ``run(args) -> int``. Add new modules to ``COMMANDS``.
+A subcommand module defines ``register(subparsers)``, which adds its parser (with
+``cli.common.add_command``: the ``--help`` line, description and example come from the module's
+docstring; shared options from the parent parsers there) and sets ``func=run`` with
+``run(args) -> int``. Add new modules to ``COMMANDS``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ layers · (t0 + t_seq · batch) + kv_bytes / bw_eff to the decode steps this dev
 the given bench JSON files measured (≥ 5 points spanning ≥ 16× in batch × context per fit), and
 write calibration-<device>.yaml beside the tuned table. `attnbench estimate --gpu this` and select()
 beyond the tuned region then use it; docs/latency-model.md explains the model.
+
+example: attnbench calibrate --bench results/bench-cpu-llama-3.1-8b-1k-8k.json
 """
 
 from __future__ import annotations
@@ -19,12 +21,7 @@ from attnbench.cli.common import add_command, add_device_option, console, emit_j
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "calibrate",
-        __doc__,
-        epilog="example: attnbench calibrate --bench results/bench-cpu-llama-3.1-8b-1k-8k.json",
-    )
+    p = add_command(sub, "calibrate", __doc__)
     p.add_argument(
         "--results",
         "--results-dir",

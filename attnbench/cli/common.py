@@ -11,7 +11,7 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -30,6 +30,7 @@ __all__ = [
     "emit_json",
     "json_stdout",
     "run_options",
+    "run_record",
     "sigterm_as_interrupt",
     "timing_options",
     "workloads_from_args",
@@ -40,10 +41,15 @@ def add_command(
     sub: argparse._SubParsersAction, name: str, doc: str | None, **kwargs: Any
 ) -> argparse.ArgumentParser:
     """The parser of subcommand ``name``, described by its module's docstring: the first line, after
-    the dash, is the ``--help`` line; the paragraphs after it are the description."""
+    the dash, is the ``--help`` line; the paragraphs after it are the description, but for a last one
+    that starts with ``example:``, which is the epilog."""
     head, _, body = (doc or "").strip().partition("\n")
     help_line = head.partition(" — ")[2].rstrip(".") or head
-    return sub.add_parser(name, help=help_line, description=body.strip() or None, **kwargs)
+    description, _, example = body.strip().rpartition("\n\nexample: ")
+    if not description:  # no example paragraph
+        description, example = body.strip(), ""
+    epilog = "example: " + " ".join(example.split()) if example else None
+    return sub.add_parser(name, help=help_line, description=description or None, epilog=epilog, **kwargs)
 
 
 def console() -> Console:
@@ -142,14 +148,19 @@ _FIRST = ("model", "prompt_len", "new_tokens", "batch", "context", "backend", "d
 _LOCAL = ("json", "save", "out", "results_dir", "storage")
 
 
-def command_line(args: argparse.Namespace) -> str:
+def command_line(
+    args: argparse.Namespace, *, parser: argparse.ArgumentParser | None = None, prog: str | None = None
+) -> str:
     """The command that reproduces this run, rebuilt from the parsed options against the parser's
     defaults (``attnbench bench --model m --batch 1,8 …``): options left at their default are left
-    out, and so are output and storage locations (``--save``, ``--results``, ``--storage``, ``--json``)."""
-    parser: argparse.ArgumentParser = args.command_parser
+    out, and so are output and storage locations (``--save``, ``--results``, ``--storage``, ``--json``).
+
+    Subcommands find their parser in ``args``; a script passes its own ``parser`` and ``prog``
+    (``"python scripts/gate_cost.py"``)."""
+    parser = parser or args.command_parser
     options = [a for a in parser._actions if a.option_strings and a.dest not in _LOCAL and a.dest != "help"]
     options.sort(key=lambda a: _FIRST.index(a.dest) if a.dest in _FIRST else len(_FIRST))
-    parts = [parser.prog]
+    parts = [prog or parser.prog]
     for action in options:
         value = getattr(args, action.dest, action.default)
         default = action.default
@@ -163,6 +174,28 @@ def command_line(args: argparse.Namespace) -> str:
         else:
             parts.append(f"{flag} {shlex.quote(str(value))}")
     return " ".join(parts)
+
+
+def run_record(*, command: str, load_start: Sequence[float], started: float | None = None) -> dict[str, Any]:
+    """What every saved result states about its run: the command, the machine, torch, the date, the
+    load average before and now, and (with ``started``, a ``time.time()``) the seconds it took."""
+    import platform
+    import time
+    from datetime import datetime, timezone
+
+    import torch
+
+    record: dict[str, Any] = {
+        "command": command,
+        "machine": f"{platform.node()} — {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "load_avg_start": list(load_start),
+        "load_avg_end": list(os.getloadavg()),
+    }
+    if started is not None:
+        record["seconds"] = round(time.time() - started, 1)
+    return record
 
 
 def workloads_from_args(args: argparse.Namespace) -> list[Workload]:

@@ -9,6 +9,8 @@ prompt tokens, greedy). The backend is checked against float64 attention first. 
 prefill, which yields the first token), ITL p50/p90 over the N-1 decode steps, end-to-end latency
 and, beside it, TTFT + (N-1)·ITL (mean, and p50): with the mean the two agree within 10% when the
 loop adds nothing of its own; the p50 form also needs a quiet machine.
+
+example: attnbench decode --model llama-3.1-8b --prompt-len 1k --new-tokens 64 --backend flash
 """
 
 from __future__ import annotations
@@ -47,13 +49,7 @@ E2E_TOLERANCE = 0.10
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "decode",
-        __doc__,
-        epilog="example: attnbench decode --model llama-3.1-8b --prompt-len 1k --new-tokens 64 --backend flash",
-        parents=[run_options()],
-    )
+    p = add_command(sub, "decode", __doc__, parents=[run_options()])
     add_model_option(p, required=True)
     p.add_argument("--prompt-len", "-p", required=True, help="prompt tokens per sequence (k suffix accepted)")
     p.add_argument("--new-tokens", "-n", required=True, help="tokens to generate per sequence (≥ 2)")

@@ -7,6 +7,8 @@ on a calibrated device the KV term is the measured model of the backend select()
 from the prefill's FLOPs. Shows the split into weight reads, KV reads and the FLOP bound, and the
 batch × context at which the KV cache overtakes the weights. All byte and FLOP figures are per GPU
 of the tensor-parallel group. The model is described in docs/latency-model.md.
+
+example: attnbench estimate --model llama-3.3-70b --gpu h100 --tp 2 --batch 1 --context 8192 --new-tokens 250
 """
 
 from __future__ import annotations
@@ -43,13 +45,7 @@ def _fraction(text: str) -> float:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "estimate",
-        __doc__,
-        epilog="example: attnbench estimate --model llama-3.3-70b --gpu h100 --tp 2 --batch 1 --context 8192 "
-        "--new-tokens 250",
-    )
+    p = add_command(sub, "estimate", __doc__)
     add_model_option(p, required=True)
     p.add_argument(
         "--gpu",
