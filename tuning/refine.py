@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from attnbench.tuning.dispatch import DispatchMap, GridPoint, MapCandidate
-from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide
+from attnbench.tuning.margin import SWITCH_MARGIN, Interval, beats, decide
 
 __all__ = [
     "Measure",
@@ -69,14 +69,14 @@ def grid_point(
 
 def significant(p: GridPoint, q: GridPoint, *, margin: float = SWITCH_MARGIN) -> bool:
     """``p`` and ``q`` have different winners and the choice matters: on at least one side the other
-    point's winner is slower than this side's winner by more than the switch margin (medians)."""
+    point's winner loses to this side's by the margin policy (the switch margin beyond both
+    intervals), or it failed there. Two configs that trade places by noise do not refine."""
     a, b = p.winner, q.winner
     if a is None or b is None or a == b:
         return False
-    lose_p = a in p.times and b in p.times and p.times[b].median_ms > (1 + margin) * p.times[a].median_ms
-    lose_q = a in q.times and b in q.times and q.times[a].median_ms > (1 + margin) * q.times[b].median_ms
-    missing = b not in p.times or a not in q.times  # one of them failed on the other side: it matters
-    return lose_p or lose_q or missing
+    if b not in p.times or a not in q.times:  # one of them failed on the other side: it matters
+        return True
+    return beats(p.times[a], p.times[b], margin=margin) or beats(q.times[b], q.times[a], margin=margin)
 
 
 def _midpoint(lo: int, hi: int, *, resolution: float) -> int | None:
