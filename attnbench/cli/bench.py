@@ -45,6 +45,7 @@ from attnbench.costmodel import decode_cost, roofline
 from attnbench.device import DeviceProfile, load_profile
 from attnbench.gpuspec import measured_gpu
 from attnbench.registry import load_registry
+from attnbench.timing import TIMING_MODES, timing_mode
 from attnbench.workload import Workload
 
 BASELINE = "naive"
@@ -55,6 +56,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_option(p, required=True)
     add_workload_options(p, batch="1", context="1k")
     p.add_argument("--backends", help="comma-separated backend names (default: every registered backend)")
+    p.add_argument(
+        "--timing",
+        choices=TIMING_MODES,
+        default=None,
+        help="the time a step is ranked by: eager (layers launched from Python) or graph (the step "
+        "replayed as one CUDA graph, as engines serve decode); default graph on CUDA, eager on the CPU "
+        "(where graph is refused). On CUDA both are measured and reported",
+    )
     p.add_argument(
         "--probe",
         action="store_true",
@@ -84,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--warmup = {args.warmup} must be ≥ 0")
     _positive(args.threads, "--threads")
     workloads = workloads_from_args(args)
+    for w in workloads:  # --timing graph off CUDA: one line, before anything is measured
+        timing_mode(args.timing, w.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     reg = load_registry()
@@ -184,6 +195,7 @@ def _measure_row(
             warmup=args.warmup,
             repeats=args.repeats,
             max_seconds=args.max_seconds,
+            timing=args.timing,
             num_layers=args.layers,
             error_multiple=gate_options(args).error_multiple,
             peak_flops=peak.get(workload.dtype_name) or peak.get("bf16"),
@@ -336,6 +348,17 @@ def _print_notes(out: Console, report: dict[str, Any]) -> None:
             "rows with llc_flushed (JSON): the caches are smaller than 4 × the last-level cache, so it was "
             "evicted before each timed step, outside the timer (a real model's weights would evict it)."
         )
+    graphed = [r for r in report["results"] if r.get("graph_step") and r.get("eager_step")]
+    if graphed:
+        out.print(
+            "step ms by timing mode (eager: layers launched from Python; graph: one CUDA graph replay):"
+        )
+        for r in graphed:
+            eager, graph = r["eager_step"]["median_s"] * 1e3, r["graph_step"]["median_s"] * 1e3
+            out.print(
+                f"  {escape(r['backend'])} b{r['batch']} c{r['context']}: eager {eager:.3f}, graph {graph:.3f} "
+                f"(ranked by {r['timing']})"
+            )
 
 
 def _save(prefix: Path, report: dict[str, Any]) -> None:
