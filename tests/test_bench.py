@@ -267,3 +267,20 @@ def test_bench_says_which_bound_applies(small_profile: Path, capsys: pytest.Capt
     naive, mla = (next(r for r in rows if r["backend"] == b) for b in ("naive", "mla"))
     # absorbed MLA does more FLOPs per cached byte than the expanded layout: that is why it can turn compute-bound
     assert mla["roofline"]["flops"] / mla["kv_bytes"] > naive["roofline"]["flops"] / naive["kv_bytes"]
+
+
+def test_a_measurement_resolves_its_backend_once() -> None:
+    """The gate, the synthetic model and the report read one Resolution: supports() runs once."""
+    calls: list[Workload] = []
+
+    class Counting(NaiveBackend):
+        name = "planted_counting"
+
+        def supports(self, workload):  # type: ignore[no-untyped-def]
+            calls.append(workload)
+            return super().supports(workload)
+
+    w = Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp32")
+    m = measure_decode(Counting(), w, warmup=1, repeats=2, num_layers=2)
+    assert m.check is not None and m.check.passed and m.timed
+    assert len(calls) == 1, f"supports() ran {len(calls)} times for one measurement"
