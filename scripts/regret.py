@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed steps per study trial")
     p.add_argument("--samples", type=int, default=15, help="interleaved rounds (tuning and held-out points)")
     p.add_argument("--switch-margin", type=float, default=SWITCH_MARGIN)
+    p.add_argument(
+        "--resolution",
+        type=float,
+        default=0.25,
+        help="octaves the map's refinement locates crossovers to (default 0.25)",
+    )
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--allow-lossy", action="store_true", help="let lossy caches (fp8) compete")
     p.add_argument("--quick", action="store_true", help="a smoke test on a tiny shape")
@@ -142,6 +148,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             profile=profile,
             margin=args.switch_margin,
             samples=args.samples,
+            resolution=args.resolution,
             on_trial=lambda plan, rec, reused: _log(
                 f"tune {plan.workload.describe()} {rec.candidate.label()}"
             ),
