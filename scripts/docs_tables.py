@@ -26,6 +26,10 @@ BLOCKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "fp8-long-context": ("docs/fp8.md", ("results/fp8-long-context-cpu.md",)),
     "vllm-targets": ("docs/engines.md", ("results/vllm-targets.md",)),
+    "cpu-kernel-bandwidth": (
+        "docs/benchmarks.md",
+        ("results/cpu-kernel-bandwidth-t1-b1.md", "results/cpu-kernel-bandwidth-t1-b8.md"),
+    ),
 }
 
 
