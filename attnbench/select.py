@@ -30,7 +30,7 @@ import os
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from attnbench.registry import Registry, load_registry
 from attnbench.select_heuristic import HeuristicRanking, rank, runnable_reason
 from attnbench.select_tuned import TunedIndex, entry_choice
 from attnbench.shapes import ModelShape, load_shape, parse_dtype
-from attnbench.tuning.dispatch import dispatch_path, load_maps
+from attnbench.tuning.dispatch import dispatch_path, load_maps, map_key
 from attnbench.tuning.space import code_hash
 from attnbench.tuning.table import DeviceMismatchError, ResultsTable, TableError, hardware_id, table_path
 from attnbench.workload import Workload, bucket, parse_tokens
@@ -56,9 +56,14 @@ __all__ = ["Choice", "Rejected", "Selector", "default_selector", "select"]
 
 _PLUGIN_ENV = ("ATTNBENCH_PLUGINS", "ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD")
 _Signature = tuple[int, int, int] | None  # (inode, size, mtime ns) of a file, None when missing
+#: Workload is a plain frozen dataclass of these fields (its checks rerun only when this changes)
+_FIELDS = ["shape", "context_lens", "dtype", "device"]
+_PLAIN_WORKLOAD = [f.name for f in fields(Workload)] == _FIELDS and "__slots__" not in vars(Workload)
 
 
 def _signature(path: Path) -> _Signature:
+    if not os.access(path, os.F_OK):  # a missing file costs no exception (checked on every call)
+        return None
     try:
         st = os.stat(path)
     except OSError:
@@ -102,6 +107,7 @@ class Selector:
         self._default_registry: tuple[tuple[str | None, ...], Registry] | None = None
         self._shapes: dict[object, tuple[ModelShape, str]] = {}
         self._devices: dict[tuple[str, int], tuple[dict, str, str]] = {}
+        self._kinds: dict[tuple, tuple[torch.dtype, str, str]] = {}  # (dtype, device) as given → accepted
         self._paths: dict[tuple, Any] = {}  # results location → files; folder → calibration file
         self._files: dict[Path, _Files] = {}
         self._calibrations: dict[Path, tuple[_Signature, Calibration | None, str]] = {}
@@ -137,14 +143,16 @@ class Selector:
         allow_lossy: bool = False,
     ) -> Choice:
         """See :func:`select`."""
-        workload, shape_hash = self._workload(workload, model, batch, context, dtype, device)
         reg = registry if registry is not None else self._registry_now()
+        workload, shape_hash, dname, b, c = self._workload(workload, model, batch, context, dtype, device)
         fp, fp_id, hw = self._device(workload.device)
         table_file, map_file, folder, explicit = self._locate(results_dir, table, fp, hw)
         files = self._load(table_file, map_file, fp, hw, folder=folder, explicit=explicit)
         index = files.index
-        failed_gate = index.gate_failures.get(workload.dtype_name, {})
-        resolved, by_name, rkey = self._resolutions(reg, workload, shape_hash)
+        mkey = map_key(workload.shape.name, shape_hash, dname)
+        failed_gate = index.gate_failures.get(dname, {})
+        regkey = self._reg_key(reg)
+        resolved, by_name, rkey = self._resolutions(reg, regkey, workload, shape_hash, (bucket(b), bucket(c)))
 
         def why_not(backend: str, lossy: str) -> str:
             res = by_name.get(backend)
@@ -156,42 +164,46 @@ class Selector:
             return why
 
         choice = None
-        dispatch = index.map_for(workload, shape_hash)
+        dispatch = index.maps.get(mkey)
         if dispatch is not None:
-            key = ("map", dispatch.key, allow_lossy, rkey)
-            refused = files.templates.get(key)
-            if refused is None:
-                refused = files.templates[key] = {
-                    label: why_not(c.backend, c.lossy) for label, c in dispatch.candidates.items()
-                }
+            key = ("map", mkey, allow_lossy, rkey)
+            hit = files.templates.get(key)
+            if hit is None:
+                refused = {label: why_not(c.backend, c.lossy) for label, c in dispatch.candidates.items()}
+                hit = files.templates[key] = (refused, index.refusals(dispatch, refused))
             name = index.table.path.name if index.table is not None else map_file.name
-            choice = index.from_map(dispatch, workload, refused=refused, source_name=name)
+            choice = index.from_map(
+                dispatch, workload, b, c, refused=hit[0], rejected=hit[1], source_name=name
+            )
             if choice is not None:  # the gate's numbers live in the table entry of the bucket
-                gkey = ("gate", choice.backend, repr(choice.config), rkey)
+                gkey = ("gate", choice.lookup.label, rkey)  # type: ignore[union-attr]
                 if gkey not in files.templates:
                     files.templates[gkey] = index.gate_of(workload, shape_hash, choice.backend, choice.config)
                 choice.gate = files.templates[gkey]
         if choice is None:
-            choice = self._from_entry(files, reg, rkey, workload, shape_hash, why_not, allow_lossy, by_name)
-        outside = index.beyond(workload, shape_hash)
-        if outside:  # the measured map wins inside the tuned region; beyond it, the calibrated model
+            choice = self._from_entry(files, reg, rkey, workload, mkey, b, c, why_not, allow_lossy, by_name)
+        note = ""
+        # the measured map wins inside the tuned region; beyond it, the calibrated model
+        if index.outside(mkey, b, c):
             calibration, note = self._calibration(folder, fp, hw)
-            calibrated = calibrated_choice(
-                workload,
-                resolved,
-                calibration=calibration,
-                failed_gate=failed_gate,
-                why_outside=outside,
-                skip=[] if allow_lossy else [n for n, r in by_name.items() if r.lossy],
-            )
-            choice = calibrated or choice
-            if note:
-                choice.warnings.insert(0, note)
+            if calibration is not None:
+                calibrated = calibrated_choice(
+                    workload,
+                    resolved,
+                    calibration=calibration,
+                    failed_gate=failed_gate,
+                    why_outside=index.beyond_at(mkey, workload.shape.name, dname, b, c),
+                    skip=[] if allow_lossy else [n for n, r in by_name.items() if r.lossy],
+                )
+                choice = calibrated or choice
         if choice is None:
             choice = self._heuristic_choice(rkey, workload, resolved, failed_gate, fp_id, bandwidth)
-        choice.warnings = files.notes + choice.warnings
+        if note:
+            choice.warnings.insert(0, note)
+        if files.notes:
+            choice.warnings = files.notes + choice.warnings
         choice.registry = reg
-        choice.engine_setting = self._engine_setting(reg, choice)
+        choice.engine_setting = self._engine_setting(reg, regkey, choice)
         for w in choice.warnings:
             if w not in self._warned:  # said once per selector, not once per batch
                 self._warned.add(w)
@@ -207,10 +219,11 @@ class Selector:
         context: int | str | None,
         dtype: str | torch.dtype,
         device: str,
-    ) -> tuple[Workload, str]:
+    ) -> tuple[Workload, str, str, int, int]:
+        """The workload, its shape hash, its dtype's name, its batch and its (longest) context."""
         if workload is not None:
             shape, shape_hash = self._shape(workload.shape)
-            return workload, shape_hash
+            return workload, shape_hash, workload.dtype_name, workload.batch, workload.context
         if model is None or batch is None or context is None:
             missing = [n for n, v in (("model", model), ("batch", batch), ("context", context)) if v is None]
             raise ValueError(
@@ -220,8 +233,20 @@ class Selector:
             raise ValueError(f"workload: field 'batch' = {batch!r} must be an integer > 0")
         ctx = context if type(context) is int and context > 0 else parse_tokens(context)
         shape, shape_hash = self._shape(model)
-        dev = resolve_device(device) if device == "auto" else device
-        return Workload(shape, (ctx,) * batch, parse_dtype(dtype), dev), shape_hash
+        kind = self._kinds.get((dtype, device)) if isinstance(dtype, (str, torch.dtype)) else None
+        if kind is None:  # the first time: Workload validates the dtype and the device
+            dev = resolve_device(device) if device == "auto" else device
+            first = Workload(shape, (ctx,) * batch, parse_dtype(dtype), dev)
+            self._kinds[(dtype, device)] = (first.dtype, first.device, first.dtype_name)
+            return first, shape_hash, first.dtype_name, batch, ctx
+        # later: the same dtype and device, accepted above; the lengths are one integer > 0 (checked
+        # here), so Workload's own checks cannot fail and are skipped
+        dt, dev, dname = kind
+        if not _PLAIN_WORKLOAD:  # Workload grew a field: build it the ordinary way
+            return Workload(shape, (ctx,) * batch, dt, dev), shape_hash, dname, batch, ctx
+        made = object.__new__(Workload)  # a frozen dataclass without slots: its fields live in __dict__
+        made.__dict__.update(shape=shape, context_lens=(ctx,) * batch, dtype=dt, device=dev)
+        return made, shape_hash, dname, batch, ctx
 
     def _shape(self, model: str | ModelShape) -> tuple[ModelShape, str]:
         key: object = id(model) if isinstance(model, ModelShape) else model
@@ -277,7 +302,7 @@ class Selector:
         self, table_file: Path, map_file: Path, fp: dict, hw: str, *, folder: Path, explicit: bool
     ) -> _Files:
         files = self._files.get(table_file)
-        now = time.monotonic()
+        now = time.monotonic() if self.recheck_s else 0.0
         if files is not None and self.recheck_s and now - files.checked_at < self.recheck_s:
             return files
         signature = (_signature(table_file), _signature(map_file))
@@ -325,13 +350,12 @@ class Selector:
 
     # -- what the backends say -------------------------------------------------------------------
     def _resolutions(
-        self, reg: Registry, workload: Workload, shape_hash: str
+        self, reg: Registry, regkey: int, workload: Workload, shape_hash: str, buckets: tuple[int, int]
     ) -> tuple[list[tuple[str, Resolution, dict, str]], dict[str, Resolution], tuple]:
         """``(name, resolution, default config, geometry key)`` per backend, asked once per bucket
         (as the plugin probes are cached: a backend's answer is taken as the bucket's), the
         resolutions by name, and the key they are cached under."""
-        key = (self._reg_key(reg), shape_hash, workload.shape.name, workload.dtype, workload.device,
-               bucket(workload.batch), bucket(workload.context))  # fmt: skip
+        key = (regkey, shape_hash, workload.shape.name, workload.dtype, workload.device, *buckets)
         hit = self._resolved.get(key)
         if hit is None:
             listed = []
@@ -345,9 +369,9 @@ class Selector:
         return hit
 
     def _from_entry(
-        self, files, reg, rkey, workload, shape_hash, why_not, allow_lossy, by_name
+        self, files, reg, rkey, workload, mkey, batch, context, why_not, allow_lossy, by_name
     ) -> Choice | None:
-        near = files.index.nearest(workload, shape_hash)
+        near = files.index.nearest_at(mkey, batch, context)
         if near is None:
             return None
         row, distance = near
@@ -405,11 +429,11 @@ class Selector:
                 bandwidth = self._bandwidth[fp_id] = load_profile(workload.device).bandwidth
         return ranking.choice(workload, bandwidth=bandwidth)
 
-    def _engine_setting(self, reg: Registry, choice: Choice) -> str | None:
+    def _engine_setting(self, reg: Registry, regkey: int, choice: Choice) -> str | None:
         """The engine settings that run the chosen kernel in its engine (``None``: not an engine's
         kernel). A backend that wraps an engine's kernel declares ``engine_setting(config) -> str``
         (the plugin checks the names against the installed engine); see docs/engines.md."""
-        key = (self._reg_key(reg), choice.backend, tuple(sorted(choice.config.items(), key=str)))
+        key = (regkey, choice.backend, repr(choice.config) if choice.config else "")
         if key in self._engine:
             return self._engine[key]
         setting = None

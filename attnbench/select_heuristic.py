@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from attnbench.backend import Resolution
 from attnbench.choice import Choice, Rejected
-from attnbench.costmodel import StepCost, kv_bytes_per_step, roofline
+from attnbench.costmodel import kv_bytes_per_step
 from attnbench.tuning.space import DEFAULT_BACKENDS
 from attnbench.workload import Workload
 
@@ -33,8 +33,11 @@ class HeuristicRanking:
 
     def choice(self, workload: Workload, *, bandwidth: float) -> Choice:
         nbytes = int(kv_bytes_per_step(self.per_token, tokens=workload.total_tokens + workload.batch))
-        memory_only = StepCost(form="any", kv_bytes=nbytes, io_bytes=0.0, weight_bytes=0.0, flops=0.0)
-        estimate = roofline(memory_only, bandwidth=bandwidth, peak_flops=float("inf")).floor_s * 1e3
+        if not bandwidth > 0:
+            raise ValueError(f"bandwidth = {bandwidth!r} must be > 0 (bytes/s)")
+        # the roofline floor of memory-only traffic (costmodel.roofline with no weights, I/O or FLOPs
+        # gives exactly this): the KV bytes over the bandwidth, without building its records per call
+        estimate = nbytes / bandwidth * 1e3
         reason = (
             f"no tuned entry for {workload.shape.name} {workload.dtype_name} on this device; roofline: a "
             f"step reads {nbytes / 1e6:.4g} MB of KV cache, ≥ {estimate:.4g} ms at {bandwidth / 1e9:.3g} "

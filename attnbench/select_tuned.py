@@ -76,11 +76,26 @@ class TunedIndex:
     def beyond(self, workload: Workload, shape_hash: str) -> str:
         """Why ``workload`` lies outside the tuned region of its model and dtype ('' inside): its
         batch or context bucket outside the tuned buckets (or the map's grid lines)."""
-        region = self.region.get(map_key(workload.shape.name, shape_hash, workload.dtype_name))
+        key = map_key(workload.shape.name, shape_hash, workload.dtype_name)
+        return self.beyond_at(key, workload.shape.name, workload.dtype_name, workload.batch, workload.context)
+
+    def outside(self, key: str, batch: int, context: int) -> bool:
+        """Whether (batch, context) lies outside the tuned region of map key ``key`` (see :meth:`beyond`)."""
+        region = self.region.get(key)
         if region is None:
-            return f"no tuned entry for {workload.shape.name} {workload.dtype_name}"
+            return True
+        (b0, b1), (c0, c1), buckets = region
+        if buckets:
+            batch, context = bucket(batch), bucket(context)
+        return not (b0 <= batch <= b1 and c0 <= context <= c1)
+
+    def beyond_at(self, key: str, model: str, dtype: str, batch: int, context: int) -> str:
+        """:meth:`beyond` for map key ``key`` (of ``model`` and ``dtype``) at (batch, context)."""
+        region = self.region.get(key)
+        if region is None:
+            return f"no tuned entry for {model} {dtype}"
         bs, cs, buckets = region
-        b, c, what = workload.batch, workload.context, ""
+        b, c, what = batch, context, ""
         if buckets:
             b, c, what = bucket(b), bucket(c), " bucket"
         if bs[0] <= b <= bs[1] and cs[0] <= c <= cs[1]:
@@ -96,20 +111,34 @@ class TunedIndex:
     def map_for(self, workload: Workload, shape_hash: str) -> DispatchMap | None:
         return self.maps.get(map_key(workload.shape.name, shape_hash, workload.dtype_name))
 
-    def from_map(
-        self, m: DispatchMap, workload: Workload, *, refused: Mapping[str, str], source_name: str
-    ) -> Choice | None:
-        """The map's choice at the exact (batch, context), or ``None`` (no candidate measured at the
-        four corners of the cell that may run here). ``refused`` maps every candidate label of ``m`` to
-        why it may not be chosen here ('' when it may)."""
-        look = m.lookup(workload.batch, workload.context, allowed=lambda label, _c: not refused[label])
-        if look.label is None or look.candidate is None:
-            return None
-        rejected = [
+    @staticmethod
+    def refusals(m: DispatchMap, refused: Mapping[str, str]) -> tuple[Rejected, ...]:
+        """The candidates of ``m`` that may not be chosen here, with why (``refused``: label → why)."""
+        return tuple(
             Rejected(m.candidates[label].backend, why, m.candidates[label].config)
             for label, why in refused.items()
             if why
-        ]
+        )
+
+    def from_map(
+        self,
+        m: DispatchMap,
+        workload: Workload,
+        batch: int,
+        context: int,
+        *,
+        refused: Mapping[str, str],
+        rejected: tuple[Rejected, ...] | None = None,
+        source_name: str,
+    ) -> Choice | None:
+        """The map's choice at the exact (batch, context) of ``workload``, or ``None`` (no candidate
+        measured at the four corners of the cell that may run here). ``refused`` maps every candidate
+        label of ``m`` to why it may not be chosen here ('' when it may); ``rejected`` is
+        :meth:`refusals` of it (computed when not given)."""
+        look = m.lookup(batch, context, allowed=lambda label, _c: not refused[label])
+        if look.label is None or look.candidate is None:
+            return None
+        out = list(self.refusals(m, refused) if rejected is None else rejected)
         chosen = look.predicted[look.label]
         for label, t in sorted(look.predicted.items(), key=lambda kv: kv[1].median_ms):
             if label != look.label:
@@ -118,14 +147,14 @@ class TunedIndex:
                 why = (
                     f"interpolated {t.median_ms:.4g} ms ({rel:+.1%} vs the chosen {chosen.median_ms:.4g} ms)"
                 )
-                rejected.append(Rejected(c.backend, why, c.config, t.median_ms))
+                out.append(Rejected(c.backend, why, c.config, t.median_ms))
         return Choice(
             backend=look.candidate.backend,
             config=dict(look.candidate.config),
             source="tuned",
             workload=workload,
             reason=f"dispatch map: {look.reason}",
-            rejected=rejected,
+            rejected=out,
             step_ms=chosen.median_ms,
             table=source_name,
             lossy=look.candidate.lossy,
@@ -146,10 +175,15 @@ class TunedIndex:
     # -- the nearest table entry -------------------------------------------------------------------
     def nearest(self, workload: Workload, shape_hash: str) -> tuple[_Row, float] | None:
         """The tuned entry nearest ``workload`` in octaves (batch + context), with that distance."""
-        rows = self.rows.get(map_key(workload.shape.name, shape_hash, workload.dtype_name))
+        key = map_key(workload.shape.name, shape_hash, workload.dtype_name)
+        return self.nearest_at(key, workload.batch, workload.context)
+
+    def nearest_at(self, key: str, batch: int, context: int) -> tuple[_Row, float] | None:
+        """:meth:`nearest` for map key ``key`` at (batch, context)."""
+        rows = self.rows.get(key)
         if not rows:
             return None
-        lb, lc = math.log2(workload.batch), math.log2(workload.context)
+        lb, lc = math.log2(batch), math.log2(context)
         best = min(
             rows,
             key=lambda r: (

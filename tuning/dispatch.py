@@ -223,25 +223,25 @@ class DispatchMap:
         allowed: Callable[[str, MapCandidate], bool] | None,
     ) -> dict[str, Interval]:
         """Every allowed candidate measured at all four ``keys``, interpolated (log-log bilinear)."""
-        weights = ((1 - wb) * (1 - wc), wb * (1 - wc), (1 - wb) * wc, wb * wc)
+        w0, w1, w2, w3 = (1 - wb) * (1 - wc), wb * (1 - wc), (1 - wb) * wc, wb * wc
+        a0, a1, a2, a3 = abs(w0), abs(w1), abs(w2), abs(w3)
         logs = [self._logs(k) for k in keys]
         predicted: dict[str, Interval] = {}
-        if any(x is None for x in logs):
+        if None in logs:
             return predicted
-        for label, cand in self.candidates.items():
+        l0, l1, l2, l3 = logs  # type: ignore[misc]
+        exp = math.exp
+        for label, cand in self.candidates.items():  # unrolled over the four corners: called per select()
             if allowed is not None and not allowed(label, cand):
                 continue
-            ts = [x.get(label) for x in logs]  # type: ignore[union-attr]
-            if None in ts:
+            t0, t1, t2, t3 = l0.get(label), l1.get(label), l2.get(label), l3.get(label)
+            if t0 is None or t1 is None or t2 is None or t3 is None:
                 continue
-            med = down = up = 0.0
-            n = 1 << 30
-            for w, t in zip(weights, ts, strict=True):
-                med += w * t[0]  # type: ignore[index]
-                down += abs(w) * (t[0] - t[1])  # type: ignore[index]
-                up += abs(w) * (t[2] - t[0])  # type: ignore[index]
-                n = min(n, t[3])  # type: ignore[index]
-            predicted[label] = Interval(math.exp(med), math.exp(med - down), math.exp(med + up), n)
+            med = w0 * t0[0] + w1 * t1[0] + w2 * t2[0] + w3 * t3[0]
+            down = a0 * (t0[0] - t0[1]) + a1 * (t1[0] - t1[1]) + a2 * (t2[0] - t2[1]) + a3 * (t3[0] - t3[1])
+            up = a0 * (t0[2] - t0[0]) + a1 * (t1[2] - t1[0]) + a2 * (t2[2] - t2[0]) + a3 * (t3[2] - t3[0])
+            n = min(1 << 30, t0[3], t1[3], t2[3], t3[3])
+            predicted[label] = Interval(exp(med), exp(med - down), exp(med + up), n)
         return predicted
 
     def lookup(
