@@ -61,8 +61,8 @@ _FIELDS = ["shape", "context_lens", "dtype", "device"]
 _PLAIN_WORKLOAD = [f.name for f in fields(Workload)] == _FIELDS and "__slots__" not in vars(Workload)
 
 
-def _signature(path: Path) -> _Signature:
-    if not os.access(path, os.F_OK):  # a missing file costs no exception (checked on every call)
+def _signature(path: Path, *, was: _Signature = None) -> _Signature:
+    if was is None and not os.access(path, os.F_OK):  # still missing: no exception raised per call
         return None
     try:
         st = os.stat(path)
@@ -239,8 +239,7 @@ class Selector:
             first = Workload(shape, (ctx,) * batch, parse_dtype(dtype), dev)
             self._kinds[(dtype, device)] = (first.dtype, first.device, first.dtype_name)
             return first, shape_hash, first.dtype_name, batch, ctx
-        # later: the same dtype and device, accepted above; the lengths are one integer > 0 (checked
-        # here), so Workload's own checks cannot fail and are skipped
+        # later: dtype and device accepted before, lengths one int > 0: Workload's checks cannot fail
         dt, dev, dname = kind
         if not _PLAIN_WORKLOAD:  # Workload grew a field: build it the ordinary way
             return Workload(shape, (ctx,) * batch, dt, dev), shape_hash, dname, batch, ctx
@@ -305,7 +304,8 @@ class Selector:
         now = time.monotonic() if self.recheck_s else 0.0
         if files is not None and self.recheck_s and now - files.checked_at < self.recheck_s:
             return files
-        signature = (_signature(table_file), _signature(map_file))
+        was = files.signature if files else (None, None)  # files seen before are stat-ed directly
+        signature = (_signature(table_file, was=was[0]), _signature(map_file, was=was[1]))
         if files is not None and files.signature == signature:
             files.checked_at = now
             return files
@@ -336,8 +336,8 @@ class Selector:
         path = self._paths.get((folder, hw))  # type: ignore[assignment]
         if path is None:
             path = self._paths[(folder, hw)] = calibration_path(folder, fp)  # type: ignore[assignment]
-        sig = _signature(path)
         hit = self._calibrations.get(path)
+        sig = _signature(path, was=hit[0] if hit else None)
         if hit is None or hit[0] != sig:
             cal, note = None, ""
             if sig is not None:

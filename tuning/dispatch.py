@@ -262,7 +262,8 @@ class DispatchMap:
         j0, j1, wc, xc = self._bracket(self.contexts, self._lc, context)
         b0, b1, c0, c1 = self.batches[i0], self.batches[i1], self.contexts[j0], self.contexts[j1]
         keys = ((b0, c0), (b1, c0), (b0, c1), (b1, c1))
-        corners = tuple(self.points[k] for k in dict.fromkeys(keys) if k in self.points)
+        points = self.points
+        corners = tuple([points[k] for k in dict.fromkeys(keys) if k in points])
         predicted = self._predict(keys, wb, wc, allowed)
         if xb or xc:  # candidates not measured across the whole range: the edge cell's trend instead
             i0, i1, wb = self._edge(self.batches, self._lb, batch) if xb else (i0, i1, wb)
