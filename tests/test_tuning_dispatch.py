@@ -243,3 +243,13 @@ def test_a_crash_in_the_interleaved_run_falls_back_to_isolated_runs():
     assert worker.groups[1:] == [["planted_a"], ["planted_crash"], ["planted_b"]]  # then one at a time
     assert set(got.times) == {"planted_a", "planted_b"} and got.times["planted_a"].samples == 15
     assert "SIGSEGV" in got.failed["planted_crash"] and got.evaluations == 6
+
+
+def test_a_map_with_one_grid_line_on_an_axis_answers_beyond_it_flat():
+    m, _ = _map(batches=[1, 2], contexts=[512])
+    for context in (128, 512, 4096):
+        got = m.lookup(2, context)
+        assert got.label == DEFAULT and set(got.predicted) >= {DEFAULT}
+        assert got.extrapolated == (context != 512)
+    beyond, at = m.lookup(2, 4096), m.lookup(2, 512)
+    assert beyond.predicted[DEFAULT].median_ms == pytest.approx(at.predicted[DEFAULT].median_ms)

@@ -211,7 +211,9 @@ class DispatchMap:
 
     @staticmethod
     def _edge(lines: list[int], logs: list[float], x: float) -> tuple[int, int, float]:
-        """The outermost cell on ``x``'s side, with ``x``'s weight extending it."""
+        """The outermost cell on ``x``'s side, with ``x``'s weight extending it (flat on a single line)."""
+        if len(lines) < 2:  # one grid line on this axis: no trend to extend, the line's own times
+            return 0, 0, 0.0
         i = 0 if x < lines[0] else len(lines) - 2
         return i, i + 1, (math.log(x) - logs[i]) / (logs[i + 1] - logs[i])
 
