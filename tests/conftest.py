@@ -3,7 +3,10 @@ must be set before triton is first imported, so it is set here, before any test 
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +25,27 @@ def one_thread():  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def profile():  # type: ignore[no-untyped-def]
+    """This machine's device profile with a stated read bandwidth of 10 GB/s (tests never measure it)."""
+    from tuning_helpers import stated_profile  # imports attnbench: after TRITON_INTERPRET is set
+
+    return stated_profile(1e10)
+
+
+@pytest.fixture
+def cli_json(capsys: pytest.CaptureFixture[str]) -> Callable[..., Any]:
+    """``cli_json("decode", "--model", ...)`` runs ``attnbench ... --json`` in this process, asserts
+    that it exits 0 and returns the JSON document it printed."""
+    from attnbench.cli import main  # not at import time: TRITON_INTERPRET is set first
+
+    def run(*argv: str) -> Any:
+        assert main([*argv, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    return run
 
 
 @pytest.fixture(autouse=True, scope="session")

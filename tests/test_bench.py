@@ -12,7 +12,7 @@ from attnbench import device as device_mod
 from attnbench.backends.naive import NaiveBackend
 from attnbench.bench import CheckFailed, DecodeMeasurement, check_workload, measure_decode
 from attnbench.cli import main
-from attnbench.device import DeviceProfile, fingerprint
+from attnbench.device import DeviceProfile
 from attnbench.workload import Workload
 
 SMALL_BUFFER = 4 * 2**20
@@ -30,10 +30,6 @@ def small_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
     monkeypatch.setattr(device_mod, "measure_bandwidth", small)
     return tmp_path
-
-
-def _profile(bandwidth: float = 1e10) -> DeviceProfile:
-    return DeviceProfile(fingerprint("cpu"), bandwidth, bandwidth, 1, "now")
 
 
 class NoisyNaive(NaiveBackend):
@@ -59,9 +55,9 @@ def small_llc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATTNBENCH_LLC_BYTES", str(2**20))
 
 
-def test_measure_decode_fields_and_bytes() -> None:
+def test_measure_decode_fields_and_bytes(profile: DeviceProfile) -> None:
     workload = Workload.uniform("tiny-gqa", batch=2, context=96, dtype="fp32")
-    m = measure_decode(NaiveBackend(), workload, profile=_profile(), warmup=1, repeats=4)
+    m = measure_decode(NaiveBackend(), workload, profile=profile, warmup=1, repeats=4)
     assert isinstance(m, DecodeMeasurement)
     assert m.timed and m.step is not None and m.step.repeats == 4
     assert m.check is not None and m.check.passed and m.check.workload == workload.describe()
@@ -178,21 +174,35 @@ def test_bench_save_writes_table_and_json(small_profile: Path, capsys: pytest.Ca
     assert "load average" in text and "naive" in text
 
 
+BENCH = ["bench", "--model", "tiny-gqa", "--context", "32"]
+DECODE = ["decode", "--model", "tiny-gqa", "--prompt-len", "8", "--new-tokens", "3"]
+
+
+def _bad(base: list[str], args: list[str], message: str) -> object:
+    return pytest.param([*base, *args], message, id=" ".join([base[0], *args]))
+
+
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("argv", "message"),
     [
-        (["--backends", "flsh"], "unknown backend 'flsh'; registered: naive"),
-        (["--batch", "0"], "--batch '0' must be > 0"),
-        (["--context", "8q"], "--context '8q' is not a token count"),
-        (["--dtype", "fp64"], "accepted: bf16"),
-        (["--repeats", "0"], "--repeats = 0 must be ≥ 1"),
-        (["--model", "llama-9"], "presets: llama-3.1-8b"),
+        _bad(BENCH, ["--backends", "flsh"], "unknown backend 'flsh'; registered: naive"),
+        _bad(BENCH, ["--batch", "0"], "--batch '0' must be > 0"),
+        _bad(BENCH, ["--context", "8q"], "--context '8q' is not a token count"),
+        _bad(BENCH, ["--dtype", "fp64"], "accepted: bf16"),
+        _bad(BENCH, ["--repeats", "0"], "--repeats = 0 must be ≥ 1"),
+        _bad(BENCH, ["--model", "llama-9"], "presets: llama-3.1-8b"),
+        _bad(DECODE, ["--new-tokens", "1"], "--new-tokens '1' must be ≥ 2"),
+        _bad(DECODE, ["--prompt-len", "x"], "--prompt-len 'x' is not a token count"),
+        _bad(DECODE, ["--backend", "nope"], "unknown backend 'nope'"),
+        _bad(
+            DECODE, ["--dtype", "fp8"], "field 'dtype' = 'fp8': compute dtype must be one of bf16, fp16, fp32"
+        ),
+        _bad(DECODE, ["--backend", "mla"], "backend 'mla' cannot run"),
     ],
 )
-def test_bench_bad_input(
-    args: list[str], message: str, small_profile: Path, capsys: pytest.CaptureFixture[str]
+def test_bench_and_decode_bad_input(
+    argv: list[str], message: str, small_profile: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["bench", "--model", "tiny-gqa", "--context", "32", *args]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 
@@ -212,24 +222,6 @@ def test_decode_command_table(small_profile: Path, capsys: pytest.CaptureFixture
     assert main([*argv, "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
     assert "TTFT" in out and "ITL p50" in out and "TTFT + 3·ITL mean" in out and "torch.sdpa[flash]" in out
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--new-tokens", "1"], "--new-tokens '1' must be ≥ 2"),
-        (["--prompt-len", "x"], "--prompt-len 'x' is not a token count"),
-        (["--backend", "nope"], "unknown backend 'nope'"),
-        (["--dtype", "fp8"], "field 'dtype' = 'fp8': compute dtype must be one of bf16, fp16, fp32"),
-        (["--backend", "mla"], "backend 'mla' cannot run"),
-    ],
-)
-def test_decode_bad_input(
-    args: list[str], message: str, small_profile: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["decode", "--model", "tiny-gqa", "--prompt-len", "8", "--new-tokens", "3", *args]
-    assert main(argv) == 2
-    assert message in capsys.readouterr().err
 
 
 def test_bench_remeasure_measures_again(small_profile: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:

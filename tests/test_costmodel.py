@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 import random
-from datetime import datetime, timezone
 
 import pytest
+from tuning_helpers import planted_entry, planted_result, save_table, stated_profile
 
 import attnbench
 from attnbench.calibrated import beyond_tuned
@@ -31,21 +31,11 @@ from attnbench.costmodel import (
     shape_kv_bytes_per_token,
     step_fixed_s,
 )
-from attnbench.device import DeviceProfile, fingerprint
+from attnbench.device import fingerprint
 from attnbench.estimate import estimate, load_gpu
 from attnbench.registry import load_registry
 from attnbench.shapes import load_shape
-from attnbench.tuning import (
-    Candidate,
-    KeyResult,
-    ResultsTable,
-    TrialRecord,
-    TuneOptions,
-    backend_refs,
-    plan_studies,
-    summarize,
-    table_path,
-)
+from attnbench.tuning import ResultsTable, summarize
 from attnbench.workload import Workload
 
 # -- bytes and FLOPs by hand --------------------------------------------------------------------------
@@ -218,31 +208,14 @@ def test_gpu_path_predicts_the_attention_part_from_the_selected_backends_fit(tmp
     assert "calibrated flash" in capsys.readouterr().out
 
 
-def _profile() -> DeviceProfile:
-    return DeviceProfile(fingerprint("cpu"), 2e10, 2e10, 1, datetime.now(timezone.utc).isoformat())
-
-
-def _entry(workload: Workload, *, flash: float, naive: float, profile: DeviceProfile) -> tuple[str, dict]:
-    (plan,) = plan_studies(
-        [workload], backend_refs(only=["naive", "flash"]), profile=profile, options=TuneOptions()
-    )
-    recs = [
-        TrialRecord(
-            n, Candidate(name, plan.space.backends[name].cls.default_config()), True, value, "", "", {}
-        )
-        for n, (name, value) in enumerate((("flash", flash), ("naive", naive)))
-    ]
-    return plan.key.row, summarize(KeyResult(plan, recs), profile=profile)
-
-
 def test_select_uses_the_calibration_only_outside_the_tuned_region(tmp_path) -> None:
     _calibration(tmp_path, slow="naive")  # the calibration prefers flash
-    p = _profile()
+    p = stated_profile()
     rows = [
-        _entry(Workload.uniform("tiny-gqa", batch=b, context=c), flash=9e-3, naive=4e-3, profile=p)
+        planted_entry(Workload.uniform("tiny-gqa", batch=b, context=c), flash=9e-3, naive=4e-3, profile=p)
         for b, c in ((1, 256), (4, 2048))
     ]  # the measured map prefers naive
-    ResultsTable(table_path(tmp_path, p.fingerprint), {}).save(dict(rows), profile=p)
+    path = save_table(tmp_path, dict(rows), profile=p)
     inside = attnbench.select(model="tiny-gqa", batch=2, context=1000, results_dir=tmp_path)
     assert inside.source == "tuned" and inside.backend == "naive"  # the measured map wins inside
     outside = attnbench.select(model="tiny-gqa", batch=64, context=32768, results_dir=tmp_path)
@@ -250,14 +223,14 @@ def test_select_uses_the_calibration_only_outside_the_tuned_region(tmp_path) -> 
     text = outside.explain()
     assert "outside the tuned region" in text and "batch bucket 64 outside the tuned 1..4" in text
     assert "calibrated model:" in text and "naive: calibrated model predicts" in text
-    table = ResultsTable.load(table_path(tmp_path, p.fingerprint))
+    table = ResultsTable.load(path)
     assert beyond_tuned(table, Workload.uniform("tiny-gqa", batch=2, context=1000)) == ""
     assert "no tuned entry" in beyond_tuned(table, Workload.uniform("tiny-mla", batch=2, context=1000))
 
 
 def test_calibrate_fits_from_a_bench_json(tmp_path, capsys) -> None:
     # a bench --save JSON of this device (planted numbers; the row fields bench writes)
-    prof = _profile()
+    prof = stated_profile()
     rows = []
     for b, c in FIT_GRID:
         w = Workload.uniform("tiny-gqa", batch=b, context=c)
@@ -312,17 +285,14 @@ def test_bench_prints_measured_vs_model_per_row(tmp_path, monkeypatch, capsys) -
 def test_points_from_a_tuned_table_recover_bytes_and_layers(tmp_path) -> None:
     from attnbench.calibration import points_from_table
 
-    p = _profile()
+    p = stated_profile()
     rows = {}
     for b, c in FIT_GRID:
         w = Workload.uniform("tiny-gqa", batch=b, context=c)
-        (plan,) = plan_studies([w], backend_refs(only=["naive"]), profile=p, options=TuneOptions())
         step = w.kv_bytes_per_step() / 2e9  # planted: the step streams at exactly 2 GB/s
-        cand = Candidate("naive", plan.space.backends["naive"].cls.default_config())
-        rec = TrialRecord(0, cand, True, step, "", "", {"gbps": 2.0})
-        rows[plan.key.row] = summarize(KeyResult(plan, [rec]), profile=p)
-    path = table_path(tmp_path, p.fingerprint)
-    ResultsTable(path, {}).save(rows, profile=p)
+        result = planted_result(w, {"naive": step}, profile=p, gbps=2.0)
+        rows[result.key.row] = summarize(result, profile=p)
+    path = save_table(tmp_path, rows, profile=p)
     pts = points_from_table(path, load_registry())
     assert len(pts) == 6 and {pt.layers for pt in pts} == {load_shape("tiny-gqa").num_layers}
     fit = fit_points(pts)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -240,27 +239,9 @@ def test_cli_must_show_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert "69.503 GB" in out and "1.342 GB" in out
 
 
-def test_cli_json_matches_library(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [
-        "estimate",
-        "-m",
-        "llama-3.1-8b",
-        "--gpu",
-        "h200",
-        "-b",
-        "8",
-        "-c",
-        "8k",
-        "--prompt-len",
-        "2k",
-        "-n",
-        "64",
-        "--kv-dtype",
-        "fp8",
-        "--json",
-    ]
-    assert main(argv) == 0
-    data = json.loads(capsys.readouterr().out)
+def test_cli_json_matches_library(cli_json) -> None:  # type: ignore[no-untyped-def]
+    argv = "estimate -m llama-3.1-8b --gpu h200 -b 8 -c 8k --prompt-len 2k -n 64 --kv-dtype fp8"
+    data = cli_json(*argv.split())
     est = estimate(
         "llama-3.1-8b", gpu="h200", batch=8, context=8192, prompt_len=2048, new_tokens=64, kv_dtype="fp8"
     )

@@ -5,44 +5,21 @@ from __future__ import annotations
 
 import os
 import stat
-from datetime import datetime, timezone
 
 import optuna
 import pytest
 import yaml
+from tuning_helpers import planted_entry, save_table, stated_profile
 
-from attnbench.device import DeviceProfile, fingerprint
-from attnbench.tuning import (
-    JOURNAL_NAME,
-    Candidate,
-    KeyResult,
-    ResultsTable,
-    StorageError,
-    TableError,
-    TrialRecord,
-    TuneOptions,
-    backend_refs,
-    open_storage,
-    plan_studies,
-    summarize,
-    table_path,
-)
+from attnbench.device import DeviceProfile
+from attnbench.tuning import JOURNAL_NAME, ResultsTable, StorageError, TableError, open_storage
 from attnbench.workload import Workload
 
 W = Workload.uniform("tiny-gqa", batch=1, context=512, dtype="fp32")
 
 
-def _profile() -> DeviceProfile:
-    return DeviceProfile(fingerprint("cpu"), 2e10, 2e10, 1, datetime.now(timezone.utc).isoformat())
-
-
 def _entry(profile: DeviceProfile) -> tuple[str, dict]:
-    (plan,) = plan_studies([W], backend_refs(only=["naive", "flash"]), profile=profile, options=TuneOptions())
-    recs = [
-        TrialRecord(0, Candidate("naive", {}), True, 1e-3, "", "", {"gbps": 1.0}),
-        TrialRecord(1, plan.space.default_candidate(), True, 2e-3, "", "", {}),
-    ]
-    return plan.key.row, summarize(KeyResult(plan, recs), profile=profile)
+    return planted_entry(W, flash=2e-3, naive=1e-3, profile=profile)
 
 
 def _finished_trials(tmp_path, n: int) -> None:
@@ -80,10 +57,8 @@ def test_a_torn_journal_line_is_set_aside_and_every_finished_trial_kept(tmp_path
 
 # -- the table -----------------------------------------------------------------------------------
 def _written_table(tmp_path) -> tuple:
-    profile = _profile()
-    path = table_path(tmp_path, profile.fingerprint)
-    ResultsTable(path, {}).save(dict([_entry(profile)]), profile=profile)
-    return profile, path
+    profile = stated_profile()
+    return profile, save_table(tmp_path, dict([_entry(profile)]), profile=profile)
 
 
 def test_a_truncated_table_is_refused_at_every_cut_and_moved_aside_by_the_next_save(tmp_path):

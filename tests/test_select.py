@@ -3,62 +3,32 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
 
 import pytest
+from tuning_helpers import planted_entry, save_table, stated_profile
 
 import attnbench
 from attnbench.cli import main
-from attnbench.device import DeviceProfile, fingerprint
-from attnbench.tuning import (
-    Candidate,
-    DeviceMismatchError,
-    KeyResult,
-    ResultsTable,
-    TrialRecord,
-    TuneOptions,
-    backend_refs,
-    plan_studies,
-    summarize,
-    table_path,
-)
+from attnbench.device import DeviceProfile
+from attnbench.tuning import DeviceMismatchError, ResultsTable
 from attnbench.workload import Workload
 
 
-def _profile(**changes) -> DeviceProfile:
-    return DeviceProfile(fingerprint("cpu") | changes, 2e10, 2e10, 1, datetime.now(timezone.utc).isoformat())
-
-
-def _entry(
-    workload: Workload, *, flash: float | None, naive: float | None, profile: DeviceProfile
-) -> tuple[str, dict]:
-    (plan,) = plan_studies(
-        [workload], backend_refs(only=["naive", "flash"]), profile=profile, options=TuneOptions()
-    )
-    recs = []
-    for n, (name, value) in enumerate((("flash", flash), ("naive", naive))):
-        cfg = plan.space.backends[name].cls.default_config()
-        kind = "" if value is not None else "gate"
-        recs.append(
-            TrialRecord(n, Candidate(name, cfg), value is not None, value, kind, "planted gate failure", {})
-        )
-    return plan.key.row, summarize(KeyResult(plan, recs), profile=profile)
-
-
 def _table(tmp_path, rows: list[tuple[str, dict]], profile: DeviceProfile | None = None):
-    profile = profile or _profile()
-    path = table_path(tmp_path, profile.fingerprint)
-    ResultsTable(path, {}).save(dict(rows), profile=profile)
-    return path
+    return save_table(tmp_path, dict(rows), profile=profile or stated_profile())
 
 
 def test_select_uses_the_nearest_tuned_bucket(tmp_path):
-    p = _profile()
+    p = stated_profile()
     _table(
         tmp_path,
         [
-            _entry(Workload.uniform("tiny-gqa", batch=1, context=1024), flash=1e-3, naive=3e-3, profile=p),
-            _entry(Workload.uniform("tiny-gqa", batch=8, context=8192), flash=9e-3, naive=4e-3, profile=p),
+            planted_entry(
+                Workload.uniform("tiny-gqa", batch=1, context=1024), flash=1e-3, naive=3e-3, profile=p
+            ),
+            planted_entry(
+                Workload.uniform("tiny-gqa", batch=8, context=8192), flash=9e-3, naive=4e-3, profile=p
+            ),
         ],
     )
     choice = attnbench.select(model="tiny-gqa", batch=6, context=7000, dtype="bf16", results_dir=tmp_path)
@@ -74,10 +44,10 @@ def test_select_uses_the_nearest_tuned_bucket(tmp_path):
 
 
 def test_a_gate_failed_candidate_is_never_chosen(tmp_path):
-    p = _profile()
+    p = stated_profile()
     _table(
         tmp_path,
-        [_entry(Workload.uniform("tiny-gqa", batch=1, context=64), flash=None, naive=5e-3, profile=p)],
+        [planted_entry(Workload.uniform("tiny-gqa", batch=1, context=64), flash=None, naive=5e-3, profile=p)],
     )
     tuned = attnbench.select(model="tiny-gqa", batch=1, context=64, results_dir=tmp_path)
     assert tuned.backend == "naive"
@@ -99,10 +69,14 @@ def test_the_heuristic_answers_when_nothing_is_tuned(tmp_path):
 
 
 def test_another_devices_table_is_refused(tmp_path):
-    other = _profile(name="Another Machine")
+    other = stated_profile(name="Another Machine")
     path = _table(
         tmp_path,
-        [_entry(Workload.uniform("tiny-gqa", batch=1, context=64), flash=1e-3, naive=2e-3, profile=other)],
+        [
+            planted_entry(
+                Workload.uniform("tiny-gqa", batch=1, context=64), flash=1e-3, naive=2e-3, profile=other
+            )
+        ],
         other,
     )
     with pytest.raises(DeviceMismatchError, match="Refusing"):
@@ -186,9 +160,9 @@ def test_later_calls_read_no_file_rebuild_nothing_and_allocate_no_cache(tmp_path
     from attnbench.select import Selector
 
     sel = importlib.import_module("attnbench.select")  # the module (attnbench.select is the function)
-    p = _profile()
+    p = stated_profile()
     w = Workload.uniform("tiny-gqa", batch=1, context=1024)
-    _table(tmp_path, [_entry(w, flash=1e-3, naive=3e-3, profile=p)])
+    _table(tmp_path, [planted_entry(w, flash=1e-3, naive=3e-3, profile=p)])
     selector = Selector()
     first = selector.select(model="tiny-gqa", batch=1, context=1000, dtype="bf16", results_dir=tmp_path)
     assert first.source == "tuned" and first.backend == "flash"
@@ -222,12 +196,12 @@ def test_later_calls_read_no_file_rebuild_nothing_and_allocate_no_cache(tmp_path
 def test_a_table_rewritten_by_tune_is_picked_up(tmp_path):
     from attnbench.select import Selector
 
-    p = _profile()
+    p = stated_profile()
     w = Workload.uniform("tiny-gqa", batch=1, context=64)
     selector = Selector()
-    _table(tmp_path, [_entry(w, flash=1e-3, naive=3e-3, profile=p)])
+    _table(tmp_path, [planted_entry(w, flash=1e-3, naive=3e-3, profile=p)])
     assert selector.select(model="tiny-gqa", batch=1, context=64, results_dir=tmp_path).backend == "flash"
-    _table(tmp_path, [_entry(w, flash=9e-3, naive=3e-3, profile=p)])  # written atomically: a new file
+    _table(tmp_path, [planted_entry(w, flash=9e-3, naive=3e-3, profile=p)])  # written atomically: a new file
     assert selector.select(model="tiny-gqa", batch=1, context=64, results_dir=tmp_path).backend == "naive"
     for f in tmp_path.glob("tuning-*.yaml"):
         f.unlink()
@@ -307,10 +281,10 @@ def test_the_results_variable_and_a_missing_folder_from_python(tmp_path, monkeyp
     assert results_location().origin == "env"
     with pytest.raises(ResultsLocationError, match=r"\$ATTNBENCH_RESULTS_DIR .* does not exist"):
         attnbench.select(model="tiny-gqa", batch=1, context=64)
-    p = _profile()
+    p = stated_profile()
     _table(
         tmp_path,
-        [_entry(Workload.uniform("tiny-gqa", batch=1, context=64), flash=1e-3, naive=3e-3, profile=p)],
+        [planted_entry(Workload.uniform("tiny-gqa", batch=1, context=64), flash=1e-3, naive=3e-3, profile=p)],
     )
     monkeypatch.setenv("ATTNBENCH_RESULTS_DIR", str(tmp_path))
     assert attnbench.select(model="tiny-gqa", batch=1, context=64, device="cpu").source == "tuned"

@@ -14,16 +14,13 @@ import pathlib
 import signal
 import threading
 import time
-from datetime import datetime, timezone
 
 import optuna
 import pytest
 import torch
+from tuning_helpers import RefuseBackend, planted_registry
 
 from attnbench.backends.naive import NaiveBackend
-from attnbench.device import DeviceProfile, fingerprint
-from attnbench.hookspecs import hookimpl
-from attnbench.registry import Registry, Source, load_registry
 from attnbench.tuning import JOURNAL_NAME, ResultsTable, TuneOptions, open_storage, tune
 from attnbench.workload import Workload
 
@@ -38,12 +35,13 @@ class FastBackend(NaiveBackend):
 
 
 class SlowBackend(NaiveBackend):
-    """Correct, and 50 ms slower per layer call."""
+    """Correct, and ``sleep_s`` (50 ms) slower per layer call."""
 
     name = "planted_slow"
+    sleep_s = 0.05
 
     def decode(self, cache, plan, *, layer, q, k, v):
-        time.sleep(0.05)
+        time.sleep(self.sleep_s)
         return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
 
 
@@ -66,8 +64,7 @@ class HangBackend(NaiveBackend):
     name = "planted_hang"
 
     def decode(self, cache, plan, *, layer, q, k, v):
-        time.sleep(3600)
-        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+        threading.Event().wait()  # never set: it hangs until its worker is killed
 
 
 class NaNBackend(NaiveBackend):
@@ -102,52 +99,21 @@ class OOMBackend(NaiveBackend):
         return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
 
 
-class RefuseBackend(NaiveBackend):
-    name = "planted_refuse"
-
-    def supports(self, workload):
-        return ["planted: refuses every workload"]
-
-
-class PacedBackend(NaiveBackend):
+class PacedBackend(SlowBackend):
     """Correct, 0.3 s per layer call: slow enough to be interrupted in the middle."""
 
     name = "planted_paced"
+    sleep_s = 0.3
 
     def decode(self, cache, plan, *, layer, q, k, v):
         marker = os.environ.get("ATTNBENCH_TEST_PACED_MARKER")
         if marker:  # tell the test that this candidate is running (in its worker process)
             pathlib.Path(marker).touch()
-        time.sleep(0.3)
         return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
 
 
 class FastTwoBackend(NaiveBackend):
     name = "planted_fast_two"
-
-
-class _Planted:
-    def __init__(self, classes):
-        self.classes = classes
-
-    @hookimpl
-    def attnbench_backends(self):
-        return list(self.classes)
-
-
-def planted_registry(*classes) -> Registry:
-    """A registry holding only ``classes``, registered through the plugin hook like any backend."""
-    reg = load_registry(builtins=False, env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    plugin = _Planted(classes)
-    reg.manager.register(plugin, name="planted")
-    reg._add_from(plugin, Source("plugin", "planted", "tests"))
-    return reg
-
-
-@pytest.fixture
-def profile() -> DeviceProfile:
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    return DeviceProfile(fingerprint("cpu"), 1e10, 1e10, 1, now)  # bandwidth stated, not measured: tests
 
 
 def _candidates(entry):

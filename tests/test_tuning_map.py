@@ -8,14 +8,11 @@ import path (``test_tuning_map:Steady``). One layer per step and tiny shapes kee
 from __future__ import annotations
 
 import random
-from datetime import datetime, timezone
+from typing import NamedTuple
 
-import pytest
+from tuning_helpers import planted_registry
 
 from attnbench.backends.naive import NaiveBackend
-from attnbench.device import DeviceProfile, fingerprint
-from attnbench.hookspecs import hookimpl
-from attnbench.registry import Registry, Source, load_registry
 from attnbench.select import select
 from attnbench.tuning import ResultsTable, TuneOptions, tune
 from attnbench.tuning.dispatch import load_maps, map_key
@@ -32,79 +29,60 @@ def virtual_clock() -> float:
     return _ELAPSED[0]
 
 
-class Steady(NaiveBackend):
+class Cost(NamedTuple):
+    """A planted backend's cost per layer call: ``fixed_s + per_seq_s · batch`` (±2 %), and three times
+    that in a share ``spike_p`` of the calls."""
+
+    fixed_s: float = 0.0
+    per_seq_s: float = 0.0
+    spike_p: float = 0.0
+
+
+class _Costed(NaiveBackend):
+    """Exact; each layer call advances the virtual clock by its planted ``cost``."""
+
+    cost = Cost()
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        fixed_s, per_seq_s, spike_p = self.cost
+        slow = 3.0 if spike_p and random.random() < spike_p else 1.0
+        _ELAPSED[0] += (fixed_s + per_seq_s * q.shape[0]) * slow * random.uniform(0.98, 1.02)
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+class Steady(_Costed):
     """2 ms per sequence in the batch: fastest at small batches."""
 
     name = "planted_steady"
-
-    def decode(self, cache, plan, *, layer, q, k, v):
-        _ELAPSED[0] += 0.002 * q.shape[0] * random.uniform(0.98, 1.02)
-        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+    cost = Cost(per_seq_s=0.002)
 
 
-class Overtaker(NaiveBackend):
+class Overtaker(_Costed):
     """6 ms fixed + 0.5 ms per sequence: slower at batch 1, faster from batch 5 (they cross at 4)."""
 
     name = "planted_overtaker"
-
-    def decode(self, cache, plan, *, layer, q, k, v):
-        _ELAPSED[0] += (0.006 + 0.0005 * q.shape[0]) * random.uniform(0.98, 1.02)
-        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+    cost = Cost(fixed_s=0.006, per_seq_s=0.0005)
 
 
-class Laggard(NaiveBackend):
+class Laggard(_Costed):
     """Always the slowest (the third finalist)."""
 
     name = "planted_laggard"
-
-    def decode(self, cache, plan, *, layer, q, k, v):
-        _ELAPSED[0] += (0.012 + 0.004 * q.shape[0]) * random.uniform(0.98, 1.02)
-        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+    cost = Cost(fixed_s=0.012, per_seq_s=0.004)
 
 
-class Noisy(NaiveBackend):
+class Noisy(_Costed):
     """The steady one's speed, but one step in three is 3× slower (a load spike it alone suffers)."""
 
     name = "planted_noisy"
-
-    def decode(self, cache, plan, *, layer, q, k, v):
-        slow = 3.0 if random.random() < 0.3 else 1.0
-        _ELAPSED[0] += 0.002 * q.shape[0] * 0.99 * slow * random.uniform(0.98, 1.02)
-        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+    cost = Cost(per_seq_s=0.002 * 0.99, spike_p=0.3)
 
 
-class NoisyFast(NaiveBackend):
+class NoisyFast(_Costed):
     """30 % faster than the steady one, with the same 3× spikes (one step in five)."""
 
     name = "planted_noisy_fast"
-
-    def decode(self, cache, plan, *, layer, q, k, v):
-        slow = 3.0 if random.random() < 0.2 else 1.0
-        _ELAPSED[0] += 0.002 * q.shape[0] * 0.7 * slow * random.uniform(0.98, 1.02)
-        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
-
-
-class _Planted:
-    def __init__(self, classes):
-        self.classes = classes
-
-    @hookimpl
-    def attnbench_backends(self):
-        return list(self.classes)
-
-
-def _registry(*classes) -> Registry:
-    reg = load_registry(builtins=False, env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    plugin = _Planted(classes)
-    reg.manager.register(plugin, name="planted")
-    reg._add_from(plugin, Source("plugin", "planted", "tests"))
-    return reg
-
-
-@pytest.fixture
-def profile() -> DeviceProfile:
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    return DeviceProfile(fingerprint("cpu"), 1e10, 1e10, 1, now)  # bandwidth stated, not measured: tests
+    cost = Cost(per_seq_s=0.002 * 0.7, spike_p=0.2)
 
 
 def _workloads(batches, context=64):
@@ -112,7 +90,7 @@ def _workloads(batches, context=64):
 
 
 def test_the_refined_map_locates_a_crossover_between_two_tuned_batches(tmp_path, profile):
-    reg = _registry(Steady, Overtaker, Laggard)
+    reg = planted_registry(Steady, Overtaker, Laggard)
     report = tune(
         _workloads([1, 8]), registry=reg, results_dir=tmp_path, options=OPTIONS, profile=profile, samples=7
     )
@@ -144,7 +122,7 @@ def test_the_refined_map_locates_a_crossover_between_two_tuned_batches(tmp_path,
 
 
 def test_a_narrower_run_keeps_the_full_entrys_winner(tmp_path, profile):
-    reg = _registry(Laggard, Steady, Overtaker)  # the laggard is the default (first registered)
+    reg = planted_registry(Laggard, Steady, Overtaker)  # the laggard is the default (first registered)
     (w,) = _workloads([8])
     full = tune([w], registry=reg, results_dir=tmp_path, options=OPTIONS, profile=profile, samples=7)
     (entry,) = full.entries.values()
@@ -177,23 +155,21 @@ def entry_row(w: Workload) -> str:
 
 def test_a_noisy_backend_never_wins_by_noise_and_a_genuinely_faster_noisy_one_does(tmp_path, profile):
     (w,) = _workloads([2])
-    tie = tune(
-        [w], registry=_registry(Steady, Noisy), results_dir=tmp_path / "a", options=OPTIONS, profile=profile
-    )
-    (entry,) = tie.entries.values()
+
+    def tuned_entry(*classes, folder):  # type: ignore[no-untyped-def]
+        report = tune(
+            [w], registry=planted_registry(*classes), results_dir=folder, options=OPTIONS, profile=profile
+        )
+        (entry,) = report.entries.values()
+        return entry
+
+    entry = tuned_entry(Steady, Noisy, folder=tmp_path / "a")
     assert entry["winner"]["backend"] == "planted_steady"  # the default, kept
     assert entry["retimed"]["samples"] >= 15  # at least 15 interleaved samples each
     assert all("interval" in c for c in entry["candidates"])
     if entry["tie"]:
         assert "tie: kept the default" in entry["decision"]
-    win = tune(
-        [w],
-        registry=_registry(Steady, NoisyFast),
-        results_dir=tmp_path / "b",
-        options=OPTIONS,
-        profile=profile,
-    )
-    (entry,) = win.entries.values()
+    entry = tuned_entry(Steady, NoisyFast, folder=tmp_path / "b")
     assert entry["winner"]["backend"] == "planted_noisy_fast" and not entry["tie"]
     iv = entry["winner"]["interval"]
     assert iv["lo_ms"] <= iv["median_ms"] <= iv["hi_ms"]

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-
 import optuna
 import pytest
+from tuning_helpers import RefuseBackend, stated_profile
 
 from attnbench.backend import Tunable
 from attnbench.backends.naive import NaiveBackend
-from attnbench.device import DeviceProfile, fingerprint
 from attnbench.tuning import (
     Outcome,
     TuneOptions,
@@ -26,6 +24,7 @@ from attnbench.tuning.worker import WorkerTask, workload_to_dict
 from attnbench.workload import Workload
 
 W = Workload.uniform("tiny-gqa", batch=3, context=1000, dtype="fp32")
+PROFILE = stated_profile(1e10)
 
 
 class KnobBackend(NaiveBackend):
@@ -44,22 +43,11 @@ class PairBackend(NaiveBackend):
     tunables = (Tunable("block", (16, 32), 32), Tunable("shape", ((1, 2), (2, 1)), (1, 2)))
 
 
-class RefusingBackend(NaiveBackend):
-    name = "refusing"
-
-    def supports(self, workload):
-        return ["head_dim 16 not in (64, 128)"]
-
-
 class InterpretedBackend(NaiveBackend):
     name = "interp"
 
     def interpreted(self, workload):
         return True
-
-
-def _profile() -> DeviceProfile:
-    return DeviceProfile(fingerprint("cpu"), 1e10, 1e10, 1, datetime.now(timezone.utc).isoformat())
 
 
 def _refs(*classes):
@@ -81,10 +69,10 @@ def test_key_buckets_batch_and_context_and_round_trips():
 
 
 def test_space_leaves_out_refusing_and_interpreted_backends_with_reasons():
-    space = build_space(W, _refs(RefusingBackend, InterpretedBackend, PairBackend, NaiveBackend))
+    space = build_space(W, _refs(RefuseBackend, InterpretedBackend, PairBackend, NaiveBackend))
     assert list(space.backends) == ["pair", "naive"]
     reasons = {e.backend: e.reasons for e in space.excluded}
-    assert reasons["refusing"] == ("head_dim 16 not in (64, 128)",)
+    assert reasons["planted_refuse"] == ("planted: refuses every workload",)
     assert "interpreter" in reasons["interp"][0]
     assert space.default_backend == "naive"  # the default order: flash, then naive
 
@@ -119,11 +107,11 @@ class _FakeWorker:
 def test_large_space_uses_seeded_tpe_after_the_enqueued_defaults(tmp_path):
     refs = _refs(KnobBackend, NaiveBackend)
     options = TuneOptions(trials=30, seed=3)
-    (plan,) = plan_studies([W], refs, profile=_profile(), options=options)
+    (plan,) = plan_studies([W], refs, profile=PROFILE, options=options)
     assert not plan.exhaustive and plan.target == 30 and plan.space.size() == 126
     storage = open_storage(None, results_dir=tmp_path)
     worker = _FakeWorker()
-    result = run_study(plan, storage=storage, worker=worker, profile=_profile(), options=options)
+    result = run_study(plan, storage=storage, worker=worker, profile=PROFILE, options=options)
     assert result.complete and result.ran == 30 and len(result.records) == 30
     assert worker.calls[0] == {} and worker.calls[1] == {
         "a": 5,
@@ -133,20 +121,20 @@ def test_large_space_uses_seeded_tpe_after_the_enqueued_defaults(tmp_path):
     assert len({tuple(sorted(c.items())) for c in worker.calls}) == 30  # no candidate measured twice
     best = min(r.value for r in result.records if r.value is not None)
     assert best < 4.0  # TPE found its way towards (1, 2, 'z') from a default worth 1 + 16 + 9 + 1
-    again = run_study(plan, storage=storage, worker=_FakeWorker(), profile=_profile(), options=options)
+    again = run_study(plan, storage=storage, worker=_FakeWorker(), profile=PROFILE, options=options)
     assert again.ran == 0  # resumed: already 30 distinct candidates
 
 
 def test_exhaustive_grid_when_trials_cover_the_space(tmp_path):
     refs = _refs(PairBackend, NaiveBackend)
-    (plan,) = plan_studies([W], refs, profile=_profile(), options=TuneOptions())
+    (plan,) = plan_studies([W], refs, profile=PROFILE, options=TuneOptions())
     assert plan.exhaustive and plan.target == 5
     worker = _FakeWorker()
     result = run_study(
         plan,
         storage=open_storage(None, results_dir=tmp_path),
         worker=worker,
-        profile=_profile(),
+        profile=PROFILE,
         options=TuneOptions(),
     )
     assert result.ran == 5 and len(worker.calls) == 5
@@ -156,7 +144,7 @@ def test_workloads_in_one_bucket_share_one_study():
     plans = plan_studies(
         [W, Workload.uniform("tiny-gqa", batch=4, context=1100, dtype="fp32")],
         _refs(NaiveBackend),
-        profile=_profile(),
+        profile=PROFILE,
         options=TuneOptions(),
     )
     assert len(plans) == 1
@@ -207,24 +195,22 @@ class _FlakyWorker(_FakeWorker):
 
 
 def test_failed_trials_are_final_unless_retried(tmp_path):
-    (plan,) = plan_studies([W], _refs(PairBackend, NaiveBackend), profile=_profile(), options=TuneOptions())
+    (plan,) = plan_studies([W], _refs(PairBackend, NaiveBackend), profile=PROFILE, options=TuneOptions())
     storage = open_storage(None, results_dir=tmp_path)
-    first = run_study(
-        plan, storage=storage, worker=_FlakyWorker(flaky=True), profile=_profile(), options=TuneOptions()
-    )
+
+    def study(*, flaky: bool, options: TuneOptions | None = None):  # type: ignore[no-untyped-def]
+        worker = _FlakyWorker(flaky=flaky)
+        return run_study(
+            plan, storage=storage, worker=worker, profile=PROFILE, options=options or TuneOptions()
+        )
+
+    first = study(flaky=True)
     assert first.ran == 5 and sum(not r.ok for r in first.records) == 4
-    again = run_study(
-        plan, storage=storage, worker=_FlakyWorker(flaky=False), profile=_profile(), options=TuneOptions()
-    )
+    again = study(flaky=False)
     assert again.ran == 0  # a failure is a verdict: not repeated by a plain resume
-    retry = TuneOptions(retry_failed=True)
-    fixed = run_study(
-        plan, storage=storage, worker=_FlakyWorker(flaky=False), profile=_profile(), options=retry
-    )
+    fixed = study(flaky=False, options=TuneOptions(retry_failed=True))
     assert fixed.ran == 4 and all(r.ok for r in fixed.records) and len(fixed.records) == 5
-    plain = run_study(
-        plan, storage=storage, worker=_FlakyWorker(flaky=True), profile=_profile(), options=TuneOptions()
-    )
+    plain = study(flaky=True)
     assert plain.ran == 0 and all(r.ok for r in plain.records)  # the retry's verdicts supersede the failures
 
 
@@ -237,10 +223,14 @@ class _SlowFakeWorker(_FakeWorker):
 
 
 def _tune_in_another_process(results_dir: str) -> int:
-    (plan,) = plan_studies([W], _refs(KnobBackend), profile=_profile(), options=TuneOptions(trials=125))
+    (plan,) = plan_studies([W], _refs(KnobBackend), profile=PROFILE, options=TuneOptions(trials=125))
     storage = open_storage(None, results_dir=__import__("pathlib").Path(results_dir))
     return run_study(
-        plan, storage=storage, worker=_SlowFakeWorker(), profile=_profile(), options=TuneOptions(trials=125)
+        plan,
+        storage=storage,
+        worker=_SlowFakeWorker(),
+        profile=PROFILE,
+        options=TuneOptions(trials=125),
     ).ran
 
 
@@ -250,7 +240,7 @@ def test_two_processes_share_one_study_without_measuring_a_candidate_twice(tmp_p
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         ran = pool.map(_tune_in_another_process, [str(tmp_path)] * 2)
     assert sum(ran) == 125 and min(ran) > 10  # both worked, and together measured each candidate once
-    (plan,) = plan_studies([W], _refs(KnobBackend), profile=_profile(), options=TuneOptions(trials=125))
+    (plan,) = plan_studies([W], _refs(KnobBackend), profile=PROFILE, options=TuneOptions(trials=125))
     study = optuna.load_study(study_name=plan.study_name, storage=open_storage(None, results_dir=tmp_path))
     measured = [t for t in study.trials if t.state.name == "COMPLETE" and "duplicate_of" not in t.user_attrs]
     assert len(measured) == 125

@@ -2,79 +2,43 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-
 import pytest
 import yaml
+from tuning_helpers import planted_result, stated_profile
 
-from attnbench.device import DeviceProfile, fingerprint
-from attnbench.tuning import (
-    Candidate,
-    DeviceMismatchError,
-    KeyResult,
-    ResultsTable,
-    TableError,
-    TrialRecord,
-    TuneOptions,
-    backend_refs,
-    plan_studies,
-    summarize,
-    table_path,
-)
+from attnbench.device import fingerprint
+from attnbench.tuning import DeviceMismatchError, KeyResult, ResultsTable, TableError, summarize, table_path
 from attnbench.workload import Workload
 
 W = Workload.uniform("tiny-gqa", batch=1, context=512, dtype="fp32")
 
 
-def _profile(**changes) -> DeviceProfile:
-    fp = fingerprint("cpu") | changes
-    return DeviceProfile(fp, 2e10, 2e10, 1, datetime.now(timezone.utc).isoformat())
-
-
-def _result(
-    flash: float | None, naive: float | None, *, workload: Workload = W, flash_kind: str = "gate"
-) -> KeyResult:
-    (plan,) = plan_studies(
-        [workload], backend_refs(only=["naive", "flash"]), profile=_profile(), options=TuneOptions()
-    )
-    assert plan.space.default_backend == "flash"
-    flash_cfg = plan.space.default_candidate().config
-
-    def rec(n, name, cfg, value, kind="gate"):
-        ok = value is not None
-        attrs = (
-            {"gbps": 1.5, "pct_of_bandwidth": 7.5}
-            if ok
-            else {"check": {"error": {"max_abs": 0.3, "rel_l2": 0.2}}}
-        )
-        return TrialRecord(
-            n, Candidate(name, cfg), ok, value, "" if ok else kind, "" if ok else "broke tolerance", attrs
-        )
-
-    return KeyResult(plan, [rec(0, "flash", flash_cfg, flash, flash_kind), rec(1, "naive", {}, naive)])
+def _result(flash: float | None, naive: float | None, *, workload: Workload = W) -> KeyResult:
+    return planted_result(workload, {"flash": flash, "naive": naive}, profile=stated_profile())
 
 
 def test_the_default_is_kept_unless_beaten_by_the_margin():
-    kept = summarize(_result(flash=1.03e-3, naive=1.00e-3), profile=_profile())
+    assert _result(flash=1e-3, naive=1e-3).plan.space.default_backend == "flash"
+    kept = summarize(_result(flash=1.03e-3, naive=1.00e-3), profile=stated_profile())
     assert kept["winner"]["backend"] == "flash" and "only 3.0% faster" in kept["decision"]
     assert kept["runner_up"]["backend"] == "naive" and kept["margin"] < 0
-    switched = summarize(_result(flash=1.2e-3, naive=1.0e-3), profile=_profile())
+    switched = summarize(_result(flash=1.2e-3, naive=1.0e-3), profile=stated_profile())
     assert switched["winner"]["backend"] == "naive" and switched["margin"] == pytest.approx(0.2)
     assert switched["default"]["step_ms"] == pytest.approx(1.2) and switched["winner"]["gbps"] == 1.5
 
 
 def test_a_failed_candidate_never_wins():
-    entry = summarize(_result(flash=None, naive=2e-3), profile=_profile())
+    entry = summarize(_result(flash=None, naive=2e-3), profile=stated_profile())
     assert entry["winner"]["backend"] == "naive" and entry["runner_up"] is None
     assert "the default failed (gate)" in entry["decision"]
     failed = next(c for c in entry["candidates"] if c["backend"] == "flash")
     assert failed["failed"] == "gate" and failed["error"]["rel_l2"] == 0.2
-    none = summarize(_result(flash=None, naive=None), profile=_profile())
+    none = summarize(_result(flash=None, naive=None), profile=stated_profile())
     assert none["winner"] is None and none["decision"] == "no candidate passed the correctness gate"
 
 
 def test_tables_merge_and_are_written_atomically(tmp_path):
-    profile = _profile()
+    profile = stated_profile()
     path = table_path(tmp_path, profile.fingerprint)
     a = summarize(_result(flash=1e-3, naive=2e-3), profile=profile)
     b = summarize(
@@ -91,7 +55,7 @@ def test_tables_merge_and_are_written_atomically(tmp_path):
 
 
 def test_a_corrupt_table_is_moved_aside_never_overwritten(tmp_path):
-    profile = _profile()
+    profile = stated_profile()
     path = table_path(tmp_path, profile.fingerprint)
     path.write_text("entries: [this is: not: a table")
     with pytest.raises(TableError, match="not valid YAML"):
@@ -106,7 +70,7 @@ def test_a_corrupt_table_is_moved_aside_never_overwritten(tmp_path):
 
 
 def test_another_devices_table_is_refused(tmp_path):
-    other = _profile(name="Some Other CPU", threads=96)
+    other = stated_profile(name="Some Other CPU", threads=96)
     path = table_path(tmp_path, other.fingerprint)
     ResultsTable(path, {}).save({"row": summarize(_result(1e-3, 2e-3), profile=other)}, profile=other)
     with pytest.raises(DeviceMismatchError, match="tuned on 'Some Other CPU'.*Refusing"):
@@ -114,7 +78,7 @@ def test_another_devices_table_is_refused(tmp_path):
 
 
 def test_other_library_versions_warn(tmp_path):
-    profile = _profile()
+    profile = stated_profile()
     path = table_path(tmp_path, profile.fingerprint)
     ResultsTable(path, {}).save({"row": summarize(_result(1e-3, 2e-3), profile=profile)}, profile=profile)
     data = yaml.safe_load(path.read_text())

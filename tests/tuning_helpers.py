@@ -1,0 +1,103 @@
+"""Helpers for the tuner, results-table and select() tests: registries of planted backends, device
+profiles with a stated bandwidth, and results-table entries built from planted step times.
+
+Workers load a planted backend by import path (``tuning_helpers:RefuseBackend``), so planted backends
+live at the top level of a module, here or in the test module that plants them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+
+from attnbench.backend import Backend
+from attnbench.backends.naive import NaiveBackend
+from attnbench.device import DeviceProfile, fingerprint
+from attnbench.hookspecs import hookimpl
+from attnbench.registry import Registry, Source, load_registry
+from attnbench.tuning import (
+    Candidate,
+    KeyResult,
+    ResultsTable,
+    TrialRecord,
+    TuneOptions,
+    backend_refs,
+    plan_studies,
+    summarize,
+    table_path,
+)
+from attnbench.workload import Workload
+
+
+def stated_profile(bandwidth: float = 2e10, **changes: object) -> DeviceProfile:
+    """This machine's device profile with its read bandwidth stated, not measured (tests never measure
+    it); ``changes`` replace fields of the fingerprint (another device)."""
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return DeviceProfile(fingerprint("cpu") | changes, bandwidth, bandwidth, 1, now)
+
+
+class _Planted:
+    def __init__(self, classes: tuple[type[Backend], ...]) -> None:
+        self.classes = classes
+
+    @hookimpl
+    def attnbench_backends(self) -> list[type[Backend]]:
+        return list(self.classes)
+
+
+def planted_registry(*classes: type[Backend]) -> Registry:
+    """A registry holding only ``classes``, registered through the plugin hook like any backend."""
+    reg = load_registry(builtins=False, env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    plugin = _Planted(classes)
+    reg.manager.register(plugin, name="planted")
+    reg._add_from(plugin, Source("plugin", "planted", "tests"))
+    return reg
+
+
+class RefuseBackend(NaiveBackend):
+    name = "planted_refuse"
+
+    def supports(self, workload: Workload) -> list[str]:
+        return ["planted: refuses every workload"]
+
+
+def planted_result(
+    workload: Workload,
+    steps: Mapping[str, float | None],
+    *,
+    profile: DeviceProfile,
+    gbps: float = 1.5,
+) -> KeyResult:
+    """A finished study of ``workload`` with one trial per built-in backend of ``steps`` (in that order,
+    each with its default config): its step time in seconds, or ``None`` where the candidate failed the
+    correctness gate (with the error it recorded)."""
+    (plan,) = plan_studies([workload], backend_refs(only=list(steps)), profile=profile, options=TuneOptions())
+    records = []
+    for n, (name, step) in enumerate(steps.items()):
+        ok = step is not None
+        attrs = (
+            {"gbps": gbps, "pct_of_bandwidth": 7.5}
+            if ok
+            else {"check": {"error": {"max_abs": 0.3, "rel_l2": 0.2}}}
+        )
+        kind, reason = ("", "") if ok else ("gate", "broke tolerance")
+        config = plan.space.backends[name].cls.default_config()
+        records.append(TrialRecord(n, Candidate(name, config), ok, step, kind, reason, attrs))
+    return KeyResult(plan, records)
+
+
+def planted_entry(
+    workload: Workload, *, flash: float | None, naive: float | None, profile: DeviceProfile
+) -> tuple[str, dict]:
+    """The results-table row and entry of a flash-vs-naive study with the planted step times (seconds;
+    ``None``: failed the gate)."""
+    result = planted_result(workload, {"flash": flash, "naive": naive}, profile=profile)
+    return result.key.row, summarize(result, profile=profile)
+
+
+def save_table(folder: Path, rows: Mapping[str, dict], *, profile: DeviceProfile) -> Path:
+    """``rows`` written as the results table of ``profile``'s device in ``folder``; returns its path."""
+    path = table_path(folder, profile.fingerprint)
+    ResultsTable(path, {}).save(dict(rows), profile=profile)
+    return path
