@@ -10,15 +10,16 @@ short. A lossy cache (fp8) is held to naive attention over K/V as it stores them
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from tiny_hf import TINY_COMMON, tiny_deepseek
+from tiny_hf import TINY_COMMON, seeded, tiny_deepseek
 
 import attnbench
 from attnbench.backend import Backend, KVCache, StepPlan
@@ -93,14 +94,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @functools.cache
 def hf_model(arch: str) -> transformers.PreTrainedModel:
     """A seeded tiny model, norm weights and biases randomised too (they are 1 / 0 at initialisation)."""
-    torch.manual_seed(1234)
-    hf = ARCHITECTURES[arch]().eval()
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif pname.endswith(".bias"):
-                p.copy_(0.5 * torch.randn_like(p))
+    hf = seeded(ARCHITECTURES[arch])
     hf.set_attn_implementation("sdpa")
     return hf
 
@@ -127,17 +121,25 @@ def reference_tokens(arch: str) -> torch.Tensor:
     return torch.stack(rows)
 
 
+@contextlib.contextmanager
+def attention_through(
+    hf: transformers.PreTrainedModel, backend: Backend | str, **kwargs: object
+) -> Iterator[BackendCache]:
+    """``use_backend(hf, backend, **kwargs)`` for the block; transformers' own sdpa again after it."""
+    try:
+        yield use_backend(hf, backend, **kwargs)  # type: ignore[arg-type]
+    finally:
+        hf.set_attn_implementation("sdpa")
+
+
 def generate_through(arch: str, backend: Backend | str, *, config: dict | None = None) -> torch.Tensor:
     """Greedy tokens ``[2, NEW_TOKENS]`` of the padded batch with attention through ``backend``."""
     hf = hf_model(arch)
     ids, mask = batch_inputs()
-    try:
-        cache = use_backend(hf, backend, config=config, batch=2, max_seq_len=MAX_SEQ_LEN)
+    with attention_through(hf, backend, config=config, batch=2, max_seq_len=MAX_SEQ_LEN) as cache:
         out = hf.generate(
             ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **{cache_kwarg(hf): cache}
         )
-    finally:
-        hf.set_attn_implementation("sdpa")
     return out[:, LONG:]
 
 
@@ -212,11 +214,8 @@ def test_fp8_triton_path() -> None:
     fp8 = attnbench.load_registry().get("fp8")
     triton_fp8 = type("FP8TritonPath", (type(fp8),), {"kernel": "triton"})()
     hf = hf_model("llama")
-    try:
-        cache = use_backend(hf, triton_fp8, batch=2, max_seq_len=MAX_SEQ_LEN)
-    finally:
-        hf.set_attn_implementation("sdpa")
-    path = str(cache.kv.config.get("implementation") or getattr(cache.kv, "path", "?"))
+    with attention_through(hf, triton_fp8, batch=2, max_seq_len=MAX_SEQ_LEN) as cache:
+        path = cache.kv.implementation  # the declared attribute of fp8's cache
     assert path == "triton", f"expected the Triton path, ran {path}"
     want = generate_through("llama", StoredKVNaiveBackend(triton_fp8))
     assert torch.equal(generate_through("llama", triton_fp8), want)
@@ -275,11 +274,8 @@ def test_one_plan_per_step_one_write_per_token_and_ragged_lengths() -> None:
     backend = CountingBackend()
     hf = hf_model("llama")
     ids, mask = batch_inputs()
-    try:
-        cache = use_backend(hf, backend, batch=2, max_seq_len=MAX_SEQ_LEN)
+    with attention_through(hf, backend, batch=2, max_seq_len=MAX_SEQ_LEN) as cache:
         hf.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **{cache_kwarg(hf): cache})
-    finally:
-        hf.set_attn_implementation("sdpa")
     step = ["plan[1, 1]", "decode0", "decode1"]
     assert backend.calls == [f"plan[{LONG}, {SHORT}]", "append0", "append1", *step * 3]
     assert isinstance(cache, BackendCache)
@@ -406,32 +402,28 @@ def test_the_latent_mla_form_is_refused() -> None:
 
 def test_a_window_as_long_as_the_run_is_accepted() -> None:
     hf = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=16, **_GQA)).eval()
-    try:
-        assert isinstance(use_backend(hf, "naive", batch=1, max_seq_len=16), BackendCache)
-    finally:
-        hf.set_attn_implementation("sdpa")
+    with attention_through(hf, "naive", batch=1, max_seq_len=16) as cache:
+        assert isinstance(cache, BackendCache)
 
 
 def test_generating_without_the_cache_is_a_clear_error() -> None:
     hf = hf_model("llama")
     ids, mask = batch_inputs()
-    try:
-        use_backend(hf, "naive", batch=2, max_seq_len=MAX_SEQ_LEN)
-        with pytest.raises(RuntimeError, match=r"layer 0: the model did not hand its K/V to this cache"):
-            hf.generate(ids, attention_mask=mask, max_new_tokens=2)  # transformers' own cache instead
-    finally:
-        hf.set_attn_implementation("sdpa")
+    with (
+        attention_through(hf, "naive", batch=2, max_seq_len=MAX_SEQ_LEN),
+        pytest.raises(RuntimeError, match=r"layer 0: the model did not hand its K/V to this cache"),
+    ):
+        hf.generate(ids, attention_mask=mask, max_new_tokens=2)  # transformers' own cache instead
 
 
 def test_right_padding_is_refused() -> None:
     hf = hf_model("llama")
     ids, mask = batch_inputs()
-    try:
-        cache = use_backend(hf, "naive", batch=2, max_seq_len=MAX_SEQ_LEN)
-        with pytest.raises(ValueError, match=r"attention mask is not left-padded"):
-            hf.generate(ids, attention_mask=mask.flip(1), max_new_tokens=2, **{cache_kwarg(hf): cache})
-    finally:
-        hf.set_attn_implementation("sdpa")
+    with (
+        attention_through(hf, "naive", batch=2, max_seq_len=MAX_SEQ_LEN) as cache,
+        pytest.raises(ValueError, match=r"attention mask is not left-padded"),
+    ):
+        hf.generate(ids, attention_mask=mask.flip(1), max_new_tokens=2, **{cache_kwarg(hf): cache})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -493,23 +485,8 @@ def test_a_directory_without_config_json(tmp_path: Path) -> None:
         load_shape(tmp_path)
 
 
-def test_decode_command_runs_the_real_model(checkpoint: Path, small_profile: None, capsys) -> None:  # type: ignore[no-untyped-def]
-    argv = [
-        "decode",
-        "--model",
-        str(checkpoint),
-        "-p",
-        "6",
-        "-n",
-        "5",
-        "-b",
-        "2",
-        "--dtype",
-        "fp32",
-        "--json",
-    ]
-    assert main(argv) == 0
-    r = json.loads(capsys.readouterr().out)
+def test_decode_command_runs_the_real_model(checkpoint: Path, small_profile: None, cli_json) -> None:  # type: ignore[no-untyped-def]
+    r = cli_json("decode", "--model", str(checkpoint), "-p", "6", "-n", "5", "-b", "2", "--dtype", "fp32")
     assert r["model_kind"].startswith("transformers") and r["decode_steps"] == 4 and r["batch"] == 2
     assert r["ttft_s"] > 0 and r["e2e_check_s"] == pytest.approx(r["ttft_s"] + 4 * r["itl_mean_s"])
     assert r["check"]["passed"] and r["num_layers"] == 2
@@ -528,6 +505,7 @@ def test_the_docs_example_runs(tmp_path: Path, small_profile: None, monkeypatch:
     """docs/real-models.md's example, from select() to generate(), runs as written."""
     import runpy
 
+    (tmp_path / "results").mkdir()  # an existing, empty results folder: select() answers untuned
     monkeypatch.setenv("ATTNBENCH_RESULTS_DIR", str(tmp_path / "results"))
     text = (Path(__file__).parents[1] / "docs" / "real-models.md").read_text()
     example = text.split("```python\n", 1)[1].split("```", 1)[0]
@@ -538,10 +516,9 @@ def test_the_docs_example_runs(tmp_path: Path, small_profile: None, monkeypatch:
     assert out.shape == (2, 8 + 32) and cache.kv.seq_lens == (39, 36)
 
 
-def test_decode_command_runs_deepseek_latent_form(tmp_path: Path, small_profile: None, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_decode_command_runs_deepseek_latent_form(tmp_path: Path, small_profile: None, cli_json) -> None:  # type: ignore[no-untyped-def]
     """With the MLA latent cache (``mla``) a DeepSeek checkpoint runs in the latent decoder instead."""
     hf_model("deepseek-v3-expanded").save_pretrained(tmp_path / "tiny-ds")
     argv = ["decode", "--model", str(tmp_path / "tiny-ds"), "-p", "4", "-n", "3", "--dtype", "fp32"]
-    assert main([*argv, "--backend", "mla", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    r = cli_json(*argv, "--backend", "mla")
     assert r["model_kind"].startswith("DeepSeek latent decoder") and r["check"]["passed"]

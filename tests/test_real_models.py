@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_hf import tiny_deepseek
+from tiny_hf import seeded, tiny_deepseek
 
 import attnbench
 from attnbench.backend import Backend, Tolerance
@@ -75,14 +75,7 @@ class Reference:
 @functools.cache
 def reference(name: str) -> Reference:
     """A seeded tiny model (norm weights and biases randomised too) and transformers' greedy output."""
-    torch.manual_seed(1234)
-    hf = BUILDERS[name]().eval()
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif pname.endswith(".bias"):  # zero-initialised; make them matter
-                p.copy_(0.5 * torch.randn_like(p))
+    hf = seeded(BUILDERS[name])
     prompt = torch.randint(
         0, hf.config.vocab_size, (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(7)
     )
@@ -160,7 +153,7 @@ def test_mla_torch_path() -> None:
     assert not model.unsupported(max_seq_len=PROMPT_LEN + NEW_TOKENS)
     run = generate(model, prompt=ref.prompt, new_tokens=NEW_TOKENS, keep_logits=True)
     assert model.cache is not None
-    impl = str(model.cache.config.get("implementation") or getattr(model.cache, "path", "?"))
+    impl = model.cache.implementation  # the declared attribute of mla's cache
     assert impl == "torch", f"expected the torch path, ran {impl}"
     assert torch.equal(run.tokens.cpu(), ref.tokens)
     tol = logits_tolerance(model.backend.tolerance(torch.float32), ref.logits)
@@ -299,44 +292,45 @@ def test_moe_layers_are_refused() -> None:
         load_model(hf, backend="mla")
 
 
-def test_yarn_rope_is_refused() -> None:
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        pytest.param(
+            {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 40.0,
+                "original_max_position_embeddings": 4096,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            r"rope scaling type 'yarn' is not supported",
+            id="yarn",
+        ),
+        pytest.param(  # an mscale that changes the softmax scale
+            {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0, "mscale_all_dim": 1.0},
+            r"mscale.*softmax scale",
+            id="mscale",
+        ),
+        *(
+            pytest.param(
+                {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0},
+                rf"rope scaling type '{rope_type}' is not supported",
+                id=rope_type,
+            )
+            for rope_type in ("dynamic", "longrope")
+        ),
+        pytest.param(
+            {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0},
+            r"llama3 rope scaling needs field 'low_freq_factor'",
+            id="incomplete-llama3",
+        ),
+    ],
+)
+def test_unsupported_rope_scalings_are_refused(rope: dict, message: str) -> None:
     config, weights = _config_and_weights("deepseek-v3-dense")
-    config["rope_parameters"] = {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 40.0,
-        "original_max_position_embeddings": 4096,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    }
-    with pytest.raises(UnsupportedModelError, match=r"rope scaling type 'yarn' is not supported"):
-        DeepseekDecoder.from_weights(config, weights, backend=LatentNaiveBackend())
-
-
-def test_mscale_that_changes_the_softmax_scale_is_refused() -> None:
-    config, weights = _config_and_weights("deepseek-v3-dense")
-    config["rope_parameters"] = {
-        "rope_type": "linear",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "mscale_all_dim": 1.0,
-    }
-    with pytest.raises(UnsupportedModelError, match=r"mscale.*softmax scale"):
-        DeepseekDecoder.from_weights(config, weights, backend=LatentNaiveBackend())
-
-
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
-def test_other_rope_scalings_are_refused(rope_type: str) -> None:
-    config, weights = _config_and_weights("deepseek-v3-dense")
-    config["rope_parameters"] = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}
-    with pytest.raises(UnsupportedModelError, match=rf"rope scaling type '{rope_type}' is not supported"):
-        DeepseekDecoder.from_weights(config, weights, backend=LatentNaiveBackend())
-
-
-def test_incomplete_llama3_rope_scaling_is_refused() -> None:
-    config, weights = _config_and_weights("deepseek-v3-dense")
-    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
-    with pytest.raises(UnsupportedModelError, match=r"llama3 rope scaling needs field 'low_freq_factor'"):
+    config["rope_parameters"] = rope
+    with pytest.raises(UnsupportedModelError, match=message):
         DeepseekDecoder.from_weights(config, weights, backend=LatentNaiveBackend())
 
 

@@ -3,6 +3,9 @@ weights, small enough to run greedy generation on a CPU in a second."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 import transformers
 
 #: Fields every tiny config shares.
@@ -39,3 +42,17 @@ def tiny_deepseek(**overrides: object) -> transformers.PreTrainedModel:
     )
     fields.update(overrides)
     return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields))
+
+
+def seeded(build: Callable[[], transformers.PreTrainedModel]) -> transformers.PreTrainedModel:
+    """``build()`` under seed 1234, in eval mode, its norm weights and biases randomised too (they are
+    1 and 0 at initialisation, where a mix-up of them would go unseen)."""
+    torch.manual_seed(1234)
+    hf = build().eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif pname.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    return hf
