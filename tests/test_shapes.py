@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from attnbench.shapes import ModelShape, ShapeError, list_presets, load_shape, parse_dtype
+from attnbench.shapes import ShapeError, list_presets, load_shape, parse_dtype
 from attnbench.workload import Workload, bucket, parse_int_list, parse_tokens
 
 
@@ -188,19 +189,6 @@ def test_workload_validation() -> None:
 
 
 def test_shape_direct_validation() -> None:
+    mla = load_shape("tiny-mla")  # head_dim 24 = qk_nope_head_dim 16 + qk_rope_head_dim 8
     with pytest.raises(ShapeError, match="head_dim.*must equal"):
-        ModelShape(
-            name="x",
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=2,
-            head_dim=10,
-            hidden_size=8,
-            intermediate_size=8,
-            vocab_size=8,
-            num_params=8,
-            kv_lora_rank=4,
-            qk_rope_head_dim=2,
-            qk_nope_head_dim=4,
-            v_head_dim=4,
-        )
+        dataclasses.replace(mla, head_dim=10)

@@ -7,8 +7,6 @@ is also compiled here for sm_80 and sm_90, for each tile configuration it declar
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import torch
 
@@ -18,6 +16,7 @@ if not torch.cuda.is_available():  # as tests/conftest.py: the interpreter, chos
 import pytest
 import triton
 import triton.language as tl
+from triton_modes import run_uninterpreted
 
 from attnbench.backends import fp8, mla
 from attnbench.backends.triton_paged import AOT_GEOMETRIES, BLOCK_N, PAGE_SIZES
@@ -69,12 +68,7 @@ print(repr(triton_mode("cpu")))
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA only: the CPU refusal")
 def test_triton_mode_reasons_without_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run(
-        [sys.executable, "-c", _MODE_PROBE], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
-    before, after = (eval(line) for line in out.stdout.strip().splitlines())
+    before, after = (eval(line) for line in run_uninterpreted(_MODE_PROBE))
     assert before[0] is None and "set TRITON_INTERPRET=1" in before[1]
     assert after[0] is None and "after triton was imported" in after[1]
 

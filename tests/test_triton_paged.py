@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import subprocess
-import sys
 from typing import Any, ClassVar
 
 import torch
@@ -15,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from triton_modes import run_uninterpreted
 
 from attnbench.backends.triton_paged import (
     BLOCK_N,
@@ -36,17 +36,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def small_shape(*, heads: int, kv_heads: int, head_dim: int) -> ModelShape:
-    return ModelShape(
-        name=f"test-h{heads}-kv{kv_heads}-d{head_dim}",
-        num_layers=2,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        hidden_size=heads * head_dim,
-        intermediate_size=64,
-        vocab_size=64,
-        num_params=10_000,
-    )
+    name = f"test-h{heads}-kv{kv_heads}-d{head_dim}"
+    return ModelShape.attention_only(name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
 
 
 # -- the paged cache --------------------------------------------------------------------------------
@@ -153,16 +144,9 @@ def test_paged_cache_share_v() -> None:
 
 # Small shapes (the interpreter is slow), ragged lengths that are not multiples of any page size, enough
 # tokens to span several pages at page_size 16 and several splits.
-MLA_SMALL = ModelShape(
+MLA_SMALL = dataclasses.replace(
+    small_shape(heads=2, kv_heads=2, head_dim=24),
     name="test-mla-expanded",
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=24,
-    hidden_size=64,
-    intermediate_size=64,
-    vocab_size=64,
-    num_params=10_000,
     kv_lora_rank=16,
     qk_rope_head_dim=8,
     qk_nope_head_dim=16,
@@ -253,12 +237,7 @@ except ValueError as err:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA only: checks the CPU refusal")
 def test_unavailable_without_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run(
-        [sys.executable, "-c", _NO_INTERPRETER], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
-    reasons, interpreted, impl, refused = out.stdout.strip().splitlines()
+    reasons, interpreted, impl, refused = run_uninterpreted(_NO_INTERPRETER)
     assert "TRITON_INTERPRET=1" in reasons and interpreted == "False"
     assert impl.startswith("unavailable") and refused.startswith("refused:")
 
