@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from fake_plugins import plugin_env, write_fake_dist
 
 from attnbench.cli import main
 
@@ -118,16 +119,11 @@ def test_sigterm_during_tune_marks_the_trial_interrupted_and_writes_the_table(tm
 
 def test_tune_names_a_broken_plugin_and_keeps_json_clean(tmp_path):
     site = tmp_path / "site"
-    (site / "broken_plugin").mkdir(parents=True)
-    (site / "broken_plugin" / "__init__.py").write_text(
-        "print('half-initialised'); raise ImportError('planted')\n"
+    source = "print('half-initialised'); raise ImportError('planted')\n"
+    write_fake_dist(
+        site, entry="broken", dist="broken-plugin", version="1.0", module="broken_plugin", source=source
     )
-    dist = site / "broken_plugin-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[attnbench.backends]\nbroken = broken_plugin\n")
-    env = dict(os.environ, PYTHONPATH=str(site), ATTNBENCH_PLUGINS="broken")
-    env.pop("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", None)
+    env = plugin_env(site, allow="broken")
     argv = [sys.executable, "-m", "attnbench", "tune", *TINY, "--backends", "naive", "--repeats", "3"]
     proc = subprocess.run(
         [*argv, "--results", str(tmp_path), "--json"], capture_output=True, text=True, env=env

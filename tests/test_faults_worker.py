@@ -13,6 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from fake_plugins import plugin_env, plugin_source, write_fake_dist
+
 from attnbench.backends.naive import NaiveBackend
 from attnbench.tuning import WorkerTask
 from attnbench.tuning.worker import workload_to_dict
@@ -120,33 +122,28 @@ def test_fifty_megabytes_of_output_keep_the_tuner_small_and_the_tail_whole():
     )
 
 
-PRINTING_PLUGIN = """
-import os
-import attnbench
-from attnbench.backends.naive import NaiveBackend
-ATTNBENCH_PLUGIN_API = 1
-print("plugin says hello from Python")
-os.write(1, b"plugin says hello from C-level fd 1\\n")
-
-class Chatty(NaiveBackend):
-    name = "chatty"
-
-@attnbench.hookimpl
-def attnbench_backends():
-    return [Chatty]
-"""
+PRINTING_PLUGIN = plugin_source(
+    "Chatty",
+    "chatty",
+    preamble="""
+    import os
+    print("plugin says hello from Python")
+    os.write(1, b"plugin says hello from C-level fd 1\\n")
+    """,
+)
 
 
 def test_a_plugin_that_prints_never_reaches_json_stdout(tmp_path):
-    pkg = tmp_path / "site"
-    (pkg / "chatty_plugin").mkdir(parents=True)
-    (pkg / "chatty_plugin" / "__init__.py").write_text(PRINTING_PLUGIN)
-    dist = pkg / "chatty_plugin-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: chatty-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[attnbench.backends]\nchatty = chatty_plugin\n")
-    env = dict(os.environ, PYTHONPATH=str(pkg), ATTNBENCH_PLUGINS="chatty")
-    env.pop("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", None)
+    site = tmp_path / "site"
+    write_fake_dist(
+        site,
+        entry="chatty",
+        dist="chatty-plugin",
+        version="1.0",
+        module="chatty_plugin",
+        source=PRINTING_PLUGIN,
+    )
+    env = plugin_env(site, allow="chatty")
     proc = subprocess.run(
         [sys.executable, "-m", "attnbench", "backends", "--json"], capture_output=True, text=True, env=env
     )

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_plugins import plugin_source, pythonpath, write_fake_dist
 
 from attnbench import Workload, check, load_registry
 from attnbench.registry import SUPPORTED_PLUGIN_API, Registry
@@ -31,74 +32,22 @@ FLEX_SRC = ROOT / "plugins" / "attnbench-flex"
 XFORMERS_SRC = ROOT / "plugins" / "attnbench-xformers"
 GUIDE = ROOT / "docs" / "writing-a-backend.md"
 
-GOOD = """
-import attnbench
-from attnbench.backends.naive import NaiveBackend
-
-ATTNBENCH_PLUGIN_API = 1
-
-
-class FakeGoodBackend(NaiveBackend):
-    name = "fake_good"
-    description = "a well-behaved plugin backend (naive under another name)"
-
-
-@attnbench.hookimpl
-def attnbench_backends():
-    return [FakeGoodBackend]
-"""
+GOOD = plugin_source(
+    "FakeGoodBackend",
+    "fake_good",
+    body='description = "a well-behaved plugin backend (naive under another name)"',
+)
 
 BOOM = """
 raise RuntimeError("boom: this plugin fails while importing")
 """
 
-FUTURE = """
-import attnbench
-from attnbench.backends.naive import NaiveBackend
+FUTURE = plugin_source("FutureBackend", "future", api=99)
 
-ATTNBENCH_PLUGIN_API = 99
+TAKEN = plugin_source("MyNaive", "naive")  # the name is already registered by the built-in
 
-
-class FutureBackend(NaiveBackend):
-    name = "future"
-
-
-@attnbench.hookimpl
-def attnbench_backends():
-    return [FutureBackend]
-"""
-
-TAKEN = """
-import attnbench
-from attnbench.backends.naive import NaiveBackend
-
-ATTNBENCH_PLUGIN_API = 1
-
-
-class MyNaive(NaiveBackend):
-    name = "naive"  # already registered by the built-in
-
-
-@attnbench.hookimpl
-def attnbench_backends():
-    return [MyNaive]
-"""
-
-TWIN = """
-import attnbench
-from attnbench.backends.naive import NaiveBackend
-
-ATTNBENCH_PLUGIN_API = 1
-
-
-class Twin(NaiveBackend):
-    name = "fake_good"  # already registered by the plugin 'fake_good' (entry points load in name order)
-
-
-@attnbench.hookimpl
-def attnbench_backends():
-    return [Twin]
-"""
+# the name is already registered by the plugin 'fake_good' (entry points load in name order)
+TWIN = plugin_source("Twin", "fake_good")
 
 NO_HOOK = """
 ATTNBENCH_PLUGIN_API = 1
@@ -125,15 +74,6 @@ FAKES = [
     ("nohook", "fake-nohook", "0.2", "fake_nohook_plugin", NO_HOOK),
     ("notbackend", "fake-notbackend", "0.4", "fake_notbackend_plugin", NOT_A_BACKEND),
 ]
-
-
-def write_fake_dist(site: Path, *, entry: str, dist: str, version: str, module: str, source: str) -> None:
-    """A minimal installed distribution: ``module.py`` and ``<dist>-<version>.dist-info``."""
-    (site / f"{module}.py").write_text(textwrap.dedent(source))
-    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(f"[attnbench.backends]\n{entry} = {module}\n")
 
 
 @pytest.fixture
@@ -170,10 +110,6 @@ def run_cli(
         timeout=timeout,
         check=False,
     )
-
-
-def _pythonpath(*paths: Path) -> str:
-    return os.pathsep.join([*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 # -- broken plugins are reported, everything else keeps working ------------------------------------------
@@ -245,7 +181,7 @@ def test_unsupported_api_of_a_backend_class_is_refused(fake_site: Path) -> None:
 
 
 def test_cli_lists_broken_plugins_and_still_works(fake_site: Path) -> None:
-    env = {"PYTHONPATH": _pythonpath(fake_site)}
+    env = {"PYTHONPATH": pythonpath(fake_site)}
     res = run_cli("backends", "--json", env=env)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
@@ -281,7 +217,7 @@ def test_allow_list_by_entry_point_and_distribution_names_and_typos(fake_site: P
     assert set(_fake_only(reg)) == {"boom", "future"}
     assert "fake_good" not in reg and "fake_good" in reg.skipped
     assert reg.unmatched == ["fake_goood"]  # a typo is reported, not silently ignored
-    res = run_cli("backends", env={"PYTHONPATH": _pythonpath(fake_site), "ATTNBENCH_PLUGINS": "fake_goood"})
+    res = run_cli("backends", env={"PYTHONPATH": pythonpath(fake_site), "ATTNBENCH_PLUGINS": "fake_goood"})
     assert res.returncode == 0, res.stderr
     assert "ATTNBENCH_PLUGINS names no installed plugin: fake_goood" in " ".join(res.stdout.split())
 
@@ -309,12 +245,12 @@ def test_disable_autoload_off_values(fake_site: Path, value: str) -> None:
 
 def test_switches_through_the_real_environment(fake_site: Path) -> None:
     """The CLI reads both variables from the process environment."""
-    env = {"PYTHONPATH": _pythonpath(fake_site), "ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env = {"PYTHONPATH": pythonpath(fake_site), "ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"}
     data = json.loads(run_cli("backends", "--json", env=env).stdout)
     assert data["plugin_autoload_disabled"] is True and data["broken_plugins"] == []
     assert {row["kind"] for row in data["backends"]} == {"builtin"}
 
-    env = {"PYTHONPATH": _pythonpath(fake_site), "ATTNBENCH_PLUGINS": "fake_good"}
+    env = {"PYTHONPATH": pythonpath(fake_site), "ATTNBENCH_PLUGINS": "fake_good"}
     data = json.loads(run_cli("backends", "--json", env=env).stdout)
     assert data["broken_plugins"] == [] and "boom" in data["skipped_plugins"]
     assert "fake_good" in {row["name"] for row in data["backends"]}
@@ -371,8 +307,21 @@ def flex_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return pip_install_target(FLEX_SRC, tmp_path_factory.mktemp("flex"))
 
 
+def run_plugin_tests(root: Path, site: Path, *, timeout: float) -> subprocess.CompletedProcess:
+    """A plugin's own tests, ``root/tests``, run by pytest in a subprocess with ``site`` on the path."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "--rootdir", str(root)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": pythonpath(site)},
+        cwd=root,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def test_installed_flex_plugin_appears_in_backends(flex_site: Path) -> None:
-    env = {"PYTHONPATH": _pythonpath(flex_site)}
+    env = {"PYTHONPATH": pythonpath(flex_site)}
     res = run_cli("backends", "--model", "tiny-gqa", "--dtype", "fp32", "--json", env=env)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
@@ -407,34 +356,15 @@ def test_installed_flex_plugin_appears_in_backends(flex_site: Path) -> None:
 
 def test_installed_flex_plugin_passes_the_conformance_suite(flex_site: Path, tmp_path: Path) -> None:
     """The plugin's own tests (the conformance suite in a few lines), run against the installed copy."""
-    tests = tmp_path / "tests"
-    shutil.copytree(FLEX_SRC / "tests", tests)
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            str(tests),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--rootdir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": _pythonpath(flex_site)},
-        cwd=tmp_path,
-        timeout=1500,
-        check=False,
-    )
+    shutil.copytree(FLEX_SRC / "tests", tmp_path / "tests")
+    res = run_plugin_tests(tmp_path, flex_site, timeout=1500)
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, tail
     assert " passed" in res.stdout and "failed" not in res.stdout and "skipped" not in res.stdout, tail
 
 
 def test_flex_unavailable_reason_on_a_device_it_cannot_use(flex_site: Path) -> None:
-    env = {"PYTHONPATH": _pythonpath(flex_site)}
+    env = {"PYTHONPATH": pythonpath(flex_site)}
     res = run_cli("backends", "--model", "tiny-gqa", "--device", "meta", "--json", env=env)
     assert res.returncode == 0, res.stderr
     flex = {row["name"]: row for row in json.loads(res.stdout)["backends"]}["flex"]
@@ -444,7 +374,7 @@ def test_flex_unavailable_reason_on_a_device_it_cannot_use(flex_site: Path) -> N
 def test_cuda_flex(flex_site: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (the CPU path is tested above)")
-    env = {"PYTHONPATH": _pythonpath(flex_site)}
+    env = {"PYTHONPATH": pythonpath(flex_site)}
     res = run_cli("backends", "--model", "tiny-gqa", "--device", "cuda", "--json", env=env)
     flex = {row["name"]: row for row in json.loads(res.stdout)["backends"]}["flex"]
     assert flex["runnable"] is True, flex["reasons"]
@@ -458,7 +388,7 @@ def test_installed_flex_plugin_takes_part_in_tune(flex_site: Path, tmp_path: Pat
         "--timeout",
         "600",
     ]  # a worker's first flex candidate compiles; a cold compile on a busy CPU is slow
-    res = run_cli(*args, "--json", env={"PYTHONPATH": _pythonpath(flex_site)}, timeout=1200)
+    res = run_cli(*args, "--json", env={"PYTHONPATH": pythonpath(flex_site)}, timeout=1200)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(res.stdout)
     (entry,) = data["entries"].values()
@@ -484,7 +414,7 @@ def xformers_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_installed_xformers_plugin_is_listed_with_xformers_own_reason(xformers_site: Path) -> None:
-    env = {"PYTHONPATH": _pythonpath(xformers_site)}
+    env = {"PYTHONPATH": pythonpath(xformers_site)}
     res = run_cli("backends", "--model", "tiny-gqa", "--json", env=env)
     assert res.returncode == 0, res.stderr
     rows = {row["name"]: row for row in json.loads(res.stdout)["backends"]}
@@ -505,15 +435,7 @@ def test_installed_xformers_plugin_passes_its_own_tests(xformers_site: Path, tmp
     conformance class (skipped here with the reason), and the conformance suite over the plugin's
     plumbing with the stand-in for xformers."""
     shutil.copytree(XFORMERS_SRC / "tests", tmp_path / "tests")
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": _pythonpath(xformers_site)},
-        cwd=tmp_path,
-        timeout=900,
-        check=False,
-    )
+    res = run_plugin_tests(tmp_path, xformers_site, timeout=900)
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0 and "failed" not in res.stdout, tail
     passed = int(re.search(r"(\d+) passed", res.stdout).group(1))  # type: ignore[union-attr]
@@ -541,17 +463,8 @@ def test_writing_a_backend_guide_example(tmp_path: Path) -> None:
         (src / rel).write_text(body)
     (tmp_path / "install").mkdir()
     site = pip_install_target(src, tmp_path / "install")
-    env = {**os.environ, "PYTHONPATH": _pythonpath(site)}
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "--rootdir", str(src)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=src,
-        timeout=900,
-        check=False,
-    )
+    res = run_plugin_tests(src, site, timeout=900)
     assert res.returncode == 0 and " passed" in res.stdout and "failed" not in res.stdout, res.stdout[-3000:]
-    res = run_cli("backends", "--model", "tiny-gqa", "--json", env={"PYTHONPATH": env["PYTHONPATH"]})
+    res = run_cli("backends", "--model", "tiny-gqa", "--json", env={"PYTHONPATH": pythonpath(site)})
     row = {r["name"]: r for r in json.loads(res.stdout)["backends"]}["mysdpa"]
     assert (row["source"], row["runnable"]) == ("plugin 'mysdpa' (attnbench-mysdpa 0.1.0)", True), row

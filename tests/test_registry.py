@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib.metadata import EntryPoint
 
 import pytest
+from fake_plugins import plugin_source
 
 import attnbench.registry as registry_mod
 from attnbench.registry import RegistryError, load_registry
@@ -36,16 +37,7 @@ def _fake_plugins(monkeypatch, tmp_path, modules: dict[str, str]) -> None:
     )
 
 
-GOOD = """
-import attnbench
-from attnbench.backends.naive import NaiveBackend
-ATTNBENCH_PLUGIN_API = 1
-class Good(NaiveBackend):
-    name = "good_plugin"
-@attnbench.hookimpl
-def attnbench_backends():
-    return [Good]
-"""
+GOOD = plugin_source("Good", "good_plugin")
 
 
 def test_plugin_raising_on_import_is_listed_broken(monkeypatch, tmp_path) -> None:
@@ -61,8 +53,7 @@ def test_plugin_raising_on_import_is_listed_broken(monkeypatch, tmp_path) -> Non
 
 
 def test_duplicate_name_names_both_sources(monkeypatch, tmp_path) -> None:
-    dup = GOOD.replace('name = "good_plugin"', 'name = "naive"')
-    _fake_plugins(monkeypatch, tmp_path, {"ab_dup": dup})
+    _fake_plugins(monkeypatch, tmp_path, {"ab_dup": plugin_source("Good", "naive")})
     reg = load_registry(env={})
     (failure,) = reg.failures
     assert "'naive'" in failure.error and "plugin 'ab_dup'" in failure.error and "built-in" in failure.error
@@ -73,7 +64,7 @@ def test_unsupported_api_version(monkeypatch, tmp_path) -> None:
     _fake_plugins(
         monkeypatch,
         tmp_path,
-        {"ab_future": GOOD.replace("ATTNBENCH_PLUGIN_API = 1", "ATTNBENCH_PLUGIN_API = 99")},
+        {"ab_future": plugin_source("Good", "good_plugin", api=99)},
     )
     reg = load_registry(env={})
     (failure,) = reg.failures
@@ -82,9 +73,7 @@ def test_unsupported_api_version(monkeypatch, tmp_path) -> None:
 
 
 def test_env_switches(monkeypatch, tmp_path) -> None:
-    _fake_plugins(
-        monkeypatch, tmp_path, {"ab_good": GOOD, "ab_other": GOOD.replace("good_plugin", "other_plugin")}
-    )
+    _fake_plugins(monkeypatch, tmp_path, {"ab_good": GOOD, "ab_other": plugin_source("Good", "other_plugin")})
     assert "good_plugin" not in load_registry(env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
     reg = load_registry(env={"ATTNBENCH_PLUGINS": "ab_other"})
     assert "other_plugin" in reg and "good_plugin" not in reg and reg.skipped == ["ab_good"]
