@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -82,6 +82,9 @@ DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
 }
 
 
+_Plan = TypeVar("_Plan", bound="StepPlan")
+
+
 @dataclass
 class StepPlan:
     """Per-step metadata shared by every layer. Backends subclass it (a typed dataclass each) for theirs.
@@ -102,6 +105,10 @@ class StepPlan:
     @property
     def max_new(self) -> int:
         return max(self.num_new)
+
+    def extend(self, cls: type[_Plan], **extra: Any) -> _Plan:
+        """This plan as a ``cls`` (a subclass that adds fields): every field copied, ``extra`` set."""
+        return cls(**{f.name: getattr(self, f.name) for f in fields(self)}, **extra)
 
 
 class KVCache:
@@ -140,6 +147,12 @@ class KVCache:
 
     def reset(self) -> None:
         self.seq_lens = (0,) * self.batch
+
+    def write(self, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k [B, T, Hkv, Dk]``, ``v [B, T, Hkv, Dv]`` at ``plan.positions`` (a layout implements it)."""
+        raise NotImplementedError(
+            f"{type(self).__qualname__} has no write(): give the cache one or override the backend's append()"
+        )
 
     def bytes_per_token(self) -> int:
         """Bytes one cached token occupies over all layers of this cache (including any scales)."""
@@ -297,20 +310,16 @@ class Backend(ABC):
         """
         return base_plan(cache, num_new)
 
-    @abstractmethod
     def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the step's new K/V of ``layer`` (``[B, T, Hkv, D]``, right-padded) at ``plan.positions``."""
+        """Write the step's new K/V of ``layer`` (``[B, T, Hkv, D]``, right-padded) at ``plan.positions``.
+
+        Default: the cache's own :meth:`KVCache.write`; override when the backend stores K/V otherwise.
+        """
+        cache.write(plan, layer=layer, k=k, v=v)
 
     @abstractmethod
     def decode(
-        self,
-        cache: KVCache,
-        plan: StepPlan,
-        *,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Append one token per sequence to ``layer`` and attend: ``q [B, Hq, Dk]`` → ``[B, Hq, Dv]``.
 
@@ -318,14 +327,7 @@ class Backend(ABC):
         """
 
     def prefill(
-        self,
-        cache: KVCache,
-        plan: StepPlan,
-        *,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Write a prompt into an empty cache and return causal attention over it.
 

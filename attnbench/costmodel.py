@@ -114,8 +114,26 @@ def attention_flops(
 # --------------------------------------------------------------------------------------------------
 # one step's work
 # --------------------------------------------------------------------------------------------------
+class _Traffic:
+    """``bytes`` (weights + KV + query/output) and ``intensity`` (FLOPs per byte moved) of a cost."""
+
+    kv_bytes: float
+    io_bytes: float
+    weight_bytes: float
+    flops: float
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.io_bytes
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte moved."""
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
 @dataclass(frozen=True)
-class StepCost:
+class StepCost(_Traffic):
     """Work of one decode step of attention, over all layers.
 
     ``kv_bytes`` the cache read; ``io_bytes`` the query read and output written; ``flops`` the
@@ -128,15 +146,6 @@ class StepCost:
     io_bytes: float
     weight_bytes: float
     flops: float
-
-    @property
-    def bytes(self) -> float:
-        return self.kv_bytes + self.io_bytes + self.weight_bytes
-
-    @property
-    def intensity(self) -> float:
-        """FLOPs per byte moved."""
-        return self.flops / self.bytes if self.bytes else 0.0
 
 
 def decode_cost(
@@ -182,7 +191,7 @@ def decode_cost(
 # the roofline
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Roofline:
+class Roofline(_Traffic):
     """A step's (or a prefill's) bytes and FLOPs on one GPU and its roofline time.
 
     ``time_s = fixed_s + max(weight_s + kv_s + io_s, flop_s)``: memory traffic and arithmetic overlap,
@@ -201,14 +210,6 @@ class Roofline:
     fixed_s: float = 0.0
     form: str = "expanded"
     ridge: float = 0.0
-
-    @property
-    def bytes(self) -> float:
-        return self.weight_bytes + self.kv_bytes + self.io_bytes
-
-    @property
-    def intensity(self) -> float:
-        return self.flops / self.bytes if self.bytes else 0.0
 
     @property
     def memory_s(self) -> float:

@@ -26,15 +26,12 @@ divided by 2**8, subnormals included (:func:`fp8_bits_to_fp16`); the 2**8 is fol
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from attnbench.backend import StepPlan
 from attnbench.paged import PagedKVCache, PagedStepPlan, cdiv
-from attnbench.shapes import AttentionGeometry
-from attnbench.workload import Workload
 
 __all__ = [
     "FP8_DTYPE",
@@ -142,23 +139,15 @@ class FP8KVCache(PagedKVCache):
     def __init__(
         self,
         *,
-        workload: Workload,
-        geometry: AttentionGeometry,
-        config: Mapping[str, Any],
-        num_layers: int,
-        max_seq_len: int,
         page_size: int,
         granularity: str = "token_head",
         static_scale: float = 1.0,
         page_order: str = "random",
         implementation: str = "torch",
+        **base: Any,
     ) -> None:
         super().__init__(
-            workload=workload,
-            geometry=geometry,
-            config=config,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
+            **base,
             page_size=page_size,
             page_order=page_order,  # type: ignore[arg-type]
             kv_dtype=FP8_DTYPE,
@@ -167,6 +156,7 @@ class FP8KVCache(PagedKVCache):
             raise ValueError(f"fp8 cache: scale granularity {granularity!r} not in {GRANULARITIES}")
         if not static_scale > 0 or not math.isfinite(static_scale):
             raise ValueError(f"fp8 cache: static_scale = {static_scale!r} must be a finite number > 0")
+        geometry, num_layers = self.geometry, self.num_layers
         self.granularity = granularity
         self.static_scale = float(static_scale)
         f32 = {"dtype": torch.float32, "device": self.device}

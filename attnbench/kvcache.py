@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import KVCache, StepPlan
-from attnbench.shapes import AttentionGeometry
+from attnbench.backend import Backend, KVCache, StepPlan
 from attnbench.workload import Workload
 
-__all__ = ["ContiguousKVCache"]
+__all__ = ["ContiguousBackend", "ContiguousKVCache"]
 
 
 class ContiguousKVCache(KVCache):
@@ -21,24 +21,10 @@ class ContiguousKVCache(KVCache):
     SDPA-friendly); ``heads_first=False``: ``k: [L, B, S, Hkv, Dk]`` (flash-attn's layout).
     """
 
-    def __init__(
-        self,
-        *,
-        workload: Workload,
-        geometry: AttentionGeometry,
-        config: Mapping[str, Any],
-        num_layers: int,
-        max_seq_len: int,
-        heads_first: bool = True,
-    ) -> None:
-        super().__init__(
-            workload=workload,
-            geometry=geometry,
-            config=config,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
-        )
-        g, b = geometry, workload.batch
+    def __init__(self, *, heads_first: bool = True, **base: Any) -> None:
+        """``base``: the arguments of :class:`~attnbench.backend.KVCache` (workload, geometry, …)."""
+        super().__init__(**base)
+        g, b, num_layers, max_seq_len = self.geometry, self.batch, self.num_layers, self.max_seq_len
         self.heads_first = heads_first
         dims = (b, g.num_kv_heads, max_seq_len) if heads_first else (b, max_seq_len, g.num_kv_heads)
         kw = {"dtype": self.dtype, "device": self.device}
@@ -69,3 +55,36 @@ class ContiguousKVCache(KVCache):
             else:
                 kc[i, p : p + n] = k[i, :n]
                 vc[i, p : p + n] = v[i, :n]
+
+
+class ContiguousBackend(Backend):
+    """A backend over a :class:`ContiguousKVCache`: it creates the cache (``heads_first`` as the class
+    says), and its decode writes the new token, then attends with :meth:`attend`."""
+
+    heads_first: ClassVar[bool] = True
+
+    def create_cache(
+        self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
+    ) -> ContiguousKVCache:
+        return ContiguousKVCache(
+            workload=workload,
+            geometry=workload.geometry(self.kv_form),
+            config=config,
+            num_layers=num_layers,
+            max_seq_len=max_seq_len,
+            heads_first=self.heads_first,
+        )
+
+    def decode(
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """``q [B, Hq, Dk]``, ``k [B, Hkv, Dk]``, ``v [B, Hkv, Dv]`` → ``[B, Hq, Dv]``."""
+        assert isinstance(cache, ContiguousKVCache)
+        cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
+        return self.attend(cache, plan, layer=layer, q=q)
+
+    @abstractmethod
+    def attend(
+        self, cache: ContiguousKVCache, plan: StepPlan, *, layer: int, q: torch.Tensor
+    ) -> torch.Tensor:
+        """``q [B, Hq, Dk]`` over the first ``plan.seq_lens_after[i]`` tokens of ``layer`` → ``[B, Hq, Dv]``."""

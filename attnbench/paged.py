@@ -34,15 +34,13 @@ stays valid for later steps; ``write`` allocates nothing on the host and does no
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from attnbench.backend import KVCache, StepPlan, base_plan
-from attnbench.shapes import AttentionGeometry
-from attnbench.workload import Workload
 
 if TYPE_CHECKING:
     from attnbench.split_kv import SplitKV
@@ -90,25 +88,16 @@ class PagedKVCache(KVCache):
     def __init__(
         self,
         *,
-        workload: Workload,
-        geometry: AttentionGeometry,
-        config: Mapping[str, Any],
-        num_layers: int,
-        max_seq_len: int,
         page_size: int,
         num_pages: int | None = None,
         page_order: Literal["sequential", "random"] = "sequential",
         seed: int = 0,
         kv_dtype: torch.dtype | None = None,
         share_v: bool = False,
+        **base: Any,
     ) -> None:
-        super().__init__(
-            workload=workload,
-            geometry=geometry,
-            config=config,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
-        )
+        super().__init__(**base)
+        geometry, num_layers, max_seq_len = self.geometry, self.num_layers, self.max_seq_len
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"paged cache: page_size = {page_size!r} must be an integer > 0")
         if page_order not in PAGE_ORDERS:
@@ -211,8 +200,8 @@ class PagedKVCache(KVCache):
         self.slot_buffer[:n].copy_(torch.tensor(slots, dtype=torch.int64))
         if not uniform:
             self.src_buffer[:n].copy_(torch.tensor(src, dtype=torch.int64))
-        return PagedStepPlan(
-            **{f.name: getattr(base, f.name) for f in fields(StepPlan)},
+        return base.extend(
+            PagedStepPlan,
             block_table=self.block_table,
             slots=self.slot_buffer[:n],
             src=None if uniform else self.src_buffer[:n],

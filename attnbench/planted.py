@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import DEFAULT_ERROR_MULTIPLE, KVCache, StepPlan
+from attnbench.backend import DEFAULT_ERROR_MULTIPLE, StepPlan
 from attnbench.backends.naive import NaiveBackend
 from attnbench.kvcache import ContiguousKVCache
 from attnbench.shapes import ModelShape
@@ -56,7 +56,7 @@ def _pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 class Precise(NaiveBackend):
     """Exact attention over a contiguous cache, rounded as carefully as the dtype allows (no bug).
 
-    ``naive``'s cache, plan and append; its own decode, at the default error multiple."""
+    ``naive``'s cache, plan, append and decode; its own attention, at the default error multiple."""
 
     name = "precise"
     description = "float32 scores, softmax and P·V over a contiguous cache (a test fixture)"
@@ -68,11 +68,9 @@ class Precise(NaiveBackend):
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
         return DEFAULT_ERROR_MULTIPLE
 
-    def decode(
-        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def attend(
+        self, cache: ContiguousKVCache, plan: StepPlan, *, layer: int, q: torch.Tensor
     ) -> torch.Tensor:
-        assert isinstance(cache, ContiguousKVCache)
-        cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
         g = cache.geometry
         out = torch.empty(q.shape[0], g.num_q_heads, g.v_head_dim, dtype=torch.float32, device=q.device)
         for i, n in enumerate(plan.seq_lens_after):

@@ -36,7 +36,7 @@ import os
 import re
 import traceback
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -114,14 +114,10 @@ class PluginFailure:
         return f"plugin {self.plugin!r} ({dist}) failed at {self.stage}: {self.error}"
 
     def as_dict(self) -> dict[str, str]:
-        return {
-            "plugin": self.plugin,
-            "distribution": self.distribution,
-            "version": self.version,
-            "stage": self.stage,
-            "error": self.error,
-            "traceback": self.detail,
-        }
+        """The fields, ``detail`` under the name ``traceback``."""
+        record = asdict(self)
+        record["traceback"] = record.pop("detail")
+        return record
 
 
 @dataclass

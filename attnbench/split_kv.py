@@ -13,7 +13,7 @@ backend and config). :func:`decode_split_kv` is capturable.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,8 +89,8 @@ def plan_split_kv(cache: PagedKVCache, num_new: Sequence[int]) -> SplitKVPlan:
     splits = state.splits_for(
         batch=cache.batch, kv_heads=cache.geometry.num_kv_heads, bucket=bucket, device=cache.device
     )
-    return SplitKVPlan(
-        **{f.name: getattr(plan, f.name) for f in fields(PagedStepPlan)},
+    return plan.extend(
+        SplitKVPlan,
         bucket=bucket,
         num_splits=splits,
         part_o=state.part_o,

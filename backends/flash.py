@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -123,17 +123,13 @@ class FlashBackend(ResolvingBackend):
         """Host work once per step; may allocate (the int32 lengths, a ragged batch's mask)."""
         assert isinstance(cache, FlashCache)
         base = base_plan(cache, num_new)
-        plan = FlashPlan(**{f.name: getattr(base, f.name) for f in fields(StepPlan)})
+        plan = base.extend(FlashPlan)
         if cache.implementation == FLASH_ATTN:
             plan.cache_seqlens = plan.device_positions.to(torch.int32)
         elif len(set(plan.seq_lens_after)) > 1:
             cols = torch.arange(max(plan.seq_lens_after), device=cache.device)
             plan.keep = (cols[None, :] < plan.device_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
         return plan
-
-    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        assert isinstance(cache, ContiguousKVCache)
-        cache.write(plan, layer=layer, k=k, v=v)
 
     def decode(
         self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

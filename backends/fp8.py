@@ -41,7 +41,7 @@ sequence, so it is not.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -254,9 +254,7 @@ def _plan_torch(cache: FP8KVCache, base: PagedStepPlan) -> FP8TorchPlan:
         n = b * s * g.num_kv_heads * d
         views[f"{name}8"] = cache.gather_bytes[name][:n].view(b * n_pages, cache.page_size, -1)
         views[f"{name}16"] = cache.gather_fp16[name][:n].view(b, g.num_kv_heads, s, d)
-    return FP8TorchPlan(
-        **{f.name: getattr(base, f.name) for f in fields(PagedStepPlan)}, pages=pages, masked=masked, **views
-    )
+    return base.extend(FP8TorchPlan, pages=pages, masked=masked, **views)
 
 
 def _dequant_pages(cache: FP8KVCache, plan: FP8TorchPlan, layer: int, name: str, work: torch.dtype):

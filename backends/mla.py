@@ -31,7 +31,7 @@ rows (the absorbed form).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -229,14 +229,7 @@ class MLABackend(ResolvingBackend):
         index.copy_(cache.block_table[:, :pages])
         pad = cache.pad_buffer[: b * s].view(b, 1, s)
         torch.ge(cache.columns[None, :s], plan.device_lens[:, None], out=pad[:, 0])
-        return MLATorchPlan(
-            **{f.name: getattr(plan, f.name) for f in fields(PagedStepPlan)}, pages=index, pad=pad
-        )
-
-    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the latent rows ``k [B, T, 1, rank + rope]``; ``v`` is their prefix and is not stored."""
-        assert isinstance(cache, PagedKVCache)
-        cache.write(plan, layer=layer, k=k, v=v)
+        return plan.extend(MLATorchPlan, pages=index, pad=pad)
 
     def decode(
         self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

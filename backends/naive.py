@@ -21,13 +21,14 @@ K/V to the step's lengths (host integers) and ``plan()`` may allocate (the ragge
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import Backend, KVCache, StepPlan, base_plan
-from attnbench.kvcache import ContiguousKVCache
+from attnbench.backend import KVCache, StepPlan, base_plan
+from attnbench.kvcache import ContiguousBackend, ContiguousKVCache
+from attnbench.shapes import AttentionGeometry
 from attnbench.workload import Workload
 
 
@@ -38,7 +39,7 @@ class NaivePlan(StepPlan):
     mask: torch.Tensor | None = None
 
 
-class NaiveBackend(Backend):
+class NaiveBackend(ContiguousBackend):
     name = "naive"
     description = "plain torch matmul + softmax over a contiguous cache (the baseline)"
     tunables = ()
@@ -62,22 +63,10 @@ class NaiveBackend(Backend):
             return [f"dtype {workload.dtype_name} not in (fp32, fp16, bf16)"]
         return []
 
-    def create_cache(
-        self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
-    ) -> ContiguousKVCache:
-        return ContiguousKVCache(
-            workload=workload,
-            geometry=workload.geometry(self.kv_form),
-            config=config,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
-            heads_first=True,
-        )
-
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> NaivePlan:
         """Host work once per step; allocates the ragged-batch mask on CUDA (not capturable)."""
         base = base_plan(cache, num_new)
-        plan = NaivePlan(**{f.name: getattr(base, f.name) for f in fields(StepPlan)})
+        plan = base.extend(NaivePlan)
         s = max(plan.seq_lens_after)
         if cache.device.type == "cuda" and len(set(plan.seq_lens_after)) > 1:
             # ragged batch on the batched path: mask the tail of shorter sequences, once per step
@@ -85,30 +74,16 @@ class NaiveBackend(Backend):
             plan.mask = (cols[None, :] >= plan.device_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
         return plan
 
-    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        assert isinstance(cache, ContiguousKVCache)
-        cache.write(plan, layer=layer, k=k, v=v)
-
-    def decode(
-        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def attend(
+        self, cache: ContiguousKVCache, plan: StepPlan, *, layer: int, q: torch.Tensor
     ) -> torch.Tensor:
-        assert isinstance(cache, ContiguousKVCache)
-        cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
-        g = cache.geometry
-        b = q.shape[0]
         if cache.device.type != "cuda":
             return self._decode_per_head(cache, plan, layer=layer, q=q)
         s = max(plan.seq_lens_after)
-        keys = cache.k[layer, :, :, :s]  # [B, Hkv, S, Dk]
-        values = cache.v[layer, :, :, :s]  # [B, Hkv, S, Dv]
-        qg = q.view(b, g.num_kv_heads, g.group_size, g.qk_head_dim)  # [B, Hkv, G, Dk]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * g.scale  # [B, Hkv, G, S]
         mask = plan.mask if isinstance(plan, NaivePlan) else None
-        if mask is not None:
-            scores = scores.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)  # [B, Hkv, G, Dv]
-        return out.view(b, g.num_q_heads, g.v_head_dim)
+        return grouped_attention(
+            q, cache.k[layer, :, :, :s], cache.v[layer, :, :, :s], cache.geometry, mask=mask
+        )
 
     def _decode_per_head(
         self, cache: ContiguousKVCache, plan: StepPlan, *, layer: int, q: torch.Tensor
@@ -125,3 +100,25 @@ class NaiveBackend(Backend):
                 probs = torch.softmax(scores, dim=-1).to(values.dtype)
                 torch.matmul(probs, values[i, h, :s], out=out[i, h])  # [G, Dv]
         return out.view(b, g.num_q_heads, g.v_head_dim)
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    geometry: AttentionGeometry,
+    *,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """``q [B, Hq, Dk]`` over ``keys [B, Hkv, S, Dk]``, ``values [B, Hkv, S, Dv]`` → ``[B, Hq, Dv]``: batched
+    matmuls with the query heads of one KV head grouped (K/V never repeated), float32 scores and
+    softmax; ``mask`` (broadcast to ``[B, Hkv, G, S]``) is True where a position is left out."""
+    g = geometry
+    b = q.shape[0]
+    qg = q.view(b, g.num_kv_heads, g.group_size, g.qk_head_dim)  # [B, Hkv, G, Dk]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * g.scale  # [B, Hkv, G, S]
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [B, Hkv, G, Dv]
+    return out.view(b, g.num_q_heads, g.v_head_dim)

@@ -138,10 +138,6 @@ class TritonPagedBackend(ResolvingBackend):
         assert isinstance(cache, PagedKVCache)
         return plan_split_kv(cache, num_new)
 
-    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        assert isinstance(cache, PagedKVCache)
-        cache.write(plan, layer=layer, k=k, v=v)
-
     # -- the step --------------------------------------------------------------------------------
     def decode(
         self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

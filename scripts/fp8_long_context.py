@@ -14,13 +14,11 @@ held to a calibrated bound). Accuracy only (nothing is timed). Writes ``<out>.js
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
-from attnbench.cli.common import command_line, run_record
+from attnbench.cli.common import command_line, run_record, write_report
 from attnbench.gate import check, prepare_case
 from attnbench.registry import load_registry
 from attnbench.shapes import load_shape
@@ -79,9 +77,6 @@ def main() -> int:
         "implementation": fp8.implementation(Workload(shape, (64,), args.dtype, "cpu")),
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     md = [
         "# fp8 (e4m3) KV cache at long context",
         "",
@@ -103,7 +98,7 @@ def main() -> int:
             f"{r['max_abs_worst']:.3g} | {r['cosine_worst']:.5f} | {r['stored_rel_l2_worst']:.3g} | "
             f"{r['gate_passed']} / {r['seeds']} |"
         )
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_report(args.out, report, "\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 

@@ -11,14 +11,12 @@ measurement) against the trial's wall time and the tune's. Run it on a quiet mac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from attnbench.cli.common import command_line, run_record
+from attnbench.cli.common import command_line, run_record, write_report
 from attnbench.cli.tune import DEFAULT_BATCH, DEFAULT_CONTEXT
 from attnbench.shapes import load_shape
 from attnbench.tuning import TuneOptions, tune
@@ -78,9 +76,6 @@ def main() -> int:
         "gate_share": gate / total if total else None,
         "trials": trials,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     md = [
         "# The correctness gate's share of a tune",
         "",
@@ -98,7 +93,7 @@ def main() -> int:
         gate_s = f"{t['gate_s']:.2f}" if t["gate_s"] is not None else "—"
         step = f"{t['step_ms']:.3g}" if t["step_ms"] is not None else "—"
         md.append(f"| {t['key']} | {t['candidate']} | {verdict} | {gate_s} | {step} |")
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_report(args.out, report, "\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 

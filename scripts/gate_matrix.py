@@ -21,17 +21,15 @@ machine, the date and the load average (accuracy only: no timing, so load does n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run interpreted on a CPU (checked only)
 
 import torch
 
-from attnbench.cli.common import command_line, run_record
+from attnbench.cli.common import command_line, run_record, write_report
 from attnbench.gate import check, prepare_case
 from attnbench.planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
 from attnbench.registry import load_registry
@@ -144,10 +142,7 @@ def main() -> int:
                 )
     command = command_line(args, parser=ap, prog="python scripts/gate_matrix.py")
     report = run_record(command=command, load_start=load_start, started=start) | {"cells": cells}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(_markdown(report))
+    write_report(args.out, report, _markdown(report))
     bad = [
         c
         for c in cells

@@ -11,7 +11,8 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -34,6 +35,7 @@ __all__ = [
     "sigterm_as_interrupt",
     "timing_options",
     "workloads_from_args",
+    "write_report",
 ]
 
 
@@ -196,6 +198,14 @@ def run_record(*, command: str, load_start: Sequence[float], started: float | No
     if started is not None:
         record["seconds"] = round(time.time() - started, 1)
     return record
+
+
+def write_report(out: str | Path, report: Mapping[str, Any], markdown: str, *, indent: int = 1) -> None:
+    """Write a saved result: ``report`` to ``<out>.json`` and ``markdown`` to ``<out>.md`` (folder made)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=indent) + "\n")
+    out.with_suffix(".md").write_text(markdown)
 
 
 def workloads_from_args(args: argparse.Namespace) -> list[Workload]:

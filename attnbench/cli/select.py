@@ -1,4 +1,13 @@
-"""``attnbench select`` — which backend and config this device should use for a workload, and why."""
+"""``attnbench select`` — the backend and config to use for a workload (tuned table, else roofline heuristic).
+
+Answer from this device's dispatch map (interpolated between tuned points) or tuned results table (the
+nearest batch/context bucket of the same model and dtype), found in the results location `attnbench
+tune` printed; beyond the tuned region from the calibrated step-time models (`attnbench calibrate`),
+and when nothing is tuned from a roofline heuristic: the candidate that reads the fewest KV-cache
+bytes, ties going to the default backend (flash, else naive). A candidate that failed the correctness
+gate is never chosen, a lossy KV cache (fp8) only with --allow-lossy; a table from another device is
+refused.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import warnings
 from rich.table import Table
 
 from attnbench.cli.common import (
+    add_command,
     add_model_option,
     add_workload_options,
     console,
@@ -18,19 +28,7 @@ from attnbench.select import select
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "select",
-        help="the backend and config to use for a workload (tuned table, else roofline heuristic)",
-        description=(
-            "Answer from this device's dispatch map (interpolated between tuned points) or tuned results "
-            "table (the nearest batch/context bucket of the same model and dtype), found in the results "
-            "location `attnbench tune` printed; beyond the tuned region from the calibrated step-time "
-            "models (`attnbench calibrate`), and when nothing is tuned from a roofline heuristic: the candidate that reads "
-            "the fewest KV-cache bytes, ties going to the default backend (flash, else naive). A candidate that "
-            "failed the correctness gate is never chosen, a lossy KV cache (fp8) only with --allow-lossy; a table from "
-            "another device is refused."
-        ),
-    )
+    p = add_command(sub, "select", __doc__)
     add_model_option(p, required=True)
     add_workload_options(p, batch="1", context="4096")
     p.add_argument(

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from attnbench.backend import Backend, KVCache, StepPlan, Tunable, base_plan
-from attnbench.kvcache import ContiguousKVCache
+from attnbench.backend import KVCache, StepPlan, Tunable, base_plan
+from attnbench.kvcache import ContiguousBackend, ContiguousKVCache
 from attnbench.workload import Workload
 
 IMPLEMENTATION = "torch.compile(flex_attention)"
@@ -135,7 +135,7 @@ class FlexKVCache(ContiguousKVCache):
         self.kv_indices[:, 0, 0, 0].copy_(full.clamp(max=self.kv_indices.shape[-1] - 1))
 
 
-class FlexBackend(Backend):
+class FlexBackend(ContiguousBackend):
     name = "flex"
     description = (
         "FlexAttention compiled by torch.compile; block mask for ragged lengths (compile time kept apart)"
@@ -220,14 +220,9 @@ class FlexBackend(Backend):
         cache.set_lengths(plan.device_lens)
         return plan
 
-    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        assert isinstance(cache, FlexKVCache)
-        cache.write(plan, layer=layer, k=k, v=v)
-
-    def decode(
-        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def attend(
+        self, cache: ContiguousKVCache, plan: StepPlan, *, layer: int, q: torch.Tensor
     ) -> torch.Tensor:
-        """``q [B, Hq, Dk]``, ``k [B, Hkv, Dk]``, ``v [B, Hkv, Dv]`` → ``[B, Hq, Dv]``; never compiles."""
+        """The decode step's attention (``decode`` wrote the token first); never compiles."""
         assert isinstance(cache, FlexKVCache)
-        cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
         return self._attend(cache, layer, q)

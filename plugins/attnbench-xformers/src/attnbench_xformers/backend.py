@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from attnbench.backend import Backend, KVCache, StepPlan, Tunable, base_plan
-from attnbench.kvcache import ContiguousKVCache
+from attnbench.backend import KVCache, StepPlan, Tunable, base_plan
+from attnbench.kvcache import ContiguousBackend, ContiguousKVCache
 from attnbench.workload import Workload
 
 SPLITS = (2, 4, 8, 16, 32)
@@ -117,12 +117,13 @@ class XformersPlan(StepPlan):
     attn_bias: Any = None
 
 
-class XformersBackend(Backend):
+class XformersBackend(ContiguousBackend):
     name = "xformers"
     description = (
         "xformers memory_efficient_attention (split-KV decode via triton_splitk) over a padded cache"
     )
     tunables = (Tunable("op", OPS, "auto", "xformers forward operator; auto = xformers' dispatcher"),)
+    heads_first = False  # [L, B, S, Hkv, D]: each sequence is one padded block of B*S rows
 
     def _refusal(self, workload: Workload, op: str = "auto") -> str | None:
         g = workload.geometry(self.kv_form)
@@ -151,32 +152,19 @@ class XformersBackend(Backend):
         err = self._refusal(workload, cfg["op"])
         if err:
             raise ValueError(f"backend 'xformers' cannot run {workload.describe()}: {err}")
-        return ContiguousKVCache(
-            workload=workload,
-            geometry=workload.geometry(self.kv_form),
-            config=cfg,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
-            heads_first=False,  # [L, B, S, Hkv, D]: each sequence is one padded block of B*S rows
-        )
+        return super().create_cache(workload, config=cfg, num_layers=num_layers, max_seq_len=max_seq_len)
 
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> XformersPlan:
         base = base_plan(cache, num_new)
-        plan = XformersPlan(**{f.name: getattr(base, f.name) for f in fields(StepPlan)})
+        plan = base.extend(XformersPlan)
         if plan.max_new == 1:
             plan.attn_bias = _attn_bias(plan.seq_lens_after, cache.max_seq_len, cache.device)
         return plan
 
-    def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        assert isinstance(cache, ContiguousKVCache)
-        cache.write(plan, layer=layer, k=k, v=v)
-
-    def decode(
-        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def attend(
+        self, cache: ContiguousKVCache, plan: StepPlan, *, layer: int, q: torch.Tensor
     ) -> torch.Tensor:
-        """``q [B, Hq, Dk]``, ``k [B, Hkv, Dk]``, ``v [B, Hkv, Dv]`` → ``[B, Hq, Dv]``."""
-        assert isinstance(cache, ContiguousKVCache)
-        cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
+        assert isinstance(plan, XformersPlan)
         return _attend(
             q,
             cache.k[layer],
