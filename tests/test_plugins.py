@@ -26,6 +26,8 @@ from fake_plugins import plugin_source, pythonpath, write_fake_dist
 
 from attnbench import Workload, check, load_registry
 from attnbench.registry import SUPPORTED_PLUGIN_API, Registry
+from attnbench.tuning.margin import Interval, decide
+from attnbench.tuning.summary import candidate_label
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEX_SRC = ROOT / "plugins" / "attnbench-flex"
@@ -381,7 +383,7 @@ def test_cuda_flex(flex_site: Path) -> None:
 
 
 def test_installed_flex_plugin_takes_part_in_tune(flex_site: Path, tmp_path: Path) -> None:
-    """A small ``attnbench tune``: every flex config is checked, timed in a worker, and can win."""
+    """A small ``attnbench tune``: every flex config is checked, timed in a worker, and decided by the margin policy."""
     args = ["tune", "--model", "tiny-gqa", "--batch", "2", "--context", "256", "--dtype", "fp32"]
     args += ["--backends", "naive,flex", "--results", str(tmp_path), "--repeats", "3", "--max-seconds", "2"]
     args += [
@@ -397,13 +399,12 @@ def test_installed_flex_plugin_takes_part_in_tune(flex_site: Path, tmp_path: Pat
     for c in flex:  # passed the correctness gate and was timed
         assert "failed" not in c and c["step_ms"] > 0, c
         assert c["implementation"] == "torch.compile(flex_attention)[cpu]"
-    # the winner is the fastest correct candidate unless it beats the default by less than the margin
-    fastest = min(entry["candidates"], key=lambda c: c.get("step_ms", float("inf")))
-    default = entry["default"]
-    if fastest["step_ms"] < default["step_ms"] / (1 + entry["switch_margin"]):
-        assert entry["winner"] == fastest
-    else:
-        assert entry["winner"]["backend"] == default["backend"]
+    # the winner is the one margin policy's verdict over the re-timed finalists' intervals: the
+    # fastest only when it beats the default by the switch margin beyond both intervals, else a tie
+    timed = {candidate_label(c): Interval(**c["interval"]) for c in entry["candidates"] if "interval" in c}
+    assert len(timed) >= 3 and candidate_label(entry["default"]) in timed, entry["candidates"]
+    verdict = decide(timed, default=candidate_label(entry["default"]), margin=entry["switch_margin"])
+    assert candidate_label(entry["winner"]) == verdict.winner and entry["tie"] == verdict.tie, entry
     table = Path(data["table"]).read_text()
     assert "flex" in table
 
