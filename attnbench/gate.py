@@ -307,26 +307,21 @@ class Judge:
 
     def tolerances(self) -> tuple[Tolerance, Tolerance | None]:
         """The bound against exact attention, and (lossy caches) against the stored K/V."""
-        lossy = self.stored is not None
-        if lossy:
-            exact_tol = self.backend.tolerance(self.dtype)
-        else:
-            exact_tol = calibrated_tolerance(
-                self.calib.stats(),
+
+        def calibrated(calib: _Worst, acc: _Worst) -> Tolerance:
+            return calibrated_tolerance(
+                calib.stats(),
                 multiple=self.multiple,
                 dtype=self.dtype,
-                ref_max=self.exact.ref_max,
-                tokens=self.exact.tokens,
+                ref_max=acc.ref_max,
+                tokens=acc.tokens,
             )
+
+        lossy = self.stored is not None
+        exact_tol = self.backend.tolerance(self.dtype) if lossy else calibrated(self.calib, self.exact)
         stored_tol = None
         if self.stored is not None and self.stored_calib is not None:
-            stored_tol = calibrated_tolerance(
-                self.stored_calib.stats(),
-                multiple=self.multiple,
-                dtype=self.dtype,
-                ref_max=self.stored.ref_max,
-                tokens=self.stored.tokens,
-            )
+            stored_tol = calibrated(self.stored_calib, self.stored)
         return exact_tol, stored_tol
 
     def failures(self) -> tuple[list[str], float, tuple[str, ...]]:

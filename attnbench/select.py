@@ -142,7 +142,22 @@ class Selector:
         bandwidth: float | None = None,
         allow_lossy: bool = False,
     ) -> Choice:
-        """See :func:`select`."""
+        """The backend and config to use for ``workload`` (or ``model`` + ``batch`` + ``context`` + ``dtype``).
+
+        Args:
+            device: ``"auto"`` (CUDA when available, else CPU; the default), ``"cuda"`` or ``"cpu"``.
+            results_dir: where the tuned tables live (default: ``$ATTNBENCH_RESULTS_DIR``, else the
+                per-user ``$XDG_DATA_HOME/attnbench``, see :mod:`attnbench.locations`); a folder given
+                here that does not exist raises :class:`~attnbench.locations.ResultsLocationError`.
+            table: a specific table file instead (it must exist; refused with
+                :class:`~attnbench.tuning.DeviceMismatchError` when tuned on another device).
+            registry: the backends to choose from (default: the full registry).
+            bandwidth: bytes/s for the heuristic's roofline (default: the device profile's, measured once).
+            allow_lossy: a lossy KV cache (``Backend.lossy``, e.g. fp8 K/V) may be chosen — from the table
+                when it was measured fastest, never by the heuristic; the choice then says it is lossy.
+
+        Answers from memory after the first call (see :class:`Selector`).
+        """
         reg = registry if registry is not None else self._registry_now()
         workload, shape_hash, dname, b, c = self._workload(workload, model, batch, context, dtype, device)
         fp, fp_id, hw = self._device(workload.device)
@@ -455,46 +470,5 @@ class Selector:
 default_selector = Selector()
 
 
-def select(
-    workload: Workload | None = None,
-    *,
-    model: str | ModelShape | None = None,
-    batch: int | None = None,
-    context: int | str | None = None,
-    dtype: str | torch.dtype = "bf16",
-    device: str = "auto",
-    results_dir: str | Path | None = None,
-    table: str | Path | None = None,
-    registry: Registry | None = None,
-    bandwidth: float | None = None,
-    allow_lossy: bool = False,
-) -> Choice:
-    """The backend and config to use for ``workload`` (or ``model`` + ``batch`` + ``context`` + ``dtype``).
-
-    Args:
-        device: ``"auto"`` (CUDA when available, else CPU; the default), ``"cuda"`` or ``"cpu"``.
-        results_dir: where the tuned tables live (default: ``$ATTNBENCH_RESULTS_DIR``, else the
-            per-user ``$XDG_DATA_HOME/attnbench``, see :mod:`attnbench.locations`); a folder given
-            here that does not exist raises :class:`~attnbench.locations.ResultsLocationError`.
-        table: a specific table file instead (it must exist; refused with
-            :class:`~attnbench.tuning.DeviceMismatchError` when tuned on another device).
-        registry: the backends to choose from (default: the full registry).
-        bandwidth: bytes/s for the heuristic's roofline (default: the device profile's, measured once).
-        allow_lossy: a lossy KV cache (``Backend.lossy``, e.g. fp8 K/V) may be chosen — from the table
-            when it was measured fastest, never by the heuristic; the choice then says it is lossy.
-
-    Answers from memory after the first call (see :class:`Selector`).
-    """
-    return default_selector.select(
-        workload,
-        model=model,
-        batch=batch,
-        context=context,
-        dtype=dtype,
-        device=device,
-        results_dir=results_dir,
-        table=table,
-        registry=registry,
-        bandwidth=bandwidth,
-        allow_lossy=allow_lossy,
-    )
+#: The backend and config to use for a workload: :meth:`Selector.select` of :data:`default_selector`.
+select = default_selector.select

@@ -309,12 +309,8 @@ class CpuDecodeBackend(Backend):
             threads=threads,
             max_len=max(base.seq_lens_after),
         )
-        return CpuDecodePlan(
-            num_new=base.num_new,
-            positions=base.positions,
-            seq_lens_after=base.seq_lens_after,
-            device_lens=base.device_lens,
-            device_positions=base.device_positions,
+        return base.extend(
+            CpuDecodePlan,
             positions32=cache.positions32,
             num_new32=cache.num_new32,
             seq_lens32=cache.seq_lens32,

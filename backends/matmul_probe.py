@@ -14,12 +14,11 @@ which is why it is a probe and not a backend.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields
 
 import torch
 
 from attnbench.backend import KVCache, StepPlan, base_plan
-from attnbench.backends.naive import NaiveBackend, NaivePlan
+from attnbench.backends.naive import NaiveBackend, NaivePlan, grouped_attention
 from attnbench.kvcache import ContiguousKVCache
 from attnbench.workload import Workload
 
@@ -37,19 +36,10 @@ class MatmulProbeBackend(NaiveBackend):
         base = base_plan(cache, num_new)
         cols = torch.arange(cache.max_seq_len, device=cache.device)
         mask = (cols[None, :] >= base.device_lens[:, None])[:, None, None, :]  # [B, 1, 1, S_max]
-        return NaivePlan(**{f.name: getattr(base, f.name) for f in fields(StepPlan)}, mask=mask)
+        return base.extend(NaivePlan, mask=mask)
 
-    def decode(
-        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def attend(
+        self, cache: ContiguousKVCache, plan: StepPlan, *, layer: int, q: torch.Tensor
     ) -> torch.Tensor:
-        assert isinstance(cache, ContiguousKVCache)
-        cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
-        g = cache.geometry
-        b = q.shape[0]
-        qg = q.view(b, g.num_kv_heads, g.group_size, g.qk_head_dim)  # [B, Hkv, G, Dk]
-        scores = torch.matmul(qg, cache.k[layer].transpose(-1, -2)).float() * g.scale  # [B, Hkv, G, S_max]
         assert isinstance(plan, NaivePlan) and plan.mask is not None
-        scores = scores.masked_fill(plan.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(cache.dtype)
-        out = torch.matmul(probs, cache.v[layer])  # [B, Hkv, G, Dv]
-        return out.view(b, g.num_q_heads, g.v_head_dim)
+        return grouped_attention(q, cache.k[layer], cache.v[layer], cache.geometry, mask=plan.mask)

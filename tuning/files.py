@@ -12,17 +12,18 @@ from pathlib import Path
 __all__ = ["locked", "write_atomically"]
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it, with the mode the umask gives
-    a new file (``mkstemp`` would give 0600); the temporary file never outlives a failure."""
-    umask = _umask()
+def write_atomically(path: Path, text: str | bytes, *, mode: int | None = None) -> None:
+    """Write ``text`` (or bytes) to ``path`` through a temporary file beside it, with ``mode``, by
+    default the mode the umask gives a new file (``mkstemp`` would give 0600); the temporary file
+    never outlives a failure."""
+    mode = 0o666 & ~_umask() if mode is None else mode
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

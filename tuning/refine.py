@@ -18,6 +18,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from attnbench.tuning.dispatch import DispatchMap, GridPoint, MapCandidate
 from attnbench.tuning.margin import SWITCH_MARGIN, Interval, beats, decide
@@ -86,6 +87,29 @@ def _midpoint(lo: int, hi: int, *, resolution: float) -> int | None:
     return mid if lo < mid < hi else None
 
 
+def _splits(
+    m: DispatchMap,
+    along: Sequence[int],
+    across: Sequence[int],
+    key: Callable[[int, int], tuple[int, int]],
+    *,
+    resolution: float,
+) -> set[int]:
+    """Midpoints of neighbouring values of ``along`` (one axis) between which the winner changes
+    significantly at some value of ``across`` (the other); ``key(a, x)`` is the grid key of a point."""
+    new: set[int] = set()
+    for lo, hi in pairwise(along):
+        mid = _midpoint(lo, hi, resolution=resolution)
+        if mid is not None and any(
+            key(lo, x) in m.points
+            and key(hi, x) in m.points
+            and significant(m.points[key(lo, x)], m.points[key(hi, x)], margin=m.switch_margin)
+            for x in across
+        ):
+            new.add(mid)
+    return new
+
+
 def _neighbours(m: DispatchMap, b: int, c: int) -> list[GridPoint]:
     """Measured points next to (b, c) along each axis (the nearest on each side)."""
     out: list[GridPoint] = []
@@ -141,28 +165,8 @@ def refine_map(
     added_c: list[int] = []
     while True:
         evaluations += _fill(m, measure, max_points=max_points, on_point=on_point)
-        new_b: set[int] = set()
-        new_c: set[int] = set()
-        for i in range(len(m.batches) - 1):
-            b0, b1 = m.batches[i], m.batches[i + 1]
-            mid = _midpoint(b0, b1, resolution=resolution)
-            if mid is not None and any(
-                (b0, c) in m.points
-                and (b1, c) in m.points
-                and significant(m.points[(b0, c)], m.points[(b1, c)], margin=m.switch_margin)
-                for c in m.contexts
-            ):
-                new_b.add(mid)
-        for j in range(len(m.contexts) - 1):
-            c0, c1 = m.contexts[j], m.contexts[j + 1]
-            mid = _midpoint(c0, c1, resolution=resolution)
-            if mid is not None and any(
-                (b, c0) in m.points
-                and (b, c1) in m.points
-                and significant(m.points[(b, c0)], m.points[(b, c1)], margin=m.switch_margin)
-                for b in m.batches
-            ):
-                new_c.add(mid)
+        new_b = _splits(m, m.batches, m.contexts, lambda b, c: (b, c), resolution=resolution)
+        new_c = _splits(m, m.contexts, m.batches, lambda c, b: (b, c), resolution=resolution)
         if not (new_b or new_c) or len(m.points) >= max_points:
             break
         rounds += 1

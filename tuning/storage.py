@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import threading
 import time
 import warnings
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+
+from attnbench.tuning.files import write_atomically
 
 __all__ = [
     "JOURNAL_NAME",
@@ -134,19 +135,7 @@ def repair_journal(path: Path) -> str:
 
 
 def _replace_bytes(path: Path, data: bytes) -> None:
-    mode = path.stat().st_mode & 0o7777
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, data, mode=path.stat().st_mode & 0o7777)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -247,12 +247,8 @@ class VllmCpuBackend(Backend):
             enable_kv_split=bool(cache.config["kv_split"]),
             kv_cache_dtype=cache.kv_cache_dtype,
         )
-        return VllmStepPlan(
-            num_new=base.num_new,
-            positions=base.positions,
-            seq_lens_after=base.seq_lens_after,
-            device_lens=base.device_lens,
-            device_positions=base.device_positions,
+        return base.extend(
+            VllmStepPlan,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             slot_mapping=slot_mapping,
