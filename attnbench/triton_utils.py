@@ -360,7 +360,15 @@ def _load_kernel(ref: Mapping[str, str]) -> Any:
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot load kernel {ref['name']} from {ref['file']}")
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        folder = str(Path(ref["file"]).parent)  # as for a script: the file's own folder is importable
+        added = folder not in sys.path
+        if added:
+            sys.path.insert(0, folder)
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            if added:
+                sys.path.remove(folder)
     return getattr(module, ref["name"])
 
 
