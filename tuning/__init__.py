@@ -11,6 +11,7 @@ and, at run time, :func:`attnbench.select` reads the table this writes.
 
 from __future__ import annotations
 
+from attnbench.tuning import study
 from attnbench.tuning.key import TuningKey, bucket_distance
 from attnbench.tuning.space import (
     DEFAULT_BACKENDS,
@@ -24,16 +25,7 @@ from attnbench.tuning.space import (
     load_backend_class,
 )
 from attnbench.tuning.storage import StorageError, repair_journal
-from attnbench.tuning.study import (
-    JOURNAL_NAME,
-    KeyResult,
-    StudyPlan,
-    TrialRecord,
-    TuneOptions,
-    open_storage,
-    plan_studies,
-    run_study,
-)
+from attnbench.tuning.study import *  # noqa: F403  (the study API, as study.__all__ names it)
 from attnbench.tuning.table import (
     SWITCH_MARGIN,
     CandidateResult,
@@ -51,24 +43,19 @@ from attnbench.tuning.worker import Outcome, Worker, WorkerTask, evaluate
 
 __all__ = [
     "DEFAULT_BACKENDS",
-    "JOURNAL_NAME",
     "SWITCH_MARGIN",
     "BackendRef",
     "Candidate",
     "CandidateResult",
     "DeviceMismatchError",
     "Excluded",
-    "KeyResult",
     "Outcome",
     "ResultsTable",
     "SearchSpace",
     "StorageError",
-    "StudyPlan",
     "TableEntry",
     "TableError",
     "TableReadError",
-    "TrialRecord",
-    "TuneOptions",
     "TuneReport",
     "TuningKey",
     "Worker",
@@ -81,11 +68,9 @@ __all__ = [
     "evaluate",
     "hardware_id",
     "load_backend_class",
-    "open_storage",
-    "plan_studies",
     "repair_journal",
-    "run_study",
     "summarize",
     "table_path",
     "tune",
 ]
+__all__ += study.__all__
