@@ -15,9 +15,7 @@ from rich.table import Table
 
 from attnbench.backend import Backend
 from attnbench.cli.common import (
-    add_command,
-    add_model_option,
-    add_workload_options,
+    add_query_command,
     console,
     emit_json,
     workloads_from_args,
@@ -27,9 +25,7 @@ from attnbench.workload import Workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(sub, "backends", __doc__)
-    add_model_option(p)
-    add_workload_options(p, batch="1", context="4096")
+    p = add_query_command(sub, "backends", __doc__)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 

@@ -25,6 +25,7 @@ __all__ = [
     "add_command",
     "add_device_option",
     "add_model_option",
+    "add_query_command",
     "add_workload_options",
     "command_line",
     "console",
@@ -89,6 +90,18 @@ def add_workload_options(
         help=f"compute/KV dtypes, comma-separated: bf16, fp16, fp32 (default {dtype})",
     )
     add_device_option(parser)
+
+
+def add_query_command(
+    sub: argparse._SubParsersAction, name: str, doc: str | None, *, model_required: bool = False
+) -> argparse.ArgumentParser:
+    """The parser of a command that answers about workloads without running them (``backends``,
+    ``select``): :func:`add_command` with ``--model`` and the workload options at one batch and a 4k
+    context (``--batch 1 --context 4096``)."""
+    p = add_command(sub, name, doc)
+    add_model_option(p, required=model_required)
+    add_workload_options(p, batch="1", context="4096")
+    return p
 
 
 def add_device_option(parser: argparse.ArgumentParser, *, what: str = "torch device") -> None:

@@ -17,9 +17,7 @@ import warnings
 from rich.table import Table
 
 from attnbench.cli.common import (
-    add_command,
-    add_model_option,
-    add_workload_options,
+    add_query_command,
     console,
     emit_json,
     workloads_from_args,
@@ -28,9 +26,7 @@ from attnbench.select import select
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(sub, "select", __doc__)
-    add_model_option(p, required=True)
-    add_workload_options(p, batch="1", context="4096")
+    p = add_query_command(sub, "select", __doc__, model_required=True)
     p.add_argument(
         "--results",
         metavar="DIR",
