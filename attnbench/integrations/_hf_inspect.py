@@ -4,12 +4,15 @@
 registered in transformers' ``AttentionInterface``: every layer's call shows its head counts, head
 dims, softmax scale and the extra arguments it passes (``sliding_window``, ``softcap``, ``s_aux``,
 ``position_bias``, ``is_causal``). :func:`refusals` turns what cannot run exactly into reasons, each
-naming the feature and the layer. Nothing here depends on one model family.
+naming the feature and the layer. Nothing here depends on one model family. :func:`attention_function`
+is transformers' calling convention for an attention function, written once: the probe here and
+attnbench's own attention function (``attnbench.integrations.transformers``) take an :class:`AttentionCall`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +22,9 @@ from attnbench.models.base import UnsupportedModelError
 from attnbench.shapes import ModelShape
 
 __all__ = [
+    "AttentionCall",
     "LayerAttention",
+    "attention_function",
     "inspect_attention",
     "model_name",
     "model_shape",
@@ -48,6 +53,43 @@ class LayerAttention:
     softcap: float | None
     sinks: bool
     position_bias: bool
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One call of transformers to a registered attention function: ``query [B, Hq, T, Dk]``,
+    ``key [B, Hkv, S, Dk]``, ``value [B, Hkv, S, Dv]``, the mask, the softmax scale and dropout the
+    module passed, and its other keyword arguments (``sliding_window``, ``softcap``, ``s_aux``, …)."""
+
+    module: Any
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attention_mask: torch.Tensor | None
+    scaling: float | None
+    dropout: float
+    options: dict[str, Any]
+
+
+def attention_function(
+    run: Callable[[AttentionCall], torch.Tensor],
+) -> Callable[..., tuple[torch.Tensor, None]]:
+    """``run`` (an :class:`AttentionCall` → the output ``[B, T, Hq, Dv]``) as the function transformers'
+    ``AttentionInterface`` registers: its signature, and no attention weights returned."""
+
+    def attention(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        return run(AttentionCall(module, query, key, value, attention_mask, scaling, dropout, kwargs)), None
+
+    return attention
 
 
 def model_name(model: Any) -> str:
@@ -105,16 +147,8 @@ def inspect_attention(model: Any) -> list[LayerAttention]:
 
     seen: list[LayerAttention] = []
 
-    def probe(
-        module: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float | None = None,
-        dropout: float = 0.0,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    def probe(call: AttentionCall) -> torch.Tensor:
+        module, query, key, value, kwargs = call.module, call.query, call.key, call.value, call.options
         b, hq, t, dk = query.shape
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
         softcap = kwargs.get("softcap")
@@ -122,6 +156,7 @@ def inspect_attention(model: Any) -> list[LayerAttention]:
             softcap = getattr(module, "attn_logit_softcapping", None)
         is_causal = kwargs.get("is_causal")
         index = getattr(module, "layer_idx", None)
+        scaling = call.scaling
         seen.append(
             LayerAttention(
                 layer_idx=-1 if index is None else int(index),
@@ -140,9 +175,9 @@ def inspect_attention(model: Any) -> list[LayerAttention]:
                 position_bias=kwargs.get("position_bias") is not None,
             )
         )
-        return torch.zeros(b, t, hq, value.shape[-1], dtype=query.dtype, device=query.device), None
+        return torch.zeros(b, t, hq, value.shape[-1], dtype=query.dtype, device=query.device)
 
-    AttentionInterface.register(PROBE_IMPLEMENTATION, probe)
+    AttentionInterface.register(PROBE_IMPLEMENTATION, attention_function(probe))
     before = model.config._attn_implementation
     try:
         model.set_attn_implementation(PROBE_IMPLEMENTATION)

@@ -41,7 +41,9 @@ from transformers.cache_utils import Cache
 
 from attnbench.backend import Backend, KVCache, StepPlan
 from attnbench.integrations._hf_inspect import (
+    AttentionCall,
     LayerAttention,
+    attention_function,
     inspect_attention,
     model_name,
     model_shape,
@@ -76,30 +78,24 @@ ATTENTION_IMPLEMENTATION = "attnbench"
 _BINDING = "_attnbench_cache"  # attribute set on each attention module: the cache it runs through
 
 
-def _attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+def _attention(call: AttentionCall) -> torch.Tensor:
     """The registered attention function: ``q [B, Hq, T, Dk]`` → ``[B, T, Hq, Dv]`` through the bound cache."""
+    module = call.module
     cache = getattr(module, _BINDING, None)
     if cache is None:
         raise RuntimeError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) runs attn_implementation "
             f"{ATTENTION_IMPLEMENTATION!r} but no attnbench cache is bound to it; call use_backend() first"
         )
-    if dropout and getattr(module, "training", False):
-        raise ValueError(f"attention dropout {dropout} in training mode is not supported; call model.eval()")
-    return cache.attend(module, query, key, value, attention_mask, scaling=scaling)
+    if call.dropout and getattr(module, "training", False):
+        raise ValueError(
+            f"attention dropout {call.dropout} in training mode is not supported; call model.eval()"
+        )
+    return cache.attend(call)
 
 
 def _register() -> None:
-    AttentionInterface.register(ATTENTION_IMPLEMENTATION, _attention)
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, attention_function(_attention))
     # the padding mask at prefill as SDPA gets it: boolean, or None when nothing is padded
     AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, sdpa_mask)
 
@@ -227,18 +223,10 @@ class BackendCache(Cache):
         self._refuse("selecting sequences")
 
     # -- one attention call -----------------------------------------------------------------------
-    def attend(
-        self,
-        module: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        *,
-        scaling: float | None = None,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, call: AttentionCall) -> torch.Tensor:
         """One layer's attention for this step (``q [B, Hq, T, Dk]`` → ``[B, T, Hq, Dv]``); plans at
         layer 0, commits after the last layer."""
+        module, query, key, value, scaling = call.module, call.query, call.key, call.value, call.scaling
         layer = int(module.layer_idx)
         if self._pending != layer:
             raise RuntimeError(
@@ -248,7 +236,7 @@ class BackendCache(Cache):
         self._pending = None
         t = query.shape[2]
         if layer == 0:
-            self._plan = self._begin_step(t, attention_mask)
+            self._plan = self._begin_step(t, call.attention_mask)
         plan = self._plan
         assert plan is not None
         q = query.transpose(1, 2)  # [B, T, Hq, Dk]
@@ -273,7 +261,7 @@ class BackendCache(Cache):
             self.kv.commit(plan)
             self.seen_tokens += t
             self._plan = None
-        return out.contiguous(), None
+        return out.contiguous()
 
     def _begin_step(self, t: int, attention_mask: torch.Tensor | None) -> StepPlan:
         """Plan the step at the first layer: a prompt (ragged lengths from the mask) or one token each."""
