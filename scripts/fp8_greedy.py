@@ -26,7 +26,7 @@ from attnbench.backends.fp8 import FP8Backend
 from attnbench.backends.naive import NaiveBackend
 from attnbench.decode import generate
 from attnbench.device import fingerprint
-from attnbench.integrations.transformers import TransformersDecodeModel
+from attnbench.integrations.transformers import TransformersDecodeModel, greedy_reference
 from attnbench.reference import compare
 
 PROMPT_LEN = 8
@@ -67,16 +67,8 @@ def compare_greedy(
     prompt = torch.randint(0, 128, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
     hf16 = tiny_llama().to(torch.bfloat16)
     hf16.set_attn_implementation("sdpa")
-    out = hf16.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    ref_tokens = out.sequences[:, PROMPT_LEN:]
-    ref_logits = torch.stack(out.logits, dim=1).double()  # [B, N, V]
+    ref_tokens, ref_logits = greedy_reference(hf16, prompt, new_tokens=new_tokens)
+    ref_logits = ref_logits.double()  # [B, N, V]
     report: dict[str, Any] = {"new_tokens": new_tokens, "batch": batch, "backends": {}}
     for name, backend in backends.items():
         model = TransformersDecodeModel(hf16, backend, batch=batch)

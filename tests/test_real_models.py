@@ -27,6 +27,7 @@ from attnbench.backend import Backend, Tolerance
 from attnbench.backends.naive import NaiveBackend
 from attnbench.decode import DecodeModel, generate
 from attnbench.gate import within
+from attnbench.integrations.transformers import greedy_reference
 from attnbench.models import DeepseekDecoder, RopeSpec, UnsupportedModelError, from_transformers, load_model
 from attnbench.reference import compare
 
@@ -79,17 +80,9 @@ def reference(name: str) -> Reference:
     prompt = torch.randint(
         0, hf.config.vocab_size, (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(7)
     )
-    out = hf.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[:, PROMPT_LEN:]
+    tokens, logits = greedy_reference(hf, prompt, new_tokens=NEW_TOKENS)
     assert tokens.shape == (BATCH, NEW_TOKENS)
-    return Reference(hf, prompt, tokens, torch.stack(out.logits, dim=1).float())
+    return Reference(hf, prompt, tokens, logits.float())
 
 
 def logits_tolerance(tol: Tolerance, ref: torch.Tensor) -> Tolerance:

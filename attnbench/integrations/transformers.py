@@ -69,6 +69,7 @@ __all__ = [
     "BackendCache",
     "TransformersDecodeModel",
     "cache_kwarg",
+    "greedy_reference",
     "shape_of",
     "use_backend",
 ]
@@ -360,6 +361,23 @@ def shape_of(model: Any) -> ModelShape:
     if not layers or any(r.startswith(("per-layer", "attention calls")) for r in reasons):
         raise UnsupportedModelError(f"{model_name(model)}: no single attention shape: {'; '.join(reasons)}")
     return model_shape(model, layers, model_name(model))
+
+
+def greedy_reference(
+    model: Any, prompt: torch.Tensor, *, new_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' own greedy ``generate`` after an unpadded ``prompt [B, T]``: the reference a
+    backend's tokens are compared with. Returns the new tokens ``[B, N]`` and the logits each was
+    chosen from ``[B, N, V]`` (the model's dtype), ``N = new_tokens``."""
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[:, prompt.shape[1] :], torch.stack(out.logits, dim=1)
 
 
 def cache_kwarg(model: Any) -> str:
