@@ -29,6 +29,7 @@ from attnbench.workload import Workload
 
 __all__ = [
     "Decoder",
+    "LayerInputs",
     "RopeSpec",
     "UnsupportedModelError",
     "Weights",
@@ -252,6 +253,17 @@ class Weights:
             )
 
 
+@dataclass(frozen=True)
+class LayerInputs:
+    """What every layer of one step reads besides its hidden states: the step's plan, whether it
+    decodes (one token per sequence) or runs prompts, and the RoPE rows of its positions."""
+
+    plan: StepPlan
+    decode: bool
+    cos: torch.Tensor  # [B, T, rope_dim]
+    sin: torch.Tensor  # [B, T, rope_dim]
+
+
 class Decoder:
     """Base of the real decoders: embeddings → layers → norm → LM head, attention through a backend.
 
@@ -412,35 +424,28 @@ class Decoder:
     ) -> torch.Tensor:
         """``ids [B, T]`` → final-normed hidden states ``[B, T, hidden]``."""
         x = F.embedding(ids.to(self.device), self.embed)  # [B, T, hidden]
-        cos, sin = self._rope_at(positions)
+        step = LayerInputs(plan, decode, *self._rope_at(positions))
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer["input_norm"], self.eps)
-            x = x + self._attention(layer, index, h, cos, sin, plan, decode=decode)
+            x = x + self._attention(layer, index, h, step)
             h = rms_norm(x, layer["post_norm"], self.eps)
             x = x + self._mlp(layer, h)
         return rms_norm(x, self.final_norm, self.eps)
 
     def _attend(
-        self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, *, decode: bool
+        self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: LayerInputs
     ) -> torch.Tensor:
         """``q [B, T, Hq, Dk]``, ``k [B, T, Hkv, Dk]``, ``v [B, T, Hkv, Dv]`` → ``[B, T, Hq, Dv]`` via the backend."""
         assert self.cache is not None
-        if decode:
-            out = self.backend.decode(self.cache, plan, layer=index, q=q[:, 0], k=k[:, 0], v=v[:, 0])
+        if step.decode:
+            out = self.backend.decode(self.cache, step.plan, layer=index, q=q[:, 0], k=k[:, 0], v=v[:, 0])
             return out[:, None]
-        return self.backend.prefill(self.cache, plan, layer=index, q=q, k=k, v=v)
+        return self.backend.prefill(self.cache, step.plan, layer=index, q=q, k=k, v=v)
 
     def _attention(
-        self,
-        layer: dict[str, Any],
-        index: int,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        plan: StepPlan,
-        *,
-        decode: bool,
+        self, layer: dict[str, Any], index: int, h: torch.Tensor, step: LayerInputs
     ) -> torch.Tensor:
+        """One layer's attention: ``h [B, T, hidden]`` (normed) → ``[B, T, hidden]``."""
         raise NotImplementedError
 
     def _mlp(self, layer: dict[str, Any], h: torch.Tensor) -> torch.Tensor:

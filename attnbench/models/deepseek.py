@@ -25,9 +25,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attnbench.backend import Backend, StepPlan
+from attnbench.backend import Backend
 from attnbench.models.base import (
     Decoder,
+    LayerInputs,
     RopeSpec,
     UnsupportedModelError,
     activation,
@@ -179,15 +180,7 @@ class DeepseekDecoder(Decoder):
         return super().unsupported(batch=batch, max_seq_len=max_seq_len)
 
     def _attention(
-        self,
-        layer: dict[str, Any],
-        index: int,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        plan: StepPlan,
-        *,
-        decode: bool,
+        self, layer: dict[str, Any], index: int, h: torch.Tensor, step: LayerInputs
     ) -> torch.Tensor:
         b, t, _ = h.shape
         s = self.shape
@@ -203,12 +196,12 @@ class DeepseekDecoder(Decoder):
         ckv = F.linear(h, layer["kv_a_proj"], layer["kv_a_proj_bias"])  # [B, T, rank + rope]
         c = rms_norm(ckv[..., :rank], layer["kv_a_norm"], self.eps)  # [B, T, rank]
         k_pe = ckv[..., rank:].view(b, t, 1, self.rope_dim)
-        q_pe = apply_rope(q_pe, cos, sin, interleaved=self.interleaved)
-        k_pe = apply_rope(k_pe, cos, sin, interleaved=self.interleaved)
+        q_pe = apply_rope(q_pe, step.cos, step.sin, interleaved=self.interleaved)
+        k_pe = apply_rope(k_pe, step.cos, step.sin, interleaved=self.interleaved)
 
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope, layer["w_uk"])  # [B, T, H, rank]
         q = torch.cat((q_lat, q_pe), dim=-1)  # [B, T, H, rank + rope]
         k = torch.cat((c[:, :, None], k_pe), dim=-1)  # [B, T, 1, rank + rope]
-        out_lat = self._attend(index, q, k, k[..., :rank], plan, decode=decode)  # [B, T, H, rank]
+        out_lat = self._attend(index, q, k, k[..., :rank], step)  # [B, T, H, rank]
         out = torch.einsum("bthc,hvc->bthv", out_lat, layer["w_uv"])  # [B, T, H, v_dim]
         return F.linear(out.reshape(b, t, -1), layer["o_proj"], layer["o_proj_bias"])
