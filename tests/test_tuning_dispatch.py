@@ -181,6 +181,39 @@ def test_no_refinement_where_the_winner_does_not_change():
     assert m.lookup(1, 300).label == DEFAULT and not m.lookup(1, 300).extrapolated
 
 
+def test_no_refinement_when_one_rival_is_within_the_margin_on_both_sides():
+    """``near`` wins clearly at small batch × context and trails ``DEFAULT`` by under the margin at
+    large: choosing ``near`` anywhere between costs at most the margin, so nothing is refined."""
+
+    def truth(batch: int, context: int) -> dict[str, float]:
+        work = batch * context / 1000
+        return {DEFAULT: 1.0 * work + 0.5, "near": 1.03 * work}
+
+    rng = random.Random(3)
+
+    def measure(batch, context, labels):
+        t = truth(batch, context)
+        names = list(t) if labels is None else list(labels)
+        times = {k: bootstrap_median(_samples(t[k], rng), seed=1) for k in names}
+        return PointMeasurement(times, candidates={k: MapCandidate(k) for k in names}, evaluations=len(names))
+
+    m = build_map(
+        measure,
+        model="tiny-gqa",
+        shape_hash="abc",
+        dtype="fp32",
+        default=DEFAULT,
+        batches=[1, 8],
+        contexts=[256, 4096],
+    )
+    corners = {(b, c): m.points[(b, c)].winner for b in (1, 8) for c in (256, 4096)}
+    assert corners[(1, 256)] == "near" and corners[(8, 4096)] == DEFAULT  # the winners do differ
+    assert m.refinement["rounds"] == 0 and len(m.points) == 4
+    for b, c in ((2, 300), (6, 3000)):  # and whatever the lookup picks is within the margin
+        got, t = m.lookup(b, c), truth(b, c)
+        assert t[got.label] <= 1.05 * min(t.values()), (b, c, got.reason)
+
+
 def test_the_lookup_explains_its_cell_and_corners_and_filters_candidates():
     m, _ = _map()
     got = m.lookup(2, 3000)

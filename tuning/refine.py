@@ -3,8 +3,8 @@
 Between two neighbouring grid lines whose points have different winners somewhere along the other
 axis, a new line is added at their geometric mean (bisection in log space), and every point on it is
 measured. This repeats until each crossover is located within ``resolution`` octaves (a quarter
-octave by default; for batches, until no integer lies between), or the two rivals are within the
-switch margin of each other on both sides (then it does not matter where exactly they cross).
+octave by default; for batches, until no integer lies between), or one of the two rivals is within
+the switch margin of the other on both sides (then it does not matter where exactly they cross).
 
 The measurement is a callable, so that tests plant timings and ``tune`` measures in its worker:
 ``measure(batch, context, labels)`` returns a :class:`PointMeasurement` for those candidates (``None``:
@@ -69,15 +69,21 @@ def grid_point(
 
 
 def significant(p: GridPoint, q: GridPoint, *, margin: float = SWITCH_MARGIN) -> bool:
-    """``p`` and ``q`` have different winners and the choice matters: on at least one side the other
-    point's winner loses to this side's by the margin policy (the switch margin beyond both
-    intervals), or it failed there. Two configs that trade places by noise do not refine."""
+    """``p`` and ``q`` have different winners and where they cross matters: each side's winner beats
+    the other side's winner there by the margin policy (the switch margin beyond both intervals), or
+    one of them failed on the other side.
+
+    When one of the two is within the margin of the other on *both* sides, choosing it anywhere
+    between them costs at most the margin (times are interpolated linearly in log-log space), so the
+    crossover need not be located: two configs that trade places by a few percent, or by noise, do
+    not refine.
+    """
     a, b = p.winner, q.winner
     if a is None or b is None or a == b:
         return False
     if b not in p.times or a not in q.times:  # one of them failed on the other side: it matters
         return True
-    return beats(p.times[a], p.times[b], margin=margin) or beats(q.times[b], q.times[a], margin=margin)
+    return beats(p.times[a], p.times[b], margin=margin) and beats(q.times[b], q.times[a], margin=margin)
 
 
 def _midpoint(lo: int, hi: int, *, resolution: float) -> int | None:
