@@ -18,6 +18,7 @@ and backends with the expanded cache form.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -37,7 +38,7 @@ from attnbench.models.base import (
     open_weights,
     rms_norm,
 )
-from attnbench.shapes import ModelShape
+from attnbench.shapes import ModelShape, ShapeError
 
 __all__ = ["DEEPSEEK_FAMILY", "DeepseekDecoder"]
 
@@ -99,29 +100,18 @@ class DeepseekDecoder(Decoder):
                 f"{model}: num_key_value_heads = {kv_heads} != num_attention_heads = {heads}; MLA expands the "
                 "latent to one K/V per query head"
             )
-        hidden = int(config_field(config, "hidden_size", model=model))
-        inter = int(config_field(config, "intermediate_size", model=model))
-        vocab = int(config_field(config, "vocab_size", model=model))
-        rank = int(config_field(config, "kv_lora_rank", model=model))
-        v_dim = int(config_field(config, "v_head_dim", model=model))
-        q_rank = config.get("q_lora_rank")
-        shape = ModelShape(
-            name=model,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=qk_dim,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            vocab_size=vocab,
-            num_params=w.num_params(),
-            kv_lora_rank=rank,
-            q_lora_rank=int(q_rank) if q_rank else None,
-            qk_rope_head_dim=rope_dim,
-            qk_nope_head_dim=nope,
-            v_head_dim=v_dim,
-            source=f"weights ({model_type})",
+        try:  # the one reader of Hugging Face configs (as for --model config.json); the count from the weights
+            shape = ModelShape.from_hf_config(dict(config), name=model)
+        except ShapeError as err:
+            raise UnsupportedModelError(str(err)) from None
+        if not shape.is_mla:
+            raise UnsupportedModelError(f"{model}: config field 'kv_lora_rank' is missing (required)")
+        shape = dataclasses.replace(
+            shape, num_params=w.num_params(), active_params=None, source=f"weights ({model_type})"
         )
+        hidden, inter, q_rank = shape.hidden_size, shape.intermediate_size, shape.q_lora_rank
+        rank, v_dim = shape.kv_lora_rank, shape.v_head_dim
+        assert rank is not None and v_dim is not None
 
         self = cls(
             backend=backend, backend_config=backend_config, dtype=w.dtype, device=w.device, batch=batch
