@@ -6,8 +6,9 @@ first, then whole decode steps of ``--layers`` layers through the synthetic mode
 calls over distinct layer caches worth at least 4 × the last-level cache (``layers mat.``), so every
 call reads from DRAM; the timed run is spot-checked against float64 afterwards. The read bandwidth
 (a large ``sum``, :func:`attnbench.device.measure_bandwidth`) is measured in the same run, at the
-same thread count, before each (batch, context) point — that point's shares are against it, and
-bench's plausibility check uses it — and once more after the last.
+same thread count, right before and right after each kernel's measurement: its share is against the
+mean of the two (the single-thread read bandwidth of this VM moves by up to 20 % within minutes, so a
+figure taken at another moment is not a fair denominator), and both are recorded.
 Writes ``<out>.json`` and ``<out>.md`` with the command, the machine, the date and the load average.
 
     python scripts/cpu_kernel_bandwidth.py                 # the full run (quiet machine)
@@ -65,7 +66,8 @@ def _profile(load: tuple[float, float, float]) -> DeviceProfile:
     )
 
 
-def _row(label: str, m: Any, read_bw: float) -> dict[str, Any]:
+def _row(label: str, m: Any, read_before: float, read_after: float) -> dict[str, Any]:
+    read_bw = (read_before + read_after) / 2
     share = m.gbps * 1e9 / read_bw
     return {
         "kernel": label,
@@ -79,6 +81,8 @@ def _row(label: str, m: Any, read_bw: float) -> dict[str, Any]:
         "gbps": m.gbps,
         "share_of_read": share,
         "read_gbps": read_bw / 1e9,
+        "read_gbps_before": read_before / 1e9,
+        "read_gbps_after": read_after / 1e9,
         "layers": m.num_layers,
         "layers_materialised": m.layers_materialised,
         "llc_flushed": m.llc_flushed,
@@ -96,9 +100,8 @@ def _markdown(record: dict[str, Any]) -> str:
         f"- date: {record['date']}",
         f"- machine: {record['machine']} ({record['cpu']}, {record['threads']} thread(s), "
         f"last-level cache {record['llc_mib']:.0f} MiB)",
-        f"- read bandwidth (same run, same threads), measured before each point: "
-        f"{', '.join(f'{x:.1f}' for x in record['read_gbps_points'])} GB/s; after the last: "
-        f"{record['read_gbps_after']:.1f} GB/s",
+        "- read bandwidth (same run, same threads): measured right before and right after each "
+        "kernel; its share is against the mean of the two (`read GB/s`, with before → after)",
         f"- load average at start / end: {record['load_start']} / {record['load_end']}",
         f"- wall time: {record['wall_s']:.0f} s",
         "",
@@ -111,7 +114,8 @@ def _markdown(record: dict[str, Any]) -> str:
             continue
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['kernel']} | {r['implementation']} | "
-            f"{r['ms_per_layer']:.3f} | {r['gbps']:.1f} | {r['read_gbps']:.1f} | {100 * r['share_of_read']:.0f} % | "
+            f"{r['ms_per_layer']:.3f} | {r['gbps']:.1f} | {r['read_gbps']:.1f} "
+            f"({r['read_gbps_before']:.1f} → {r['read_gbps_after']:.1f}) | {100 * r['share_of_read']:.0f} % | "
             f"{r['layers_materialised']}/{r['layers']} | {r['rel_l2']:.1e} |"
         )
     return "\n".join(lines) + "\n"
@@ -149,11 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     read_points: list[float] = []
     for batch in batches:
         for context in contexts:
-            profile = _profile(os.getloadavg())
-            read_bw = profile.read_bandwidth
-            read_points.append(read_bw / 1e9)
             workload = Workload.uniform(args.model, batch=batch, context=context, dtype=args.dtype)
             for label, backend, config in _kernels(page_sizes, probe=not args.no_probe):
+                profile = _profile(os.getloadavg())  # bench's plausibility check uses it too
+                read_points.append(profile.read_bandwidth / 1e9)
                 try:
                     m = measure_decode(
                         backend,
@@ -170,13 +173,14 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     print(f"b={batch} ctx={context} {label}: {exc}", file=sys.stderr)
                     continue
-                rows.append(_row(label, m, read_bw))
+                _, read_after, _ = measure_bandwidth("cpu")
+                read_points.append(read_after / 1e9)
+                rows.append(_row(label, m, profile.read_bandwidth, read_after))
                 r = rows[-1]
                 print(
                     f"b={batch} ctx={context} {label}: {r['ms_per_layer']:.3f} ms/layer, "
                     f"{r['gbps']:.1f} GB/s, {100 * r['share_of_read']:.0f} % of read"
                 )
-    _, read_after, _ = measure_bandwidth("cpu")
     fp = fingerprint("cpu")
     record = {
         "command": "python scripts/cpu_kernel_bandwidth.py "
@@ -186,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": fp.get("name", "unknown"),
         "threads": args.threads,
         "llc_mib": last_level_cache_bytes("cpu") / 2**20,
-        "read_gbps_points": read_points,
-        "read_gbps_after": read_after / 1e9,
+        "read_gbps_samples": read_points,
         "load_start": [round(x, 2) for x in load_start],
         "load_end": [round(x, 2) for x in os.getloadavg()],
         "wall_s": time.perf_counter() - started,
