@@ -121,6 +121,39 @@ def test_the_refined_map_locates_a_crossover_between_two_tuned_batches(tmp_path,
     assert all(t.lo_ms <= t.median_ms <= t.hi_ms and t.samples >= 7 for t in p.times.values())
 
 
+class LateBloomer(_Costed):
+    """30 ms fixed + 0.1 ms per sequence: the slowest at batch 1 (no finalist there), the fastest at 64."""
+
+    name = "planted_late_bloomer"
+    cost = Cost(fixed_s=0.030, per_seq_s=0.0001)
+
+
+def test_a_finalist_of_one_coarse_point_is_measured_at_every_coarse_point(tmp_path, profile):
+    reg = planted_registry(Steady, Overtaker, Laggard, LateBloomer)
+    report = tune(
+        _workloads([1, 64]),
+        registry=reg,
+        results_dir=tmp_path,
+        options=OPTIONS,
+        profile=profile,
+        samples=5,
+        refine=False,
+    )
+    # each study's finalists differ: the late bloomer is none at batch 1, the laggard none at 64
+    finalists = {
+        key: set(entry["retimed"]["finalists"])
+        for key, entry in report.entries.items()
+        if entry.get("retimed")
+    }
+    assert len(finalists) == 2 and len(set.union(*finalists.values())) == 4, finalists
+    assert any("planted_late_bloomer" not in f for f in finalists.values())
+    m = report.maps[0]
+    for point in m.points.values():  # every coarse point has every finalist, so every cell can use it
+        assert set(point.times) == set.union(*finalists.values()), (point.batch, set(point.times))
+    assert "planted_late_bloomer" in m.lookup(2, 64).predicted
+    assert m.points[(64, 64)].winner == "planted_late_bloomer"
+
+
 def test_a_narrower_run_keeps_the_full_entrys_winner(tmp_path, profile):
     reg = planted_registry(Laggard, Steady, Overtaker)  # the laggard is the default (first registered)
     (w,) = _workloads([8])
