@@ -185,6 +185,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         "evaluations": dict(report.evaluations) | {"total": used, "dense_quarter_octave": dense},
         "maps": [
             {"key": m.key, "batches": m.batches, "contexts": m.contexts, "refinement": m.refinement}
+            | {"map": m.as_dict()}
             for m in report.maps
         ],
         "points": rows,
