@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         default="2x1500,3x700,5x3000,12x2000,16x600,2x6000,1x300",
         help="held-out points BATCHxCONTEXT, between and beyond the grid (default: 3 between, 4 beyond)",
     )
-    p.add_argument("--backends", default="flash,naive,vllm_cpu", help="backends to tune and measure")
+    p.add_argument(
+        "--backends", default="flash,naive,vllm_cpu,cpu_decode", help="backends to tune and measure"
+    )
     p.add_argument(
         "--trials", type=int, default=8, help="trials per coarse key (TPE after every backend's default)"
     )
