@@ -243,6 +243,38 @@ def test_the_map_file_round_trips_without_optuna(tmp_path):
         load_maps(path, hardware_id="999")
 
 
+def test_a_narrower_run_refreshes_the_map_and_never_shrinks_it(tmp_path):
+    full, _ = _map()
+    path = tmp_path / "dispatch-cpu-x-123.json"
+    assert save_maps(path, [full], device={"hardware_id": "123"}) == []
+    # a later run at one grid point, with the default backend only (like `tune --backends naive`)
+    narrow = build_map(
+        lambda b, c, labels: Planted(seed=5)(b, c, [DEFAULT]),
+        model="tiny-gqa", shape_hash="abc", dtype="fp32", default=DEFAULT, batches=[1], contexts=[256],
+    )  # fmt: skip
+    (said,) = save_maps(path, [narrow], device={"hardware_id": "123"})
+    assert "1 of its" in said and "kept from the earlier run" in said
+    kept = load_maps(path)[full.key]
+    assert (kept.batches, kept.contexts) == (full.batches, full.contexts) and len(kept.points) == len(
+        full.points
+    )
+    point = kept.points[(1, 256)]
+    assert (
+        point.times[DEFAULT].as_dict() == narrow.points[(1, 256)].times[DEFAULT].as_dict()
+    )  # measured again
+    assert point.times["overtaker"].as_dict() == full.points[(1, 256)].times["overtaker"].as_dict()  # kept
+    for b, c in [(2, 512), (3, 3000), (8, 256)]:
+        assert kept.lookup(b, c).label == full.lookup(b, c).label
+    # grids that overlap only in part: the map with more points stays, and the message says so
+    other = build_map(
+        Planted(seed=6), model="tiny-gqa", shape_hash="abc", dtype="fp32", default=DEFAULT,
+        batches=[16], contexts=[256], refine=False,
+    )  # fmt: skip
+    (said,) = save_maps(path, [other], device={"hardware_id": "123"})
+    assert "overlap only in part" in said and "kept the earlier one" in said
+    assert len(load_maps(path)[full.key].points) == len(full.points)
+
+
 def test_a_grid_point_records_a_tie():
     p = GridPoint(1, 1, {DEFAULT: Interval(10, 9.9, 10.1, 15)})
     assert GridPoint.from_dict(p.as_dict()) == p

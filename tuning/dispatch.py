@@ -43,6 +43,7 @@ __all__ = [
     "dispatch_path",
     "load_maps",
     "map_key",
+    "merge_maps",
     "save_maps",
 ]
 
@@ -357,16 +358,68 @@ def load_maps(path: Path, *, hardware_id: str | None = None) -> dict[str, Dispat
     return {k: DispatchMap.from_dict(v, where=k) for k, v in (data.get("maps") or {}).items()}
 
 
+def _merged_point(old: GridPoint, new: GridPoint, *, default: str | None, margin: float) -> GridPoint:
+    """One point measured by two runs: the newer times replace the older ones candidate by candidate,
+    candidates only the older run measured stay (as results-table entries merge), winner decided again."""
+    times = {**old.times, **new.times}
+    failed = {k: v for k, v in old.failed.items() if k not in new.times} | dict(new.failed)
+    verdict = decide(times, default=default if default in times else None, margin=margin)
+    return GridPoint(
+        new.batch, new.context, times, verdict.winner, verdict.tie, failed, new.load_avg, verdict.reason
+    )
+
+
+def merge_maps(old: DispatchMap, new: DispatchMap) -> tuple[DispatchMap, str | None]:
+    """What a device's file keeps when ``new`` is tuned for ``old``'s key: never less than it had.
+
+    A run whose grid lines lie within the old map's (a narrower run: fewer batches, contexts or
+    backends) refreshes the points it measured, candidate by candidate, and keeps the rest; a run
+    whose lines include the old map's replaces it; otherwise (the grids overlap only in part, so their
+    union would have cells with unmeasured corners) the map with more points is kept. The message,
+    if any, says what happened.
+    """
+    ob, oc, nb, nc = set(old.batches), set(old.contexts), set(new.batches), set(new.contexts)
+    if nb >= ob and nc >= oc and set(new.candidates) >= set(old.candidates):
+        return new, None
+    if nb <= ob and nc <= oc:
+        default = old.default if old.default in old.candidates else new.default
+        points = dict(old.points)
+        for key, p in new.points.items():
+            points[key] = (
+                _merged_point(points[key], p, default=default, margin=new.switch_margin)
+                if key in points
+                else p
+            )
+        merged = DispatchMap(
+            new.model, new.shape_hash, new.dtype, default, old.batches, old.contexts,
+            {**old.candidates, **new.candidates}, points, new.switch_margin,
+            {**old.refinement, "merged_points": sorted(new.points)},
+        )  # fmt: skip
+        return merged, (
+            f"dispatch map {new.key}: {len(new.points)} of its {len(points)} points measured again "
+            "(candidate by candidate); the others kept from the earlier run"
+        )
+    keep = new if len(new.points) >= len(old.points) else old
+    return keep, (
+        f"dispatch map {new.key}: this run's grid ({len(new.batches)} × {len(new.contexts)} lines) and "
+        f"the earlier one ({len(old.batches)} × {len(old.contexts)}) overlap only in part; kept the "
+        f"{'new' if keep is new else 'earlier'} one ({len(keep.points)} points). Tune every batch and "
+        "context of both in one run to combine them"
+    )
+
+
 def save_maps(
     path: Path,
     maps: Sequence[DispatchMap],
     *,
     device: Mapping[str, Any],
     meta: Mapping[str, Any] | None = None,
-) -> None:
-    """Merge ``maps`` into the device's dispatch file (replacing maps of the same key), atomically."""
+) -> list[str]:
+    """Merge ``maps`` into the device's dispatch file atomically (a map of the same key is merged by
+    :func:`merge_maps`, never shrunk); returns what the merges said."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    messages: list[str] = []
     with locked(path):
         current: dict[str, Any] = {}
         if path.exists():
@@ -374,7 +427,16 @@ def save_maps(
                 current = (json.loads(path.read_text()).get("maps")) or {}
             except (OSError, ValueError, AttributeError):
                 current = {}
-        current |= {m.key: m.as_dict() for m in maps}
+        for m in maps:
+            if m.key in current:
+                try:
+                    old = DispatchMap.from_dict(current[m.key], where=m.key)
+                except ValueError as err:
+                    messages.append(f"{err}; replaced")
+                else:
+                    m, said = merge_maps(old, m)
+                    messages += [said] if said else []
+            current[m.key] = m.as_dict()
         body = {
             "format": FORMAT,
             "device": dict(device),
@@ -382,3 +444,4 @@ def save_maps(
             "maps": dict(sorted(current.items())),
         }
         write_atomically(path, json.dumps(body, indent=1, default=str) + "\n")
+    return messages

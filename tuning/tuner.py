@@ -197,7 +197,7 @@ def tune(
                 report.interrupted = True
     if report.maps:
         report.map_path = dispatch_path(report.table_path)
-        save_maps(
+        report.messages += save_maps(
             report.map_path,
             report.maps,
             device={"hardware_id": hardware_id(profile.fingerprint), "fingerprint_id": profile.id},
