@@ -11,10 +11,15 @@ through a block table; constexprs choose the variant, so a fix is made once:
 - ``LATENT``: the MLA absorbed form. One KV head whose row is ``[c | k_pe]`` (``DV + DPE`` wide); the
   value is ``c``, loaded once and used by both dots (``q_c·cᵀ + q_pe·k_peᵀ``);
 - ``PAGE_SIZE`` and ``BLOCK_N`` (tile): when a tile lies in one page (``PAGE_SIZE ≥ BLOCK_N``) one
-  page id is read per tile and the rows are contiguous, else one page id per token;
+  page id is read per tile and the rows are contiguous, else one page id per token. fp8's 64-token
+  tiles read one page id per token whatever the page size: the compiled kernel then needs 168/174
+  registers on sm_80/sm_90 instead of 188/188 (``docs/fp8.md``);
 - ``BLOCK_G``: query heads per program (``GROUP`` of them share one KV head; ``tl.dot`` needs ≥ 16);
 - ``direct`` (a run-time flag, fixed per launch): one split, normalise and write the output; else
-  write one partial per split.
+  write one partial per split. The latent form always writes partials (the merge follows, as in the
+  MLA-only kernel this family replaced): its bf16 output store from the ``[BLOCK_G, 512]``
+  accumulator costs 40–64 registers per thread on both architectures (241 → 191 on sm_80 for
+  ``h32_n64_w8``, 191 → 127 for ``h16_n32_w4``; ``docs/mla.md``).
 
 Grid ``(B, Hkv · cdiv(GROUP, BLOCK_G), num_splits)``. The partial format is one: the normalised
 partial output ``o [B, Hq, S, Dv]`` (float32) and its log-sum-exp in base 2 ``lse [B, Hq, S]``
@@ -70,6 +75,15 @@ def _load_rows(rows, offs, valid, D: tl.constexpr, BLOCK_D: tl.constexpr):
     if BLOCK_D == D:  # row mask only: lets the compiler use 16-byte loads along D
         return tl.load(rows[:, None] + offs[None, :], mask=valid[:, None], other=0.0)
     return tl.load(rows[:, None] + offs[None, :], mask=valid[:, None] & (offs[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _store_partial(part_o_ptr, part_lse_ptr, row, out, m_i, l_i, offs_dv, dv_mask, g_mask, DV: tl.constexpr):
+    """One split's partial: the normalised output rows and their log2-sum-exp2 (``-inf``: empty)."""
+    nonempty = l_i > 0
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    tl.store(part_o_ptr + row[:, None] * DV + offs_dv[None, :], out, mask=dv_mask)
+    tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
 @triton.jit
@@ -152,10 +166,10 @@ def split_kv_decode_kernel(
     for tile in range(start, end, BLOCK_N):
         tokens = tile + offs_n
         valid = tokens < end
-        if PAGE_SIZE >= BLOCK_N:  # the tile lies in one page: one page id, contiguous rows
+        if PAGE_SIZE >= BLOCK_N and not (KV_FP8 and BLOCK_N >= 64):  # one page id per tile
             pages = tl.load(table + tile // PAGE_SIZE).to(tl.int64)  # a scalar
             rows = tile % PAGE_SIZE + offs_n
-        else:  # the tile spans pages: one page id per token
+        else:  # one page id per token (the tile spans pages; fp8's 64-token tiles, see above)
             pages = tl.load(table + tokens // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
             rows = tokens % PAGE_SIZE
         k_rows = k_ptr + kv_head * stride_kh + pages * stride_kp + rows * stride_kt
@@ -205,14 +219,14 @@ def split_kv_decode_kernel(
     dv_mask = g_mask[:, None] & (offs_dv[None, :] < DV)
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    if direct:
+    row = b * stride_lb + heads * stride_lh + split  # [BLOCK_G] into the partials
+    if LATENT:  # always the partials, even for one split: see the module doc
+        _store_partial(part_o_ptr, part_lse_ptr, row, out, m_i, l_i, offs_dv, dv_mask, g_mask, DV=DV)
+    elif direct:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv_mask)
     else:
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        row = b * stride_lb + heads * stride_lh + split  # [BLOCK_G]
-        tl.store(part_o_ptr + row[:, None] * DV + offs_dv[None, :], out, mask=dv_mask)
-        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        _store_partial(part_o_ptr, part_lse_ptr, row, out, m_i, l_i, offs_dv, dv_mask, g_mask, DV=DV)
 
 
 @triton.jit
@@ -358,7 +372,7 @@ def launch_decode(
     b, hq = q.shape[0], q.shape[1]
     out = torch.empty(b, hq, spec.dv, dtype=q.dtype, device=q.device)
     splits, part_o, part_lse, table = plan.num_splits, plan.part_o, plan.part_lse, plan.block_table
-    direct = splits == 1
+    direct = splits == 1 and not spec.latent  # the latent form always writes partials
     vp = k_pages if v_pages is None else v_pages
     ks = k_pages if k_scales is None else k_scales
     vs = k_pages if v_scales is None else v_scales

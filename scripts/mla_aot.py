@@ -11,7 +11,7 @@ import torch
 
 from attnbench.backends.mla import TILES, decode_spec
 from attnbench.device import fingerprint
-from attnbench.triton_decode_aot import merge_specialization, specialization
+from attnbench.triton_decode_aot import merge_specialization, specialization, spill_bytes
 from attnbench.triton_utils import aot_compile_many
 
 
@@ -35,7 +35,7 @@ def main() -> None:
             continue
         wide = sum(n for op, n in r.global_loads().items() if op.endswith(".128"))
         print(
-            f"| {tile} | sm_{arch} | {r.kernel} | {r.registers} | {r.local_bytes} | {r.shared_bytes} | {wide} |"
+            f"| {tile} | sm_{arch} | {r.kernel} | {r.registers} | {spill_bytes(r)} | {r.shared_bytes} | {wide} |"
         )
 
 

@@ -20,7 +20,7 @@ from triton_modes import run_uninterpreted
 
 from attnbench.backends import fp8, mla
 from attnbench.backends.triton_paged import AOT_GEOMETRIES, BLOCK_N, PAGE_SIZES
-from attnbench.triton_decode_aot import covering_specializations, spec_id
+from attnbench.triton_decode_aot import covering_specializations, spec_id, spill_bytes, spills_expected
 from attnbench.triton_utils import (
     AotCompileError,
     aot_compile,
@@ -155,7 +155,13 @@ def test_aot_compiles_for_nvidia(family_aot: dict, spec: dict, arch: int) -> Non
     assert r.cubin, "no cubin"
     if r.sass is None:
         pytest.skip(f"compiled; SASS not read: {r.tool_note}")
-    assert r.local_bytes == 0, f"{spec_id(spec)} sm_{arch}: {r.local_bytes} bytes of local memory (spills)"
+    spilled = spill_bytes(r)  # local memory and the stack frame, where ptxas puts spills
+    if spills_expected(spec):  # fp32 FMA dots with fp8 pages / latent rows: known, see the docs
+        assert spilled > 0, (
+            f"{spec_id(spec)} sm_{arch} no longer spills: update spills_expected() and the docs"
+        )
+    else:
+        assert spilled == 0 and not r.sass_count("STL"), f"{spec_id(spec)} sm_{arch}: {spilled} bytes spilled"
     assert r.registers is not None and r.registers <= 255
     loads = r.global_loads()
     wide = sum(n for op, n in loads.items() if op.endswith(".128"))
