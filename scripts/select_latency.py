@@ -8,7 +8,7 @@ is made, its first call is timed (registry, model shape, device fingerprint, tab
 ``time.perf_counter_ns``. Reported: the first call, and the median, p90, p99 and mean of the later ones.
 
     python scripts/select_latency.py                   # 10,000 calls per source (about 1 minute)
-    python scripts/select_latency.py --quick --out /tmp/sl   # a smoke test (200 calls)
+    python scripts/select_latency.py --quick --out sl-smoke   # a smoke test (200 calls)
 
 Writes ``results/select-latency.json`` and ``.md`` (``--out PREFIX`` elsewhere) with the command, the
 machine, the date and the load average before and after. Run it on a quiet machine.
