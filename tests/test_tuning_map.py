@@ -8,6 +8,7 @@ import path (``test_tuning_map:Steady``). One layer per step and tiny shapes kee
 from __future__ import annotations
 
 import random
+import time
 from typing import NamedTuple
 
 from tuning_helpers import planted_registry
@@ -122,14 +123,32 @@ def test_the_refined_map_locates_a_crossover_between_two_tuned_batches(tmp_path,
 
 
 class LateBloomer(_Costed):
-    """30 ms fixed + 0.1 ms per sequence: the slowest at batch 1 (no finalist there), the fastest at 64."""
+    """25 ms fixed: the slowest at batch 1, the fastest at 64. The studies time real steps, so it also
+    sleeps at batch 1: no finalist there, whatever the machine's load."""
 
     name = "planted_late_bloomer"
-    cost = Cost(fixed_s=0.030, per_seq_s=0.0001)
+    cost = Cost(fixed_s=0.025)
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        if q.shape[0] == 1:
+            time.sleep(0.02)
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+class Laggard64(_Costed):
+    """The laggard's planted cost; it sleeps at batch 64, so no finalist there."""
+
+    name = "planted_laggard64"
+    cost = Laggard.cost
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        if q.shape[0] == 64:
+            time.sleep(0.02)
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
 
 
 def test_a_finalist_of_one_coarse_point_is_measured_at_every_coarse_point(tmp_path, profile):
-    reg = planted_registry(Steady, Overtaker, Laggard, LateBloomer)
+    reg = planted_registry(Steady, Overtaker, Laggard64, LateBloomer)
     report = tune(
         _workloads([1, 64]),
         registry=reg,
