@@ -225,3 +225,70 @@ def test_a_noisy_backend_never_wins_by_noise_and_a_genuinely_faster_noisy_one_do
     assert entry["winner"]["backend"] == "planted_noisy_fast" and not entry["tie"]
     iv = entry["winner"]["interval"]
     assert iv["lo_ms"] <= iv["median_ms"] <= iv["hi_ms"]
+
+
+_DIRTY = [False]  # set by the polluter's step; the next planted step pays for it, then clears it
+
+
+class Polluter(_Costed):
+    """1 ms, and it leaves the next step 4 ms slower (as a candidate streaming a large pool leaves
+    cold caches behind)."""
+
+    name = "planted_polluter"
+    cost = Cost(fixed_s=0.001)
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        out = super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+        _DIRTY[0] = True
+        return out
+
+
+class Twin(_Costed):
+    """1 ms, plus 4 ms right after the polluter."""
+
+    name = "planted_twin"
+    cost = Cost(fixed_s=0.001)
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        if _DIRTY[0]:
+            _ELAPSED[0] += 0.004
+            _DIRTY[0] = False
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+def test_the_interleaved_order_spreads_what_a_step_leaves_for_the_next(profile):
+    """Two identical candidates tie though one of them is listed right after a polluter: a rotated
+    order would make that one follow the polluter in four rounds of five and lose by 4×."""
+    from attnbench.tuning import Worker
+    from attnbench.tuning.interleave import Finalist, retime
+    from attnbench.tuning.margin import beats
+
+    names = ["polluter", "twin_a", "twin_b", "twin_c", "twin_d"]
+    refs = ["test_tuning_map:Polluter"] + ["test_tuning_map:Twin"] * 4
+    fins = [Finalist(n, n, r, {}) for n, r in zip(names, refs, strict=True)]
+    (w,) = _workloads([1])
+    with Worker() as worker:
+        got = retime(worker, fins, workload=w, samples=15, num_layers=1, clock=CLOCK, timeout_s=60)
+    assert not got.failed and all(got.times[n].samples >= 15 for n in names)
+    twins = [got.times[n] for n in names[1:]]
+    assert all(t.median_ms < 2.0 for t in twins)  # each follows the polluter in under half the rounds
+    assert not any(beats(a, b, margin=0.0) for a in twins for b in twins if a is not b)
+
+
+def test_every_candidate_runs_in_every_position_and_after_every_other_equally_often():
+    import itertools
+    from collections import Counter
+
+    from attnbench.tuning.interleave import round_order
+
+    for n in range(1, 10):
+        cycle = n if n % 2 == 0 else 2 * n
+        for start in (0, 3 * cycle):  # any cycle: each is relabelled, none loses the balance
+            rows = [round_order(n, r, seed=7) for r in range(start, start + cycle)]
+            assert all(sorted(row) == list(range(n)) for row in rows)
+            pairs = Counter((a, b) for row in rows for a, b in itertools.pairwise(row))
+            places = Counter((i, x) for row in rows for i, x in enumerate(row))
+            assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+            assert len(places) == n * n and len(set(places.values())) == 1
+    # each cycle is relabelled: the step between rounds falls on other pairs in the next cycle
+    assert [round_order(6, r, seed=1) for r in range(6)] != [round_order(6, r, seed=1) for r in range(6, 12)]

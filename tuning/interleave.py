@@ -2,11 +2,15 @@
 
 After a study, every candidate within two confidence intervals of the best (at least three, plus
 the default and the incumbent of an existing entry) is timed again in **one worker**, round-robin:
-round ``r`` runs one decode step of each candidate, in an order rotated by ``r``. A change in the
-machine's load then hits every candidate alike, and each candidate's median gets a seeded bootstrap
-interval (:func:`attnbench.tuning.margin.bootstrap_median`). If the interleaved run kills its
-worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails with the
-reason.
+round ``r`` runs one decode step of each candidate, in the order :func:`round_order` gives (a
+Williams design: over a cycle of rounds every candidate runs in every position, and right after
+every other candidate, equally often). A change in the machine's load then hits every candidate
+alike, and so does what one step leaves behind for the next (caches holding another candidate's
+pool, freed memory, a busy allocator): with a mere rotation each candidate would follow the same one
+in almost every round and inherit its after-effects every time. Each candidate's median gets a
+seeded bootstrap interval (:func:`attnbench.tuning.margin.bootstrap_median`). If the interleaved run
+kills its worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails
+with the reason.
 
 The child side (:func:`run_interleaved`) runs in the tuner's worker process (``op: interleave``);
 the parent side is :func:`retime`.
@@ -15,6 +19,7 @@ the parent side is :func:`retime`.
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +29,7 @@ from attnbench.tuning.dispatch import MapCandidate
 from attnbench.tuning.margin import bootstrap_median, sample_rounds
 from attnbench.tuning.refine import PointMeasurement
 
-__all__ = ["Finalist", "retime", "run_interleaved"]
+__all__ = ["Finalist", "retime", "round_order", "run_interleaved"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,35 @@ class Finalist:
     backend_ref: str
     config: dict[str, Any]
     lossy: str = ""
+
+
+def round_order(n: int, r: int, *, seed: int = 0) -> list[int]:
+    """The order of ``n`` candidates in round ``r``: a row of a Williams design, relabelled per cycle.
+
+    For even ``n`` the ``n`` rows ``0, 1, n-1, 2, n-2, …`` shifted by the row number make a Latin
+    square in which every ordered pair of candidates is adjacent exactly once; for odd ``n`` those
+    rows and their reverses (``2n`` rows) make every ordered pair adjacent exactly twice. So over a
+    cycle each candidate runs in every position, and right after every other candidate, equally
+    often within the rounds. The step between two rounds (one round's last, the next one's first)
+    is not balanced by the square, so each cycle's candidates are relabelled by a permutation drawn
+    from ``seed`` and the cycle number: those extra transitions then fall on different pairs from
+    cycle to cycle instead of always on the same one.
+    """
+    if n <= 0:
+        return []
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = n if n % 2 == 0 else 2 * n
+    cycle, j = divmod(r, rows)
+    label = list(range(n))
+    random.Random(f"{seed}:{cycle}").shuffle(label)
+    row = [label[(x + j % n) % n] for x in base]
+    return row if j < n else row[::-1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,11 +137,12 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
             except Exception as err:  # the candidate's own failure: the others are still timed
                 failed[label] = f"exception: {type(err).__name__}: {err}"
         order = list(models)
+        seed = task.get("seed", 0)
 
         def one_round(r: int) -> dict[str, float]:
             got: dict[str, float] = {}
-            k = r % len(order)
-            for label in order[k:] + order[:k]:  # rotated: no candidate always runs first
+            for i in round_order(len(order), r, seed=seed):  # balanced for position and for predecessor
+                label = order[i]
                 t0 = clock()
                 steps[label]()
                 synchronize(workload.device)
@@ -116,9 +151,7 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
 
         synchronize(workload.device)
         times = (
-            sample_rounds(
-                one_round, samples=samples, max_samples=task.get("max_samples"), seed=task.get("seed", 0)
-            )
+            sample_rounds(one_round, samples=samples, max_samples=task.get("max_samples"), seed=seed)
             if order
             else {}
         )
