@@ -5,8 +5,9 @@ the machine, the date and the load average:
 
 ``tune``
     runs ``attnbench tune ... --json`` with the arguments after ``--`` and records, per tuned point,
-    the winner, the fastest timed candidate and whether the winner is the fastest or within the
-    entry's switch margin of it (the dispatch-map margin policy)::
+    the winner, the fastest re-timed finalist, the fastest study trial and whether the winner is
+    the fastest or within the entry's switch margin of it (the dispatch-map margin policy), each
+    comparison within one measurement (see ``judge``)::
 
         python scripts/engines_report.py tune --name tune-vllm-bf16-t1 -- \\
             --model llama-3.1-8b --batch 1,8 --context 1k,8k --dtype bf16 --threads 1 --layers 4
@@ -71,28 +72,60 @@ def run_tune(name: str, tune_args: list[str], *, out: Path = RESULTS) -> int:
         print(res.stderr[-4000:], file=sys.stderr)
         return res.returncode
     report = json.loads(res.stdout)
-    points = []
-    for row, entry in report["entries"].items():
-        timed = [c for c in entry.get("candidates", []) if c.get("step_ms") is not None]
-        winner = entry.get("winner")
-        fastest = min(timed, key=lambda c: c["step_ms"]) if timed else None
-        margin = float(entry.get("switch_margin", 0.0))
-        ok = bool(winner and fastest and winner["step_ms"] <= fastest["step_ms"] * (1 + margin) + 1e-12)
-        points.append({"row": row, "winner": winner, "fastest": fastest, "switch_margin": margin, "ok": ok})
+    points = [{"row": row} | judge(entry) for row, entry in report["entries"].items()]
     data = _header("attnbench tune " + shlex.join(tune_args), load) | {"points": points, "tune": report}
     lines = [
-        "| point | winner | ms | % copy bw | fastest | ms | winner within margin |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| point | winner | re-timed ms | % copy bw | fastest re-timed | ms | fastest study trial | study ms "
+        "| winner within margin |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in points:
-        w, f = p["winner"] or {}, p["fastest"] or {}
+        w, f, s = p["winner"] or {}, p["fastest"] or {}, p["fastest_in_study"] or {}
         lines.append(
             f"| {p['row']} | {_label(w)} | {w.get('step_ms', '-')} | {w.get('pct_of_bandwidth', '-')} | "
-            f"{_label(f)} | {f.get('step_ms', '-')} | {'yes' if p['ok'] else 'NO'} "
+            f"{_label(f)} | {f.get('step_ms', '-')} | {_label(s)}{' (finalist)' if s.get('retimed') else ''} | "
+            f"{s.get('study_ms', s.get('step_ms', '-'))} | {'yes' if p['ok'] else 'NO'} "
             f"({p['switch_margin']:.0%}) |"
         )
     _write(name, data, lines, out=out)
     return 0 if all(p["ok"] for p in points) else 1
+
+
+def judge(entry: dict[str, Any]) -> dict[str, Any]:
+    """Whether a tune entry's winner is the fastest candidate or within the switch margin of it,
+    comparing only times from one measurement: the finalists' interleaved re-timing with each other,
+    and the study's trials with each other (a finalist by its ``study_ms``). Two checks:
+
+    - the fastest study trial of this run was re-timed (it is a finalist), so the interleaved round
+      saw it; candidates merged from an earlier run are left out of the study's comparison;
+    - the winner's re-timed median is within the margin of the fastest re-timed median.
+
+    An entry without re-timing (``--samples 0``) has only the study's times; those are compared.
+    """
+    margin = float(entry.get("switch_margin", 0.0))
+    cands = [c for c in entry.get("candidates", []) if c.get("step_ms") is not None]
+    retimed = [c for c in cands if c.get("retimed")]
+    study = [
+        c for c in cands if "merged" not in c and (c.get("study_ms") is not None or not c.get("retimed"))
+    ]
+    winner = entry.get("winner")
+
+    def study_time(c: dict[str, Any]) -> float:
+        return float(c["study_ms"] if c.get("retimed") else c["step_ms"])
+
+    fastest_study = min(study, key=study_time) if study else None
+    pool = retimed or study
+    fastest = min(pool, key=lambda c: c["step_ms"]) if pool else None
+    within = bool(winner and fastest and winner["step_ms"] <= fastest["step_ms"] * (1 + margin) + 1e-12)
+    seen = not retimed or bool(fastest_study and fastest_study.get("retimed"))
+    return {
+        "winner": winner,
+        "fastest": fastest,
+        "fastest_in_study": fastest_study,
+        "switch_margin": margin,
+        "fastest_study_trial_retimed": seen,
+        "ok": within and seen,
+    }
 
 
 def _label(c: dict[str, Any]) -> str:

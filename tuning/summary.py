@@ -145,16 +145,23 @@ def summarize(
     for c in mergeable(prior, code_hashes) if prior else []:
         label = candidate_label(c)
         if label not in cands:
+            c.pop("retimed", None)  # re-timed then, not in this run's interleaved measurement
             cands[label] = c | {"merged": prior.get("tuned_at", "earlier")}  # type: ignore[union-attr]
             merged.append(label)
     if retimed is not None:
         times = dict(retimed.times)
         for label, interval in times.items():
             if label in cands:
-                cands[label] = cands[label] | {
-                    "step_ms": round(interval.median_ms, 4),
-                    "interval": interval.as_dict(),
-                }
+                study = {} if "merged" in cands[label] else {"study_ms": cands[label].get("step_ms")}
+                cands[label] = (
+                    cands[label]
+                    | {k: v for k, v in study.items() if v is not None}
+                    | {
+                        "step_ms": round(interval.median_ms, 4),
+                        "interval": interval.as_dict(),
+                        "retimed": True,
+                    }
+                )
         for label, why in retimed.failed.items():
             if label in cands and "failed" not in cands[label]:
                 cands[label] = cands[label] | {"retime_failed": why}
