@@ -1,13 +1,15 @@
 /* cpu_decode — paged decode attention for CPUs, called from backends/cpu_decode.py through ctypes.
  *
- * Cache layout (one layer; element type T = fp32, fp16 or bf16; P = 2 for bf16, else 1):
- *   K: [pages, Hkv, page_size / 16, D / P, 16, P]   (16-key tiles; within a tile, P adjacent dims
- *                                                    of each key side by side: the VNNI order)
- *   V: [pages, Hkv, page_size / P, D, P]             (P adjacent keys of each dim side by side)
- * One page of one KV head is contiguous (page_size · D elements of K, the same of V), and so is each
- * 16-key tile (16 · D elements). With P = 2 one 64-byte row of a K tile is 16 keys × 2 dims and one of
- * V is 16 dims × 2 keys: exactly the operands of vdpbf16ps, so neither q·k nor p·v needs a shuffle
- * or a horizontal sum.
+ * Cache layout (one layer; element type T = fp32, fp16 or bf16; P = 2 for bf16, else 1): 16-key
+ * tiles, each tile's K followed by its V, one KV head's tiles of one page after each other:
+ *   [pages, Hkv, page_size / 16, { K: [D / P, 16, P],  V: [16 / P, D, P] }]
+ * (K: P adjacent dims of each key side by side, the VNNI order; V: P adjacent keys of each dim side
+ * by side). The kernel takes kc = the layer's first element and vc = kc + 16 · D elements, and finds
+ * a tile's K at kc + tile_offset and its V at vc + tile_offset. One page of one KV head is one
+ * contiguous run of 2 · page_size · D elements, read front to back: one stream per item rather than
+ * separate K and V pages, which one core reads from DRAM about 15 % faster. With P = 2 one 64-byte
+ * row of a K tile is 16 keys × 2 dims and one of V is 16 dims × 2 keys: exactly the operands of
+ * vdpbf16ps, so neither q·k nor p·v needs a shuffle or a horizontal sum.
  *
  * Work: one item per (sequence, KV head, KV split). An item walks its tokens in 16-key tiles:
  * scores for every query head of the GQA group (each K row is loaded once for up to 4 heads), an
@@ -35,7 +37,7 @@ enum { ISA_SCALAR = 0, ISA_AVX512 = 1, ISA_AVX512BF16 = 2 };
 #define TILE 16
 #define MAX_G 64
 
-int cpu_decode_abi(void) { return 2; }
+int cpu_decode_abi(void) { return 3; }
 
 int cpu_decode_isa(void) {
 #ifdef CPU_DECODE_AVX512
@@ -120,11 +122,13 @@ typedef struct {
     int prefetch;       /* tiles ahead to prefetch into L2 (0: none) */
     float scale;
     float *m, *l, *acc; /* [G], [G], [G, D] out: running max, sum, unnormalised p·v */
+    float *lv;          /* [G, 16] the running sum per lane (bf16 items; reduced into l at the end) */
 } item_t;
 
+/* the offset of the tile holding token t (a multiple of 16) from kc for its K, from vc for its V */
 static inline size_t tile_offset(const item_t *it, int t) {
     int page = it->bt[t / it->ps], slot = t % it->ps;
-    return ((size_t)page * it->Hkv + it->h) * it->ps * it->D + (size_t)slot * it->D;
+    return 2 * (((size_t)page * it->Hkv + it->h) * it->ps * it->D + (size_t)slot * it->D);
 }
 
 static void item_scalar(const item_t *it) {
@@ -173,22 +177,45 @@ static void item_scalar(const item_t *it) {
 #define TGT_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define INLINE static inline __attribute__((always_inline))
 
-/* e^x for x ≤ 0 (Cephes' range reduction, degree-7 Taylor on |r| ≤ ln2/2: < 1e-8 relative) */
+/* the max of x's lanes, in every lane */
+TGT INLINE __m512 allmax(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4e));
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xb1));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4e));
+    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xb1));
+}
+
+/* e^x for x ≤ 0 of n ≤ 6 vectors in place (Cephes' range reduction, degree-7 Taylor on |r| ≤ ln2/2:
+ * < 1e-8 relative; x·log2(e) is rounded and 2^n formed with integer arithmetic on the float bits, as
+ * adding 1.5·2^23 leaves the integer in the low mantissa bits). The steps of the n evaluations are
+ * interleaved: each is a chain of dependent operations, and one chain after another would leave the
+ * core waiting on each (in the bf16 softmax that waiting was half of a step's time) */
+TGT INLINE void exp512n(int n, __m512 *x) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    __m512 t[6], r[6], p[6];
+    for (int i = 0; i < n; i++) {
+        x[i] = _mm512_max_ps(x[i], _mm512_set1_ps(-87.0f));
+        t[i] = _mm512_fmadd_ps(x[i], _mm512_set1_ps(1.44269504088896341f), magic);
+    }
+    for (int i = 0; i < n; i++) r[i] = _mm512_fnmadd_ps(_mm512_sub_ps(t[i], magic), _mm512_set1_ps(0.693359375f), x[i]);
+    for (int i = 0; i < n; i++) r[i] = _mm512_fnmadd_ps(_mm512_sub_ps(t[i], magic), _mm512_set1_ps(-2.12194440e-4f), r[i]);
+    for (int i = 0; i < n; i++) p[i] = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), r[i], _mm512_set1_ps(1.0f / 720.0f));
+    for (int i = 0; i < n; i++) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(1.0f / 120.0f));
+    for (int i = 0; i < n; i++) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(1.0f / 24.0f));
+    for (int i = 0; i < n; i++) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(1.0f / 6.0f));
+    for (int i = 0; i < n; i++) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(0.5f));
+    for (int i = 0; i < n; i++) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(1.0f));
+    for (int i = 0; i < n; i++) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(1.0f));
+    for (int i = 0; i < n; i++) {
+        __m512i e = _mm512_sub_epi32(_mm512_castps_si512(t[i]), _mm512_castps_si512(magic));
+        e = _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127)), 23);
+        x[i] = _mm512_mul_ps(p[i], _mm512_castsi512_ps(e));
+    }
+}
+
 TGT INLINE __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    exp512n(1, &x);
+    return x;
 }
 
 /* online-softmax update of GN heads from their scores s[g] (16 keys, `valid` lanes real):
@@ -217,26 +244,37 @@ TGT_BF16 INLINE __m512 dp_bcast(__m512 acc, __m512i x, const uint32_t *b) {
 }
 
 /* p·v for GN heads over d in [c, c + 16·NU) and NP key pairs: acc[g] = acc[g]·alpha[g] + Σ v_pair · p_pair
- * (pp: [4][16] pairs of bf16 probabilities, one row per head) */
-TGT_BF16 INLINE void pv_bf16(int gn, int nu, int np, const uint16_t *vt, const uint32_t *pp, const float *alpha,
-                             float *acc, int D, int c) {
+ * (pr: per head, the step's 16 pairs of bf16 probabilities in one vector) */
+TGT_BF16 INLINE void pv_bf16(int gn, int nu, int np, const uint16_t *vt, const __m512i *pr, const __m512 *alpha,
+                             float *acc, int D, int c, const char *const *pfv, int ci) {
     __m512 a[4][4];
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < nu; u++)
             a[g][u] = _mm512_setzero_ps();
     for (int jp = 0; jp < np; jp++) {
+        /* four lines of the future V tiles per key pair: over the step's calls (ci) the whole tiles
+         * (D / 2 lines each), spread over p·v as the K lines are over q·k */
+        if (pfv) {
+            int L = (ci * np + jp) * 4, lines = D / 2, t = L >= lines; /* np / 8 ≤ 2 tiles; D / 2 % 4 == 0 */
+            if (L < np / 8 * lines && pfv[t]) {
+                const char *p = pfv[t] + (size_t)(L - t * lines) * 64;
+                for (int k = 0; k < 4; k++) _mm_prefetch(p + 64 * k, _MM_HINT_T2);
+            }
+        }
+        __m512i b[4], idx = _mm512_set1_epi32(jp);
+        for (int g = 0; g < gn; g++) b[g] = _mm512_permutexvar_epi32(idx, pr[g]);
         for (int u = 0; u < nu; u++) {
-            __m512i v = _mm512_loadu_si512((const void *)(vt + (size_t)jp * 2 * D + 2 * (c + 16 * u)));
+            /* key pair jp: tile jp / 8 (two tiles lie 2 · 16 · D elements apart: K, V, K, V) */
+            const uint16_t *vp = vt + (size_t)(jp >> 3) * 2 * TILE * D + (size_t)(jp & 7) * 2 * D;
+            __m512i v = _mm512_loadu_si512((const void *)(vp + 2 * (c + 16 * u)));
             for (int g = 0; g < gn; g++)
-                a[g][u] = dp_bcast(a[g][u], v, pp + g * 16 + jp);
+                a[g][u] = _mm512_dpbf16_ps(a[g][u], (__m512bh)v, (__m512bh)b[g]);
         }
     }
-    /* the step's sum joins the running one once: over n keys the running sum takes n / 16 or n / 32
-     * additions, not n (fp32 error growth), at the cost of the multiply it replaces */
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < nu; u++) {
             float *o = acc + (size_t)g * D + c + 16 * u;
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(alpha[g]), a[g][u]));
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), alpha[g], a[g][u]));
         }
 }
 
@@ -246,58 +284,78 @@ TGT_BF16 INLINE void tile_bf16(int gn, int nt, const item_t *it, int g0, const u
                                const __mmask16 *valid, const char *const *pk, const char *const *pv) {
     const int D = it->D, D2 = D / 2, npart = 4 / nt;
     const uint32_t *qp = (const uint32_t *)it->q + (size_t)g0 * D2;
-    __m512 a[4][4], s[4][2];
+    __m512 a[4][4];
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();
     for (int dp = 0; dp < D2; dp += npart) {
         for (int t = 0; t < nt; t++) {
-            if (pk[t]) { /* 64·npart bytes of each future K and V tile per iteration: whole tiles per loop */
+            if (pk[t]) { /* 64·npart bytes of each future K tile per iteration: whole tiles per loop */
                 for (int i = 0; i < 64 * npart; i += 64) {
                     _mm_prefetch(pk[t] + (size_t)dp * 64 + i, _MM_HINT_T2);
-                    _mm_prefetch(pv[t] + (size_t)dp * 64 + i, _MM_HINT_T2);
+
                 }
             }
         }
         for (int u = 0; u < npart; u++) {
             for (int t = 0; t < nt; t++) {
-                __m512i k = _mm512_loadu_si512((const void *)(kt + (size_t)t * TILE * D + (size_t)(dp + u) * 32));
+                __m512i k = _mm512_loadu_si512((const void *)(kt + (size_t)t * 2 * TILE * D + (size_t)(dp + u) * 32));
                 for (int g = 0; g < gn; g++)
                     a[g][t * npart + u] = dp_bcast(a[g][t * npart + u], k, qp + g * D2 + dp + u);
             }
         }
     }
     const __m512 scale = _mm512_set1_ps(it->scale), ninf = _mm512_set1_ps(-INFINITY);
-    float alpha[4];
-    uint32_t pp[4 * 16];
+    __m512 alpha[4];
+    __m512i pr[4];
+    /* the online-softmax step of the gn heads, each operation over all heads before the next: scores,
+     * their max in every lane, the new running max (branch-free: m_old = -inf gives e^-87 · 0 = 0),
+     * then e^(s - m_new) of every tile and alpha = e^(m_old - m_new) of every head, interleaved */
+    __m512 ex[12], mx[4], mo[4], mn[4];
+    const int ns = gn * nt;
     for (int g = 0; g < gn; g++) {
-        __m512 mx = ninf;
+        mx[g] = ninf;
         for (int t = 0; t < nt; t++) {
             __m512 x = a[g][t * npart];
             for (int u = 1; u < npart; u++) x = _mm512_add_ps(x, a[g][t * npart + u]);
-            s[g][t] = _mm512_mul_ps(x, scale);
-            mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(ninf, valid[t], s[g][t]));
+            ex[g * nt + t] = _mm512_mul_ps(x, scale);
+            mx[g] = _mm512_max_ps(mx[g], _mm512_mask_mov_ps(ninf, valid[t], ex[g * nt + t]));
         }
-        float *m = it->m + g0 + g, mt = _mm512_reduce_max_ps(mx), mn = mt > *m ? mt : *m;
-        alpha[g] = mn == *m ? 1.0f : expf(*m - mn);
-        *m = mn;
+    }
+    for (int g = 0; g < gn; g++) mx[g] = _mm512_max_ps(mx[g], _mm512_shuffle_f32x4(mx[g], mx[g], 0x4e));
+    for (int g = 0; g < gn; g++) mx[g] = _mm512_max_ps(mx[g], _mm512_shuffle_f32x4(mx[g], mx[g], 0xb1));
+    for (int g = 0; g < gn; g++) mx[g] = _mm512_max_ps(mx[g], _mm512_permute_ps(mx[g], 0x4e));
+    for (int g = 0; g < gn; g++) mx[g] = _mm512_max_ps(mx[g], _mm512_permute_ps(mx[g], 0xb1));
+    for (int g = 0; g < gn; g++) {
+        mo[g] = _mm512_set1_ps(it->m[g0 + g]);
+        mn[g] = _mm512_max_ps(mx[g], mo[g]);
+        _mm_store_ss(it->m + g0 + g, _mm512_castps512_ps128(mn[g]));
+        for (int t = 0; t < nt; t++) ex[g * nt + t] = _mm512_sub_ps(ex[g * nt + t], mn[g]);
+        ex[ns + g] = _mm512_sub_ps(mo[g], mn[g]);
+    }
+    for (int i = 0; i < ns + gn; i += 6) exp512n(ns + gn - i < 6 ? ns + gn - i : 6, ex + i);
+    for (int g = 0; g < gn; g++) {
+        alpha[g] = ex[ns + g];
         __m512 sum = _mm512_setzero_ps();
         for (int t = 0; t < nt; t++) {
-            __m512 p = _mm512_maskz_mov_ps(valid[t], exp512(_mm512_sub_ps(s[g][t], _mm512_set1_ps(mn))));
+            __m512 p = _mm512_maskz_mov_ps(valid[t], ex[g * nt + t]);
             __m256i pb = (__m256i)_mm512_cvtneps_pbh(p);
-            _mm256_storeu_si256((__m256i *)(pp + g * 16 + t * 8), pb);
+            pr[g] = t ? _mm512_inserti64x4(pr[g], pb, 1) : _mm512_castsi256_si512(pb);
             /* the sum uses p as rounded for p·v, so the weights sum to one */
             sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
         }
-        it->l[g0 + g] = it->l[g0 + g] * alpha[g] + _mm512_reduce_add_ps(sum);
+        float *lv = it->lv + (size_t)(g0 + g) * 16; /* the sum per lane; reduced once per item */
+        _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), alpha[g], sum));
     }
     float *acc = it->acc + (size_t)g0 * D;
     const int np = nt * TILE / 2;
     int c = 0;
-    for (; c + 64 <= D; c += 64) pv_bf16(gn, 4, np, vt, pp, alpha, acc, D, c);
+    const char *const *pfv = pv[0] ? pv : NULL;
+    int ci = 0;
+    for (; c + 64 <= D; c += 64, ci++) pv_bf16(gn, 4, np, vt, pr, alpha, acc, D, c, pfv, ci);
     switch ((D - c) / 16) {
-        case 3: pv_bf16(gn, 3, np, vt, pp, alpha, acc, D, c); break;
-        case 2: pv_bf16(gn, 2, np, vt, pp, alpha, acc, D, c); break;
-        case 1: pv_bf16(gn, 1, np, vt, pp, alpha, acc, D, c); break;
+        case 3: pv_bf16(gn, 3, np, vt, pr, alpha, acc, D, c, pfv, ci); break;
+        case 2: pv_bf16(gn, 2, np, vt, pr, alpha, acc, D, c, pfv, ci); break;
+        case 1: pv_bf16(gn, 1, np, vt, pr, alpha, acc, D, c, pfv, ci); break;
         default: break;
     }
 }
@@ -396,10 +454,15 @@ static inline __mmask16 tile_mask(int n) { return (__mmask16)(n >= TILE ? 0xffff
 TGT_BF16 static void item_avx512bf16(const item_t *it) {
     const int G = it->G, D = it->D, pf = it->prefetch;
     const uint16_t *kc = (const uint16_t *)it->kc, *vc = (const uint16_t *)it->vc;
+    float lv[MAX_G * 16] __attribute__((aligned(64)));
+    item_t own = *it;
+    own.lv = lv;
+    it = &own;
     for (int g = 0; g < G; g++) {
         it->m[g] = -INFINITY;
         it->l[g] = 0.0f;
     }
+    memset(lv, 0, sizeof(float) * 16 * (size_t)G);
     memset(it->acc, 0, sizeof(float) * (size_t)G * D);
     for (int t = it->t0; t < it->t1;) {
         int nt = it->ps >= 2 * TILE && t % (2 * TILE) == 0 && t + TILE < it->t1 ? 2 : 1;
@@ -430,6 +493,7 @@ TGT_BF16 static void item_avx512bf16(const item_t *it) {
         }
         t += nt * TILE;
     }
+    for (int g = 0; g < G; g++) it->l[g] = _mm512_reduce_add_ps(_mm512_load_ps(lv + 16 * g));
 }
 
 TGT static void item_avx512(const item_t *it) {
@@ -539,7 +603,8 @@ int cpu_decode_attend(const void *q, const void *kc, const void *vc, const int32
 }
 
 /* Write new tokens: k, v [B, T, Hkv, D] (right-padded; row j of sequence b is real for j < num_new[b])
- * at positions[b] + j, into the layer's pages (layout above). esize: bytes per element (2 or 4). */
+ * at positions[b] + j, into the layer's pages (layout above; kc and vc as the kernel takes them).
+ * esize: bytes per element (2 or 4). */
 int cpu_decode_write(void *kc, void *vc, const void *k, const void *v, const int32_t *block_table,
                      const int32_t *positions, const int32_t *num_new, int B, int T, int Hkv, int D, int ps,
                      int maxp, int P, int esize) {
@@ -549,9 +614,8 @@ int cpu_decode_write(void *kc, void *vc, const void *k, const void *v, const int
             int t = positions[b] + j, page = block_table[(size_t)b * maxp + t / ps], slot = t % ps;
             for (int h = 0; h < Hkv; h++) {
                 size_t src = (((size_t)b * T + j) * Hkv + h) * D;
-                size_t head = ((size_t)page * Hkv + h) * ps * D;
-                size_t kt = head + (size_t)(slot / TILE) * TILE * D, j16 = (size_t)(slot % TILE);
-                size_t vt = head + (size_t)(slot / P) * D * P, jp = (size_t)(slot % P);
+                size_t tile = 2 * (((size_t)page * Hkv + h) * ps * D + (size_t)(slot / TILE) * TILE * D);
+                size_t j16 = (size_t)(slot % TILE), kt = tile, vt = tile + (j16 / P) * D * P, jp = j16 % P;
                 for (int d = 0; d < D; d++) {
                     size_t ki = kt + ((size_t)(d / P) * TILE + j16) * P + d % P, vi = vt + (size_t)d * P + jp;
                     if (esize == 2) {

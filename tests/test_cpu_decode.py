@@ -133,8 +133,10 @@ def test_pages_hold_the_documented_layout() -> None:
         for b, t, h in ((0, 0, 0), (0, 33, 1), (0, 36, 0), (1, 4, 1)):
             page = int(cache.block_table[b, t // ps])
             slot = t % ps
-            kp = cache.k_pages[0, page, h].view(ps // 16, d // pair, 16, pair)[slot // 16, :, slot % 16, :]
-            vp = cache.v_pages[0, page, h].view(ps // pair, d, pair)[slot // pair, :, slot % pair]
+            tile = cache.pages[0, page, h, slot // 16]  # [2, 16 · d]: the tile's K, then its V
+            j = slot % 16
+            kp = tile[0].view(d // pair, 16, pair)[:, j, :]
+            vp = tile[1].view(16 // pair, d, pair)[j // pair, :, j % pair]
             assert torch.equal(kp.reshape(d), k[b, t, h]) and torch.equal(vp, v[b, t, h])
         assert sorted(cache.block_table.flatten().tolist()) == list(range(cache.num_pages))
         assert cache.block_table.flatten().tolist() != list(range(cache.num_pages))  # permuted
