@@ -7,7 +7,7 @@
  * by side). The kernel takes kc = the layer's first element and vc = kc + 16 · D elements, and finds
  * a tile's K at kc + tile_offset and its V at vc + tile_offset. One page of one KV head is one
  * contiguous run of 2 · page_size · D elements, read front to back: one stream per item rather than
- * separate K and V pages, which one core reads from DRAM about 15 % faster. With P = 2 one 64-byte
+ * separate K and V pages, which one core reads from DRAM faster. With P = 2 one 64-byte
  * row of a K tile is 16 keys × 2 dims and one of V is 16 dims × 2 keys: exactly the operands of
  * vdpbf16ps, so neither q·k nor p·v needs a shuffle or a horizontal sum.
  *

@@ -15,7 +15,7 @@ The cache (P = 2 for bf16, else 1)::
 
 One page of one KV head is one contiguous run (its tiles, each K then V), so the kernel reads one
 stream per item, page by page, and prefetches tiles ahead (in a random page) while it computes on
-this one; one core reads that from DRAM about 15 % faster than separate K and V pages. For
+this one; one core reads that from DRAM faster than separate K and V pages. For
 bf16, one 64-byte row of a K tile is 16 keys × 2 dims and one of V is 16 dims × 2 keys: the operands
 of ``vdpbf16ps``, so neither q·k nor p·v needs a shuffle or a horizontal sum. Each K/V row is loaded
 once for up to four query heads of its GQA group. Softmax is online, in fp32, over 32 keys at a
