@@ -203,7 +203,7 @@ class CpuDecodeBackend(Backend):
             "kv_splits", ("auto", 1, 4), "auto", "KV splits per sequence (auto: only when B·Hkv < threads)"
         ),
         Tunable(
-            "prefetch", (0, 2, 4, 8), 4, "16-key tiles ahead prefetched into L2 (0: hardware prefetch only)"
+            "prefetch", (0, 2, 4, 8), 2, "16-key tiles ahead prefetched into L2 (0: hardware prefetch only)"
         ),
     )
     #: run this variant instead of the best the CPU has (tests use "c-scalar"); None: the best

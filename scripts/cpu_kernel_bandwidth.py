@@ -14,8 +14,8 @@ Writes ``<out>.json`` and ``<out>.md`` with the command, the machine, the date a
     python scripts/cpu_kernel_bandwidth.py                 # the full run (quiet machine)
     python scripts/cpu_kernel_bandwidth.py --quick         # smoke: 1k context, batch 1, 2 layers
 
-Kernels: ``cpu_decode`` at each ``--page-sizes`` value, ``vllm_cpu`` (vLLM's default config) where
-the attnbench-vllm plugin is installed, and ``matmul_probe`` (``--no-probe`` leaves it out).
+Kernels: ``cpu_decode`` at each ``--page-sizes`` × ``--prefetch`` value (by default its default
+prefetch), ``vllm_cpu`` (vLLM's default config) where the attnbench-vllm plugin is installed, and ``matmul_probe`` (``--no-probe`` leaves it out).
 """
 
 from __future__ import annotations
@@ -41,9 +41,18 @@ from attnbench.registry import load_registry
 from attnbench.workload import Workload, parse_int_list, parse_tokens
 
 
-def _kernels(page_sizes: list[int], *, probe: bool) -> list[tuple[str, Any, dict[str, Any]]]:
+def _kernels(
+    page_sizes: list[int], prefetches: list[int], *, probe: bool
+) -> list[tuple[str, Any, dict[str, Any]]]:
+    default_pf = CpuDecodeBackend.default_config()["prefetch"]
     out: list[tuple[str, Any, dict[str, Any]]] = [
-        (f"cpu_decode page_size={ps}", CpuDecodeBackend(), {"page_size": ps}) for ps in page_sizes
+        (
+            f"cpu_decode page_size={ps}" + (f" prefetch={pf}" if pf != default_pf else ""),
+            CpuDecodeBackend(),
+            {"page_size": ps, "prefetch": pf},
+        )
+        for ps in page_sizes
+        for pf in prefetches
     ]
     registry = load_registry()
     if "vllm_cpu" in registry.names():
@@ -132,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--max-seconds", type=float, default=20.0, help="cap on timing per kernel and point")
     ap.add_argument("--page-sizes", default="32,128", help="cpu_decode page sizes to run (default 32,128)")
+    ap.add_argument(
+        "--prefetch",
+        default="4",
+        help="cpu_decode prefetch distances in tiles to run (default 4, its default)",
+    )
     ap.add_argument("--no-probe", action="store_true", help="leave out the matmul_probe row")
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: 1k context, batch 1, 2 layers, 3 repeats"
@@ -145,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     batches = parse_int_list(args.batch, field="--batch")
     contexts = [parse_tokens(c) for c in args.context.split(",")]
     page_sizes = parse_int_list(args.page_sizes, field="--page-sizes")
+    try:
+        prefetches = [int(x) for x in args.prefetch.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--prefetch {args.prefetch!r}: comma-separated tile counts ≥ 0, e.g. 2,4,8")
+    if not prefetches or min(prefetches) < 0:
+        ap.error(f"--prefetch {args.prefetch!r}: comma-separated tile counts ≥ 0, e.g. 2,4,8")
     torch.set_num_threads(args.threads)
 
     started = time.perf_counter()
@@ -154,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         for context in contexts:
             workload = Workload.uniform(args.model, batch=batch, context=context, dtype=args.dtype)
-            for label, backend, config in _kernels(page_sizes, probe=not args.no_probe):
+            for label, backend, config in _kernels(page_sizes, prefetches, probe=not args.no_probe):
                 profile = _profile(os.getloadavg())  # bench's plausibility check uses it too
                 read_points.append(profile.read_bandwidth / 1e9)
                 try:
