@@ -28,7 +28,11 @@ BLOCKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm-targets": ("docs/engines.md", ("results/vllm-targets.md",)),
     "cpu-kernel-bandwidth": (
         "docs/benchmarks.md",
-        ("results/cpu-kernel-bandwidth-t1-b1.md", "results/cpu-kernel-bandwidth-t1-b8.md"),
+        (
+            "results/cpu-kernel-bandwidth-t1-b1.md",
+            "results/cpu-kernel-bandwidth-t1-b8.md",
+            "results/cpu-kernel-bandwidth-t1-prefetch.md",
+        ),
     ),
 }
 
