@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-sizes", default="32,128", help="cpu_decode page sizes to run (default 32,128)")
     ap.add_argument(
         "--prefetch",
-        default="4",
-        help="cpu_decode prefetch distances in tiles to run (default 4, its default)",
+        default=str(CpuDecodeBackend.default_config()["prefetch"]),
+        help="cpu_decode prefetch distances in tiles to run (default: its default, 2)",
     )
     ap.add_argument("--no-probe", action="store_true", help="leave out the matmul_probe row")
     ap.add_argument(
