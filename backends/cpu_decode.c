@@ -177,14 +177,6 @@ static void item_scalar(const item_t *it) {
 #define TGT_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define INLINE static inline __attribute__((always_inline))
 
-/* the max of x's lanes, in every lane */
-TGT INLINE __m512 allmax(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4e));
-    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xb1));
-    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4e));
-    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xb1));
-}
-
 /* e^x for x ≤ 0 of n ≤ 6 vectors in place (Cephes' range reduction, degree-7 Taylor on |r| ≤ ln2/2:
  * < 1e-8 relative; x·log2(e) is rounded and 2^n formed with integer arithmetic on the float bits, as
  * adding 1.5·2^23 leaves the integer in the low mantissa bits). The steps of the n evaluations are

@@ -15,7 +15,8 @@ Writes ``<out>.json`` and ``<out>.md`` with the command, the machine, the date a
     python scripts/cpu_kernel_bandwidth.py --quick         # smoke: 1k context, batch 1, 2 layers
 
 Kernels: ``cpu_decode`` at each ``--page-sizes`` × ``--prefetch`` value (by default its default
-prefetch), ``vllm_cpu`` (vLLM's default config) where the attnbench-vllm plugin is installed, and ``matmul_probe`` (``--no-probe`` leaves it out).
+prefetch), ``vllm_cpu`` (vLLM's default config) where the attnbench-vllm plugin is installed, and
+``matmul_probe`` (``--no-probe`` leaves it out).
 """
 
 from __future__ import annotations
@@ -159,12 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     batches = parse_int_list(args.batch, field="--batch")
     contexts = [parse_tokens(c) for c in args.context.split(",")]
     page_sizes = parse_int_list(args.page_sizes, field="--page-sizes")
-    try:
-        prefetches = [int(x) for x in args.prefetch.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--prefetch {args.prefetch!r}: comma-separated tile counts ≥ 0, e.g. 2,4,8")
-    if not prefetches or min(prefetches) < 0:
-        ap.error(f"--prefetch {args.prefetch!r}: comma-separated tile counts ≥ 0, e.g. 2,4,8")
+    accepted = next(t.choices for t in CpuDecodeBackend.tunables if t.name == "prefetch")
+    items = [x.strip() for x in args.prefetch.split(",") if x.strip()]
+    if not items or any(not x.isdigit() or int(x) not in accepted for x in items):
+        ap.error(f"--prefetch {args.prefetch!r}: a comma-separated list of {', '.join(map(str, accepted))}")
+    prefetches = [int(x) for x in items]
     torch.set_num_threads(args.threads)
 
     started = time.perf_counter()

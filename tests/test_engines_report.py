@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+from script_module import load_script
 from tuning_helpers import planted_result, stated_profile
 
 from attnbench.tuning import summarize
@@ -12,16 +10,11 @@ from attnbench.tuning.margin import Interval
 from attnbench.tuning.refine import PointMeasurement
 from attnbench.workload import Workload
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "engines_report.py"
 W = Workload.uniform("tiny-gqa", batch=1, context=512, dtype="fp32")
 
 
 def _report():
-    spec = importlib.util.spec_from_file_location("engines_report", SCRIPT)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("engines_report")
 
 
 def _entry(study: dict[str, float], retimed: dict[str, float]) -> dict:

@@ -271,16 +271,12 @@ def test_cli_errors_are_one_clear_line(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_latency_model_docs_show_current_cli_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every ``<!-- example: … -->`` block in docs/latency-model.md is what the CLI prints today."""
-    import importlib.util
     from pathlib import Path
 
+    from script_module import load_script
+
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location(
-        "latency_model_docs", root / "scripts" / "latency_model_docs.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("latency_model_docs")
     monkeypatch.chdir(root)
     monkeypatch.setenv("COLUMNS", "118")
     page = (root / "docs" / "latency-model.md").read_text()

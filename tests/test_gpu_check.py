@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,16 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_module import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:

@@ -339,13 +339,9 @@ def test_device_defaults_to_auto_everywhere(argv):
 
 
 def test_the_latency_script_runs(tmp_path):
-    import importlib.util
-    from pathlib import Path
+    from script_module import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "select_latency.py"
-    spec = importlib.util.spec_from_file_location("select_latency", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("select_latency")
     assert (
         module.main(
             ["--model", "tiny-gqa", "--calls", "50", "--device", "cpu", "--out", str(tmp_path / "sl")]
