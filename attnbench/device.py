@@ -27,6 +27,7 @@ from attnbench.timing import measure
 
 __all__ = [
     "DeviceProfile",
+    "ReadMeter",
     "cache_dir",
     "fingerprint",
     "last_level_cache_bytes",
@@ -189,8 +190,42 @@ def measure_bandwidth(
     src = torch.randn(n, device=dev)
     dst = torch.empty_like(src)
     copy = measure(lambda i: dst.copy_(src), device=dev, warmup=3, repeats=15 if dev.type == "cuda" else 9)
-    read = measure(lambda i: src.sum(), device=dev, warmup=3, repeats=15 if dev.type == "cuda" else 9)
-    return 2 * n * 4 / copy.median_s, n * 4 / read.median_s, n * 4
+    return 2 * n * 4 / copy.median_s, _read_rate(src), n * 4
+
+
+def _read_rate(src: torch.Tensor) -> float:
+    """Bytes / s of a sum over ``src`` (median of several passes)."""
+    read = measure(lambda i: src.sum(), device=src.device, warmup=3, repeats=15 if src.is_cuda else 9)
+    return src.numel() * src.element_size() / read.median_s
+
+
+class ReadMeter:
+    """The read bandwidth measured again on demand, with the profile's buffer allocated once.
+
+    On a shared or virtual machine the read bandwidth moves by a third within minutes (seen on the
+    project's 2-vCPU VM: 20–31 GB/s at one thread), so a share of it is only as good as the time
+    between the two measurements. ``bench`` calls this right before and right after each timed row, at
+    the run's thread count, and reports the row's share against the mean of the two. A buffer that
+    would fit the last-level cache measures the cache, not memory: then ``available`` is false and
+    nothing is measured.
+    """
+
+    def __init__(self, device: str | torch.device, nbytes: int) -> None:
+        self.device = torch.device(device)
+        self.nbytes = int(nbytes)
+        self.available = self.nbytes >= 2 * last_level_cache_bytes(self.device)
+        self._src: torch.Tensor | None = None
+
+    def __call__(self) -> float | None:
+        """Bytes / s now, or ``None`` when the buffer would be cache-resident (see the class)."""
+        if not self.available:
+            return None
+        if self._src is None:
+            self._src = torch.randn(self.nbytes // 4, device=self.device)
+        return _read_rate(self._src)
+
+    def close(self) -> None:
+        self._src = None
 
 
 def load_profile(

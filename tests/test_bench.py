@@ -164,6 +164,35 @@ def test_bench_json_schema(small_profile: Path, capsys: pytest.CaptureFixture[st
     assert all(r["speedup_vs_naive"] == 1.0 for r in naive)
 
 
+def test_bench_measures_the_read_bandwidth_around_each_timed_row(
+    small_profile: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a read bandwidth that falls by 10 % at every measurement: the profile takes the first figure,
+    # and each row's share is of the mean of the figures right before and right after it
+    reads = [1e10 * 0.9**i for i in range(100)]
+    calls = iter(reads)
+    monkeypatch.setattr(device_mod, "_read_rate", lambda src: next(calls))
+    report = _bench_json(capsys, "--backends", "naive,flash")
+    assert report["device"]["read_bandwidth"] == reads[0]
+    timed = [r for r in report["results"] if r["status"] == "timed"]
+    assert len(timed) == len(report["results"]) == 4
+    for i, r in enumerate(timed):
+        before, after = reads[1 + 2 * i], reads[2 + 2 * i]
+        assert r["read_around"] == {
+            "before_bps": pytest.approx(before),
+            "after_bps": pytest.approx(after),
+            "mean_bps": pytest.approx((before + after) / 2),
+        }
+        assert r["pct_of_read"] == pytest.approx(100 * r["gbps"] * 1e9 / ((before + after) / 2))
+
+
+def test_the_read_meter_refuses_a_buffer_the_cache_would_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNBENCH_LLC_BYTES", str(2**20))
+    assert device_mod.ReadMeter("cpu", 2**20)() is None  # would measure the cache, not memory
+    meter = device_mod.ReadMeter("cpu", 4 * 2**20)
+    assert meter.available and meter() > 0
+
+
 def test_bench_save_writes_table_and_json(small_profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prefix = small_profile / "out" / "bench-cpu-tiny-1.2"
     _bench_json(capsys, "--backends", "naive", "--save", str(prefix))

@@ -42,7 +42,7 @@ from attnbench.cli.common import (
 )
 from attnbench.cli.gate_options import add_gate_options, gate_options
 from attnbench.costmodel import decode_cost, roofline
-from attnbench.device import DeviceProfile, load_profile
+from attnbench.device import DeviceProfile, ReadMeter, load_profile
 from attnbench.gpuspec import measured_gpu
 from attnbench.registry import load_registry
 from attnbench.timing import TIMING_MODES, timing_mode
@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     except CalibrationError as error:
         err.print(f"[yellow]calibration not used: {escape(str(error))}")
         calibration = None
+    meter = ReadMeter(device, profile.buffer_bytes)  # the read bandwidth around each timed row
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     load_start = os.getloadavg()
     rows: list[dict[str, Any]] = []
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             for backend in backends:
                 label = f"{workload.describe()} · {backend.name}"
                 progress.update(task, description=label)
-                rows.append(_measure_row(backend, workload, args, profile, peak, calibration))
+                rows.append(_measure_row(backend, workload, args, profile, peak, calibration, meter))
                 progress.advance(task)
                 if not err.is_terminal:  # a log file: one line per measurement instead of a live bar
                     err.print(f"[{len(rows)}/{total}] {label}: {rows[-1]['status']}")
@@ -174,6 +175,7 @@ def _measure_row(
     profile: DeviceProfile,
     peak: dict[str, float],
     calibration: Any = None,
+    meter: ReadMeter | None = None,
 ) -> dict[str, Any]:
     base = {
         "workload": workload.describe(),
@@ -186,6 +188,7 @@ def _measure_row(
     base["implementation"] = resolution.implementation
     if not resolution.runnable:
         return base | {"status": "unsupported", "reasons": list(resolution.reasons)}
+    read_before = meter() if meter else None
     try:
         m = measure_decode(
             backend,
@@ -215,6 +218,8 @@ def _measure_row(
         }
     row = base | {"status": "timed" if m.timed else "checked-only"} | m.as_dict()
     row |= _roofline(backend, workload, m, profile, peak)
+    if m.timed and read_before and meter:
+        row |= _read_around(m.gbps, read_before, meter())
     predicted = (
         calibration.predict(backend, workload, layers=m.num_layers, kv_bytes=m.kv_bytes)
         if calibration
@@ -228,6 +233,17 @@ def _measure_row(
             "measured_over_model": step_s / predicted[0] if step_s else None,
         }
     return row
+
+
+def _read_around(gbps: float | None, before: float, after: float | None) -> dict[str, Any]:
+    """The row's share of the read bandwidth measured right before and right after it (same threads)."""
+    if not after:
+        return {}
+    mean = (before + after) / 2
+    return {
+        "read_around": {"before_bps": before, "after_bps": after, "mean_bps": mean},
+        "pct_of_read": 100 * gbps * 1e9 / mean if gbps else None,
+    }
 
 
 def _roofline(
@@ -280,8 +296,8 @@ def _table(report: dict[str, Any]) -> Table:
         )
     )
     columns = ["dtype", "batch", "context", "backend", "rel_l2", "max_abs", "gate", "p50 ms", "p90 ms"]
-    columns += ["KV MB/step", "GB/s", "% BW", "× naive", "bound", "× floor", "model ms", "meas/model"]
-    columns += ["layers mat."]
+    columns += ["KV MB/step", "GB/s", "% BW", "% read", "× naive", "bound", "× floor"]
+    columns += ["model ms", "meas/model", "layers mat."]
     for col in columns:
         table.add_column(col, justify="left" if col in ("dtype", "backend", "gate") else "right")
     for r in report["results"]:
@@ -313,6 +329,7 @@ def _table(report: dict[str, Any]) -> Table:
             _fmt(r["kv_bytes"] / 1e6, ".1f"),
             _fmt(r.get("gbps"), ".2f"),
             _fmt(r.get("pct_of_bandwidth"), ".0f"),
+            _fmt(r.get("pct_of_read"), ".0f"),
             _fmt(r.get("speedup_vs_naive"), ".2f"),
             (r.get("roofline") or {}).get("bound", "—"),
             _fmt((r.get("roofline") or {}).get("x_floor"), ".1f"),
@@ -329,6 +346,14 @@ def _print_notes(out: Console, report: dict[str, Any]) -> None:
         f"{report['device']['fingerprint'].get('threads', '')} threads; load average "
         f"{report['load_avg_start'][0]:.2f} → {report['load_avg_end'][0]:.2f}"
     )
+    around = [r["read_around"] for r in report["results"] if r.get("read_around")]
+    if around:
+        reads = [x[k] / 1e9 for x in around for k in ("before_bps", "after_bps")]
+        out.print(
+            "% BW: of the profile's copy bandwidth; % read: of the read bandwidth measured right before and "
+            f"right after that row at the same threads (mean of the two; {min(reads):.1f}–{max(reads):.1f} "
+            "GB/s in this run, per row in the JSON)."
+        )
     if any(
         r.get("layers_materialised") and r["layers_materialised"] < r["num_layers"] for r in report["results"]
     ):
