@@ -224,9 +224,6 @@ class ReadMeter:
             self._src = torch.randn(self.nbytes // 4, device=self.device)
         return _read_rate(self._src)
 
-    def close(self) -> None:
-        self._src = None
-
 
 def load_profile(
     device: str | torch.device = "cpu", *, remeasure: bool = False, nbytes: int | None = None
