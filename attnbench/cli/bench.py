@@ -3,8 +3,9 @@
 For every workload (model × batch × context × dtype) and every runnable backend in its default
 config: run the correctness gate against float64 attention, then time whole decode steps (all
 layers) of the synthetic attention-only model. Reports the error numbers, step time (median, p90),
-KV bytes read per step, achieved GB/s, the share of the device's measured memory bandwidth, and the
-speedup over 'naive'. Backends that would run in an interpreter are checked but never timed.
+KV bytes read per step, achieved GB/s, the share of the device's measured memory bandwidth (% BW,
+against the profile's copy bandwidth; % read, against the read bandwidth measured right before and
+right after that row at the same threads), and the speedup over 'naive'. Backends that would run in an interpreter are checked but never timed.
 
 example: attnbench bench --model llama-3.1-8b --batch 1,8 --context 1k,8k,32k --dtype bf16,fp32
 """
@@ -188,7 +189,7 @@ def _measure_row(
     base["implementation"] = resolution.implementation
     if not resolution.runnable:
         return base | {"status": "unsupported", "reasons": list(resolution.reasons)}
-    read_before = meter() if meter else None
+    read_before = meter() if meter and not resolution.interpreted else None  # never timed: not needed
     try:
         m = measure_decode(
             backend,
