@@ -5,7 +5,7 @@ and 32k: every kernel goes through :func:`attnbench.bench.measure_decode` — th
 first, then whole decode steps of ``--layers`` layers through the synthetic model, which cycles its
 calls over distinct layer caches worth at least 4 × the last-level cache (``layers mat.``), so every
 call reads from DRAM; the timed run is spot-checked against float64 afterwards. The read bandwidth
-(a large ``sum``, :func:`attnbench.device.measure_bandwidth`) is measured in the same run, at the
+(a large ``sum``, :class:`attnbench.device.ReadMeter`, as ``bench``'s ``% read``) is measured in the same run, at the
 same thread count, right before and right after each kernel's measurement: its share is against the
 mean of the two (the single-thread read bandwidth of this VM moves by up to 20 % within minutes, so a
 figure taken at another moment is not a fair denominator), and both are recorded.
@@ -28,6 +28,7 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ import torch
 from attnbench.backends.cpu_decode import CpuDecodeBackend
 from attnbench.backends.matmul_probe import MatmulProbeBackend
 from attnbench.bench import measure_decode
-from attnbench.device import DeviceProfile, fingerprint, last_level_cache_bytes, measure_bandwidth
+from attnbench.device import DeviceProfile, ReadMeter, fingerprint, last_level_cache_bytes, measure_bandwidth
 from attnbench.registry import load_registry
 from attnbench.workload import Workload, parse_int_list, parse_tokens
 
@@ -171,11 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     rows: list[dict[str, Any]] = []
     read_points: list[float] = []
+    base = _profile(load_start)  # the copy bandwidth, once; the read bandwidth again around each kernel
+    meter = ReadMeter("cpu", base.buffer_bytes)
+    if not meter.available:
+        sys.exit(f"the bandwidth buffer ({base.buffer_bytes >> 20} MiB) would fit the last-level cache")
     for batch in batches:
         for context in contexts:
             workload = Workload.uniform(args.model, batch=batch, context=context, dtype=args.dtype)
             for label, backend, config in _kernels(page_sizes, prefetches, probe=not args.no_probe):
-                profile = _profile(os.getloadavg())  # bench's plausibility check uses it too
+                # the read bandwidth right before; bench's plausibility check uses it too
+                profile = replace(base, read_bandwidth=meter(), load_avg=os.getloadavg())
                 read_points.append(profile.read_bandwidth / 1e9)
                 try:
                     m = measure_decode(
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     print(f"b={batch} ctx={context} {label}: {exc}", file=sys.stderr)
                     continue
-                _, read_after, _ = measure_bandwidth("cpu")
+                read_after = meter()
                 read_points.append(read_after / 1e9)
                 rows.append(_row(label, m, profile.read_bandwidth, read_after))
                 r = rows[-1]
