@@ -1,0 +1,22 @@
+"""scripts/cpu_kernel_bandwidth.py: bad input is refused in one line, before anything is measured."""
+
+from __future__ import annotations
+
+import pytest
+from script_module import load_script
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefetch", "3"], "--prefetch '3': a comma-separated list of 0, 2, 4, 8"),
+        (["--threads", "0"], "--threads 0: must be ≥ 1"),
+    ],
+)
+def test_bad_input_names_the_option_and_what_is_accepted(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("cpu_kernel_bandwidth").main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
