@@ -46,6 +46,7 @@ from attnbench.triton_utils import kernel_for
 
 __all__ = [
     "MAX_SPLITS",
+    "MERGE_WARPS",
     "DecodeSpec",
     "auto_splits",
     "context_bucket",
@@ -53,7 +54,6 @@ __all__ = [
     "device_programs",
     "launch_decode",
     "merge_constexprs",
-    "merge_warps",
     "pow2",
     "split_kv_decode_kernel",
     "split_merge_kernel",
@@ -241,25 +241,39 @@ def split_merge_kernel(
     stride_oh,
     DV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """``out = Σ_s 2^(lse_s − max) · o_s / Σ_s 2^(lse_s − max)``; one program per (sequence, head)."""
+    """``out = Σ_s 2^(lse_s − max) · o_s / Σ_s 2^(lse_s − max)``; one program per (sequence, head).
+
+    The splits are read ``BLOCK_S`` rows at a time (a ``[BLOCK_S, BLOCK_DV]`` tile, four values per
+    thread: 16-byte loads), summed over the rows once at the end."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     base = b * stride_lb + head * stride_lh
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_DV)
     d_mask = offs_d < DV
-    m = float("-inf")
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + base + s))
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    w_sum = 0.0
-    for s in range(num_splits):
-        w = tl.math.exp2(tl.load(part_lse_ptr + base + s) - m)  # 0 for an empty split
-        acc += w * tl.load(part_o_ptr + (base + s) * DV + offs_d, mask=d_mask, other=0.0)
+    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        rows = s0 + offs_s
+        m = tl.maximum(m, tl.load(part_lse_ptr + base + rows, mask=rows < num_splits, other=float("-inf")))
+    m_all = tl.max(m, 0)
+    acc = tl.zeros([BLOCK_S, BLOCK_DV], dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        rows = s0 + offs_s
+        s_mask = rows < num_splits
+        w = tl.math.exp2(tl.load(part_lse_ptr + base + rows, mask=s_mask, other=float("-inf")) - m_all)
+        o = tl.load(
+            part_o_ptr + (base + rows)[:, None] * DV + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc += w[:, None] * o  # w is 0 for an empty split and for the rows past num_splits
         w_sum += w
     tl.store(
         out_ptr + b * stride_ob + head * stride_oh + offs_d,
-        (acc / w_sum).to(out_ptr.dtype.element_ty),
+        (tl.sum(acc, 0) / tl.sum(w_sum, 0)).to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
 
@@ -308,13 +322,14 @@ def decode_constexprs(spec: DecodeSpec, dtype: torch.dtype, *, interpreted: bool
 
 
 def merge_constexprs(dv: int) -> dict[str, Any]:
-    """Compile-time parameters of :func:`split_merge_kernel` (one specialisation for every split count)."""
-    return {"DV": dv, "BLOCK_DV": pow2(dv)}
+    """Compile-time parameters of :func:`split_merge_kernel` (one specialisation for every split count):
+    a tile of 512 values (four per thread of :data:`MERGE_WARPS`), ``BLOCK_S`` splits × ``BLOCK_DV``."""
+    return {"DV": dv, "BLOCK_DV": pow2(dv), "BLOCK_S": max(1, 512 // pow2(dv))}
 
 
-def merge_warps(dv: int) -> int:
-    """Warps of the merge: 4 values per thread, so that each partial row is read in 16-byte loads."""
-    return max(1, min(4, pow2(dv) // 128))
+#: warps of the merge: a 512-value tile is four values per thread, read in 16-byte loads (at Dv 128:
+#: one split row per warp, the rows summed across warps in shared memory at the end)
+MERGE_WARPS = 4
 
 
 def device_programs(device: torch.device) -> int:
@@ -397,6 +412,6 @@ def launch_decode(
             part_o, part_lse, out, splits,
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
             **merge_constexprs(spec.dv),
-            num_warps=merge_warps(spec.dv),
+            num_warps=MERGE_WARPS,
         )  # fmt: skip
     return out

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from attnbench.triton_decode import (
+    MERGE_WARPS,
     DecodeSpec,
     decode_constexprs,
     merge_constexprs,
-    merge_warps,
     split_kv_decode_kernel,
     split_merge_kernel,
 )
@@ -89,7 +89,7 @@ def merge_specialization(dv: int, dtype: torch.dtype) -> dict[str, Any]:
         "kernel": split_merge_kernel,
         "signature": sig | dict.fromkeys(constexprs, "constexpr"),
         "constexprs": constexprs,
-        "num_warps": merge_warps(dv),
+        "num_warps": MERGE_WARPS,
         "num_stages": 2,
         "aligned": (
             "part_o_ptr",
