@@ -13,13 +13,16 @@ through a block table; constexprs choose the variant, so a fix is made once:
 - ``PAGE_SIZE`` and ``BLOCK_N`` (tile): when a tile lies in one page (``PAGE_SIZE ≥ BLOCK_N``) one
   page id is read per tile and the rows are contiguous, else one page id per token. fp8's 64-token
   tiles read one page id per token whatever the page size: the compiled kernel then needs 168/174
-  registers on sm_80/sm_90 instead of 188/188 (``docs/fp8.md``);
+  registers on sm_80/sm_90 instead of 188/188 (``docs/fp8.md``); so do the latent tiles of 32 heads
+  (``h32_n32_w8``: 176/140 instead of 172/163; ``docs/mla.md``);
 - ``BLOCK_G``: query heads per program (``GROUP`` of them share one KV head; ``tl.dot`` needs ≥ 16);
 - ``direct`` (a run-time flag, fixed per launch): one split, normalise and write the output; else
   write one partial per split. The latent form always writes partials (the merge follows, as in the
   MLA-only kernel this family replaced): its bf16 output store from the ``[BLOCK_G, 512]``
   accumulator costs 40–64 registers per thread on both architectures (241 → 191 on sm_80 for
-  ``h32_n64_w8``, 191 → 127 for ``h16_n32_w4``; ``docs/mla.md``).
+  ``h32_n64_w8``, 191 → 127 for ``h16_n32_w4``; ``docs/mla.md``), and it normalises its 512-wide
+  rows by one reciprocal per head rather than a division per value. Its one KV head is known at
+  compile time (axis 1 of the grid is the head block alone).
 
 Grid ``(B, Hkv · cdiv(GROUP, BLOCK_G), num_splits)``. The partial format is one: the normalised
 partial output ``o [B, Hq, S, Dv]`` (float32) and its log-sum-exp in base 2 ``lse [B, Hq, S]``
@@ -78,10 +81,25 @@ def _load_rows(rows, offs, valid, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _store_partial(part_o_ptr, part_lse_ptr, row, out, m_i, l_i, offs_dv, dv_mask, g_mask, DV: tl.constexpr):
-    """One split's partial: the normalised output rows and their log2-sum-exp2 (``-inf``: empty)."""
+def _store_partial(
+    part_o_ptr,
+    part_lse_ptr,
+    row,
+    out,
+    m_i,
+    l_i,
+    offs_dv,
+    dv_mask,
+    g_mask,
+    DV: tl.constexpr,
+    NORMALISE: tl.constexpr,
+):
+    """One split's partial: the normalised output rows and their log2-sum-exp2 (``-inf``: empty).
+    ``NORMALISE``: ``out`` is the accumulator, normalised here by the reciprocal of ``l_i``."""
     nonempty = l_i > 0
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    if NORMALISE:
+        out = out * (1.0 / tl.where(nonempty, l_i, 1.0))[:, None]
     tl.store(part_o_ptr + row[:, None] * DV + offs_dv[None, :], out, mask=dv_mask)
     tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
@@ -133,8 +151,12 @@ def split_kv_decode_kernel(
 ):
     HEAD_BLOCKS: tl.constexpr = (GROUP + BLOCK_G - 1) // BLOCK_G
     b = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_BLOCKS
-    g_idx = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_G + tl.arange(0, BLOCK_G)
+    if LATENT:  # one KV head (the latent rows): the programs along axis 1 are head blocks
+        kv_head = 0
+        g_idx = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    else:
+        kv_head = tl.program_id(1) // HEAD_BLOCKS
+        g_idx = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_G + tl.arange(0, BLOCK_G)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
@@ -166,10 +188,11 @@ def split_kv_decode_kernel(
     for tile in range(start, end, BLOCK_N):
         tokens = tile + offs_n
         valid = tokens < end
-        if PAGE_SIZE >= BLOCK_N and not (KV_FP8 and BLOCK_N >= 64):  # one page id per tile
+        if PAGE_SIZE >= BLOCK_N and not (KV_FP8 and BLOCK_N >= 64) and not (LATENT and BLOCK_G >= 32):
+            # one page id per tile
             pages = tl.load(table + tile // PAGE_SIZE).to(tl.int64)  # a scalar
             rows = tile % PAGE_SIZE + offs_n
-        else:  # one page id per token (the tile spans pages; fp8's 64-token tiles, see above)
+        else:  # one page id per token (the tile spans pages; fp8's 64-token and 32-head latent tiles)
             pages = tl.load(table + tokens // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
             rows = tokens % PAGE_SIZE
         k_rows = k_ptr + kv_head * stride_kh + pages * stride_kp + rows * stride_kt
@@ -217,16 +240,20 @@ def split_kv_decode_kernel(
         m_i = m_new
 
     dv_mask = g_mask[:, None] & (offs_dv[None, :] < DV)
-    nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     row = b * stride_lb + heads * stride_lh + split  # [BLOCK_G] into the partials
     if LATENT:  # always the partials, even for one split: see the module doc
-        _store_partial(part_o_ptr, part_lse_ptr, row, out, m_i, l_i, offs_dv, dv_mask, g_mask, DV=DV)
-    elif direct:
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv_mask)
+        _store_partial(
+            part_o_ptr, part_lse_ptr, row, acc, m_i, l_i, offs_dv, dv_mask, g_mask, DV=DV, NORMALISE=True
+        )
     else:
-        _store_partial(part_o_ptr, part_lse_ptr, row, out, m_i, l_i, offs_dv, dv_mask, g_mask, DV=DV)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if direct:
+            o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv_mask)
+        else:
+            _store_partial(
+                part_o_ptr, part_lse_ptr, row, out, m_i, l_i, offs_dv, dv_mask, g_mask, DV=DV, NORMALISE=False
+            )
 
 
 @triton.jit
