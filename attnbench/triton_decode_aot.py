@@ -32,6 +32,7 @@ __all__ = [
     "aot_markdown",
     "covering_specializations",
     "merge_specialization",
+    "resident_programs",
     "spec_id",
     "specialization",
     "spill_bytes",
@@ -107,6 +108,24 @@ def spill_bytes(r: AotResult) -> int:
     """Bytes a compiled kernel keeps in local memory: ``cuobjdump``'s LOCAL plus its STACK frame, where
     ptxas puts register spills (the kernels make no calls, so a stack frame is spills)."""
     return (r.local_bytes or 0) + (r.stack_bytes or 0)
+
+
+#: per SM of sm_80 / sm_90 (CUDA's occupancy rules): registers, their allocation unit per warp,
+#: shared memory, the shared memory the runtime reserves per program (bytes), warps, programs
+_SM_LIMITS = {80: (65536, 256, 167936, 1024, 64, 32), 90: (65536, 256, 233472, 1024, 64, 32)}
+
+
+def resident_programs(r: AotResult) -> int | None:
+    """Programs of one compiled kernel that fit on an SM at once: the least of what its registers
+    (allocated per warp in units of 256, i.e. rounded up to 8 per thread), its shared memory, its warps
+    and the program limit allow. ``None`` without the register count (no ``cuobjdump``)."""
+    if r.registers is None or r.arch not in _SM_LIMITS:
+        return None
+    regs, unit, smem, reserved, warps, programs = _SM_LIMITS[r.arch]
+    per_warp = -(-r.registers * 32 // unit) * unit
+    by_regs = (regs // per_warp) // r.num_warps
+    by_smem = smem // ((r.shared_bytes or 0) + reserved)
+    return min(by_regs, by_smem, warps // r.num_warps, programs)
 
 
 def spills_expected(request: Mapping[str, Any]) -> bool:

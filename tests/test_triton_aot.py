@@ -20,9 +20,16 @@ from triton_modes import run_uninterpreted
 
 from attnbench.backends import fp8, mla
 from attnbench.backends.triton_paged import AOT_GEOMETRIES, BLOCK_N, PAGE_SIZES
-from attnbench.triton_decode_aot import covering_specializations, spec_id, spill_bytes, spills_expected
+from attnbench.triton_decode_aot import (
+    covering_specializations,
+    resident_programs,
+    spec_id,
+    spill_bytes,
+    spills_expected,
+)
 from attnbench.triton_utils import (
     AotCompileError,
+    AotResult,
     aot_compile,
     aot_compile_many,
     kernel_for,
@@ -171,3 +178,24 @@ def test_aot_compiles_for_nvidia(family_aot: dict, spec: dict, arch: int) -> Non
         assert loads.get("LDGSTS.E.BYPASS.128", 0) >= 2, loads
     if c.get("KV_FP8"):  # the fp8 bytes arrive in 16-byte pieces, never byte by byte
         assert not r.sass_count("LDG.E.U8"), r.summary()
+
+
+def test_resident_programs_follow_the_occupancy_rules() -> None:
+    def compiled(arch: int, warps: int, registers: int | None, shared: int) -> AotResult:
+        return AotResult("k", arch, warps, 2, {}, "", b"", shared, registers=registers)
+
+    # registers are allocated 8 per thread at a time: 75 and 80 both take 2,560 per warp, 6 programs
+    assert resident_programs(compiled(90, 4, 75, 21504)) == resident_programs(compiled(90, 4, 80, 21504)) == 6
+    assert resident_programs(compiled(90, 4, 81, 21504)) == 5  # 88 per thread: 23 warps
+    # 8 warps of 192 or 194 registers: one program by registers (two would need 98,304 or more)
+    assert (
+        resident_programs(compiled(90, 8, 192, 114688))
+        == resident_programs(compiled(90, 8, 194, 114688))
+        == 1
+    )
+    # shared memory decides: sm_80 holds one 112,704-byte program, 32 registers or 168
+    assert (
+        resident_programs(compiled(80, 4, 32, 112704)) == resident_programs(compiled(80, 4, 168, 112704)) == 1
+    )
+    assert resident_programs(compiled(80, 1, 16, 0)) == 32  # the program limit
+    assert resident_programs(compiled(90, 4, None, 0)) is None
