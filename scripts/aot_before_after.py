@@ -1,5 +1,6 @@
 """The AOT table before and after the split-KV unification, from the compiler: registers, spill bytes
-(local + stack), 16-byte global loads, for sm_80 and sm_90.
+(local + stack), 16-byte global loads and the programs that fit on one SM (from registers, shared
+memory and warps: ``triton_decode_aot.resident_programs``), for sm_80 and sm_90.
 
 "Before" compiles the three per-backend kernels as they were in git history (``--before``, default
 the parent of the unification commit: ``_paged_decode_kernel``, ``_fp8_paged_decode_kernel``,
@@ -9,23 +10,35 @@ kernel of :mod:`attnbench.triton_decode` at the same geometry (``triton_decode_a
 Needs git and the repository's history; no GPU::
 
     python scripts/aot_before_after.py            # Markdown tables and the count of worse comparisons
+    python scripts/aot_before_after.py --out results/aot-before-after   # also saved (docs_tables.py
+                                                  # copies its sections into the docs)
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 
 from attnbench.backends import fp8, mla, triton_paged
+from attnbench.cli.common import run_record, write_report
 from attnbench.triton_decode import DecodeSpec, pow2
-from attnbench.triton_decode_aot import TL_DTYPE, merge_specialization, specialization, spill_bytes
+from attnbench.triton_decode_aot import (
+    TL_DTYPE,
+    merge_specialization,
+    resident_programs,
+    specialization,
+    spill_bytes,
+)
 from attnbench.triton_utils import AotResult, aot_compile_many
 
 UNIFICATION = "6be7b6a"  # "One split-KV Triton decode family ..."
@@ -186,11 +199,14 @@ def rows(old: Any) -> list[tuple[str, str, list[dict], dict]]:
     return out  # fmt: skip
 
 
-def _figures(r: AotResult | Exception) -> tuple[int, int, int, int]:
+def _figures(r: AotResult | Exception) -> tuple[int, int, int, int, int]:
     if isinstance(r, Exception):
         raise r
     wide = sum(n for op, n in r.global_loads().items() if op.endswith(".128"))
-    return r.registers or 0, spill_bytes(r), wide, r.shared_bytes or 0
+    return r.registers or 0, spill_bytes(r), wide, resident_programs(r) or 0, r.shared_bytes or 0
+
+
+_FIGURES = ("registers", "spill bytes", "16-B loads", "programs per SM", "shared bytes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--before", default=f"{UNIFICATION}^", help="commit of the old kernels (default: %(default)s)"
     )
+    p.add_argument(
+        "--out",
+        metavar="PATH",
+        help="also write PATH.md (the tables under the command, machine and date) and PATH.json",
+    )
     args = p.parse_args(argv)
+    load_start, started = os.getloadavg(), time.time()
     with tempfile.TemporaryDirectory() as tmp:
         old = load_old_kernels(args.before, Path(tmp))
         table = rows(old)
@@ -207,38 +229,68 @@ def main(argv: list[str] | None = None) -> int:
         figures = [
             [[_figures(next(results)) for _ in ARCHS] for _ in [*olds, new]] for _, _, olds, new in table
         ]
-    worse = {"registers": 0, "spill bytes": 0, "16-B loads": 0}
-    comparisons, current, worse_rows = 0, None, []
+    worse = dict.fromkeys(_FIGURES[:4], 0)
+    comparisons, current, worse_rows, lines = 0, None, [], []
     for (kind, name, _, _), figs in zip(table, figures, strict=True):
         if kind != current:
             current = kind
-            print(f"\n#### {kind}\n")
-            print(
+            lines += [f"\n#### {kind}\n"]
+            lines += [
                 "| specialisation | registers sm_80 / sm_90 | spill bytes sm_80 / sm_90 "
-                "| 16-B loads sm_80 / sm_90 | shared bytes (sm_90) |"
-            )
-            print("| --- | --- | --- | --- | --- |")
+                "| 16-B loads sm_80 / sm_90 | programs per SM sm_80 / sm_90 | shared bytes (sm_90) |",
+                "| --- | --- | --- | --- | --- | --- |",
+            ]
         *olds, new = figs
         cells = []
-        for i, _ in enumerate(("registers", "spill bytes", "16-B loads")):
+        for i in range(4):
             cells.append(
                 " / ".join(f"{'|'.join(str(o[a][i]) for o in olds)} → {new[a][i]}" for a in range(len(ARCHS)))
             )
-        shared = f"{' · '.join(str(o[-1][3]) for o in olds)} → {new[-1][3]}"
-        print(f"| {name} | " + " | ".join(c.replace("|", " · ") for c in cells) + f" | {shared} |")
+        shared = f"{' · '.join(str(o[-1][4]) for o in olds)} → {new[-1][4]}"
+        lines += [f"| {name} | " + " | ".join(c.replace("|", " · ") for c in cells) + f" | {shared} |"]
         for o in olds:
             for a in range(len(ARCHS)):
                 comparisons += 1
                 if new[a][0] > o[a][0]:
-                    worse_rows.append(f"{kind} {name} sm_{ARCHS[a]}: registers {o[a][0]} → {new[a][0]}")
+                    worse_rows.append(
+                        f"{kind} {name} sm_{ARCHS[a]}: registers {o[a][0]} → {new[a][0]}, spill bytes "
+                        f"{o[a][1]} → {new[a][1]}, programs per SM {o[a][3]} → {new[a][3]}"
+                    )
                 worse["registers"] += new[a][0] > o[a][0]
                 worse["spill bytes"] += new[a][1] > o[a][1]
                 worse["16-B loads"] += new[a][2] < o[a][2]
-    print("\nregisters higher now:\n" + "\n".join(f"- {w}" for w in worse_rows))
-    print(
+                worse["programs per SM"] += new[a][3] < o[a][3]
+    lines += [
+        "\n#### summary\n",
+        "registers higher now:\n" + ("\n".join(f"- {w}" for w in worse_rows) or "- none"),
+    ]
+    lines += [
         f"\ncomparisons (old binary × arch): {comparisons}; worse now: "
         + ", ".join(f"{k} {v}" for k, v in worse.items())
-    )
+    ]
+    print("\n".join(lines))
+    if args.out:
+        command = "python scripts/aot_before_after.py" + (
+            f" --before {args.before}" if args.before != f"{UNIFICATION}^" else ""
+        )
+        record = run_record(command=command, load_start=load_start, started=started)
+        record |= {"triton": triton.__version__, "archs": list(ARCHS), "comparisons": comparisons}
+        record["worse"] = worse
+        record["rows"] = [
+            {"kind": kind, "name": name, "archs": {f"sm_{a}": [dict(zip(_FIGURES, f[i], strict=True))
+             for f in figs] for i, a in enumerate(ARCHS)}}
+            for (kind, name, _, _), figs in zip(table, figures, strict=True)
+        ]  # fmt: skip
+        head = [
+            "# AOT before and after the split-KV unification",
+            "",
+            f"`{command}` · {record['machine']} · {record['date']} · torch {record['torch']}, triton "
+            f"{record['triton']} (compiled ahead of time for sm_80 and sm_90, no GPU; the old kernels "
+            f"from `{args.before}`; each cell: old → family, per architecture; programs per SM from "
+            "registers, shared memory and warps)",
+        ]
+        write_report(args.out, record, "\n".join(head + lines) + "\n")
+        print(f"wrote {args.out}.md and .json")
     return 0
 
 

@@ -26,6 +26,16 @@ BLOCKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "fp8-long-context": ("docs/fp8.md", ("results/fp8-long-context-cpu.md",)),
     "vllm-targets": ("docs/engines.md", ("results/vllm-targets.md",)),
+    "aot-paged": (
+        "docs/triton-paged.md",
+        (
+            "results/aot-before-after.md#paged",
+            "results/aot-before-after.md#merge",
+            "results/aot-before-after.md#summary",
+        ),
+    ),
+    "aot-fp8": ("docs/fp8.md", ("results/aot-before-after.md#fp8",)),
+    "aot-mla": ("docs/mla.md", ("results/aot-before-after.md#mla",)),
     "cpu-kernel-bandwidth": (
         "docs/benchmarks.md",
         (
@@ -37,21 +47,32 @@ BLOCKS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def _body(path: Path) -> str:
+def _body(path: Path, section: str = "") -> str:
+    """The file's Markdown less its title; with ``section``, only what its ``#### section`` heading
+    holds (up to the next ``####``)."""
     lines = path.read_text().splitlines()
     if lines and lines[0].startswith("# "):
         lines = lines[1:]
+    if section:
+        start = lines.index(f"#### {section}") + 1
+        ends = [i for i in range(start, len(lines)) if lines[i].startswith("#### ")]
+        lines = lines[start : ends[0] if ends else len(lines)]
     return "\n".join(lines).strip()
+
+
+def _source(source: str) -> tuple[Path, str]:
+    file, _, section = source.partition("#")
+    return ROOT / file, section
 
 
 def main() -> int:
     missing = []
     for name, (doc, sources) in BLOCKS.items():
-        present = [ROOT / s for s in sources if (ROOT / s).exists()]
-        missing += [s for s in sources if not (ROOT / s).exists()]
+        present = [s for s in sources if _source(s)[0].exists()]
+        missing += [s for s in sources if not _source(s)[0].exists()]
         if not present:
             continue
-        text = "\n\n".join(f"From `{p.relative_to(ROOT)}`:\n\n{_body(p)}" for p in present)
+        text = "\n\n".join(f"From `{s}`:\n\n{_body(*_source(s))}" for s in present)
         path = ROOT / doc
         content = path.read_text()
         pattern = re.compile(rf"(<!-- {re.escape(name)} -->\n).*?(<!-- /{re.escape(name)} -->)", re.S)
@@ -59,7 +80,7 @@ def main() -> int:
             print(f"{doc}: no <!-- {name} --> block", file=sys.stderr)
             return 2
         path.write_text(pattern.sub(lambda m, body=text: m.group(1) + body + "\n" + m.group(2), content))
-        print(f"{doc}: {name} from {', '.join(str(p.relative_to(ROOT)) for p in present)}")
+        print(f"{doc}: {name} from {', '.join(present)}")
     for s in missing:
         print(f"not there yet: {s}", file=sys.stderr)
     return 0
