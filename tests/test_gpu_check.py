@@ -19,13 +19,26 @@ def _load_script():
     return load_script("gpu_check")
 
 
-def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+#: what the GPU machine lacks: a ``sitecustomize`` that makes these imports fail in the child process
+_ABSENT = ("optuna", "flash_attn", "vllm", "flashinfer", "psycopg", "psycopg2", "sqlalchemy", "alembic")
+_BLOCKER = f"""import sys
+class _Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {_ABSENT!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (absent on the GPU machine)")
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def _run(*args: str, timeout: float = 600, absent: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the script; with ``absent`` (a folder), as on the GPU machine: none of :data:`_ABSENT`."""
+    env = {**os.environ}
+    if absent is not None:
+        absent.mkdir(parents=True, exist_ok=True)
+        (absent / "sitecustomize.py").write_text(_BLOCKER)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(absent), env.get("PYTHONPATH", "")) if p)
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ},
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -45,12 +58,14 @@ def test_help_explains_the_check() -> None:
 
 
 def test_pipeline_on_tiny_cpu_shapes(tmp_path: Path) -> None:
-    """--device cpu exists only for this test: checks, times (naive), skips timing of interpreted Triton."""
+    """--device cpu exists only for this test: checks, times (naive), skips timing of interpreted Triton.
+    It runs as on the GPU machine, where Optuna, flash-attn, vLLM, FlashInfer and the database
+    drivers are not installed (a ``sitecustomize`` makes importing them fail)."""
     out = tmp_path / "check.json"
     proc = _run(
         "--device", "cpu", "--model", "tiny-gqa", "--batches", "1,2", "--contexts", "40",
         "--backends", "naive,triton_paged", "--layers", "2", "--repeats", "3", "--default-configs-only",
-        "--out", str(out),
+        "--out", str(out), absent=tmp_path / "absent",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -95,3 +110,18 @@ def test_target_summary() -> None:
     assert gc.target_summary([small, m(8, 32768, 85.0), m(32, 8192, 81.0)])["met"] is True
     res = gc.target_summary([m(32, 32768, 79.9), m(8, 32768, 90.0)])
     assert res["met"] is False and "NOT met" in res["text"] and "b32×32k: 79.9%" in res["text"]
+
+
+def test_the_absent_modules_are_absent_in_the_child(tmp_path: Path) -> None:
+    """The blocker of the pipeline test works: the child cannot import Optuna (it is installed here)."""
+    absent = tmp_path / "absent"
+    _run("--help", timeout=120, absent=absent)
+    env = {**os.environ, "PYTHONPATH": str(absent)}
+    code = "import optuna"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode != 0 and "absent on the GPU machine" in proc.stderr
+    ok = subprocess.run(
+        [sys.executable, "-c", "import attnbench, attnbench.tuning.table; attnbench.select"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr[-2000:]

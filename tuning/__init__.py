@@ -7,11 +7,17 @@ Typical use is the command line (``attnbench tune``); in Python::
     report.entries["llama-3.1-8b@.../bf16/b8/ctx8192"]["winner"]
 
 and, at run time, :func:`attnbench.select` reads the table this writes.
+
+The study, its storage and the tuner need Optuna; their names are imported on first use, so that
+reading a results table (``select()``, ``attnbench.tuning.table``) and checking or timing a backend
+work where Optuna is not installed (the GPU check runs on such a machine).
 """
 
 from __future__ import annotations
 
-from attnbench.tuning import study
+import importlib
+from typing import Any
+
 from attnbench.tuning.key import TuningKey, bucket_distance
 from attnbench.tuning.space import (
     DEFAULT_BACKENDS,
@@ -24,8 +30,6 @@ from attnbench.tuning.space import (
     code_hash,
     load_backend_class,
 )
-from attnbench.tuning.storage import StorageError, repair_journal
-from attnbench.tuning.study import *  # noqa: F403  (the study API, as study.__all__ names it)
 from attnbench.tuning.table import (
     SWITCH_MARGIN,
     CandidateResult,
@@ -38,7 +42,6 @@ from attnbench.tuning.table import (
     summarize,
     table_path,
 )
-from attnbench.tuning.tuner import TuneReport, default_results_dir, tune
 from attnbench.tuning.worker import Outcome, Worker, WorkerTask, evaluate
 
 __all__ = [
@@ -73,4 +76,18 @@ __all__ = [
     "table_path",
     "tune",
 ]
-__all__ += study.__all__
+#: names of the Optuna-backed modules, imported on first use (``attnbench.tuning.tune``...)
+_LAZY = dict.fromkeys(("StorageError", "repair_journal"), "storage")
+_LAZY |= dict.fromkeys(("TuneReport", "default_results_dir", "tune"), "tuner")
+_STUDY = ("JOURNAL_NAME", "KeyResult", "StudyPlan", "TrialRecord", "TuneOptions", "open_storage")
+_LAZY |= dict.fromkeys((*_STUDY, "plan_studies", "run_study"), "study")
+__all__ += [n for n, m in _LAZY.items() if m == "study"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'attnbench.tuning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"attnbench.tuning.{module}"), name)
+    globals()[name] = value
+    return value

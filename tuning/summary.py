@@ -13,14 +13,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnbench.device import DeviceProfile
 from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide, too_wide
 from attnbench.tuning.refine import PointMeasurement
 from attnbench.tuning.space import Candidate
-from attnbench.tuning.study import KeyResult, TrialRecord
 from attnbench.tuning.table_schema import TableEntry
+
+if TYPE_CHECKING:  # the study needs Optuna; a summary of its records does not
+    from attnbench.tuning.study import KeyResult, TrialRecord
 
 __all__ = ["candidate_label", "mergeable", "summarize", "versions"]
 
