@@ -220,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also write PATH.md (the tables under the command, machine and date) and PATH.json",
     )
     args = p.parse_args(argv)
+    known = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{args.before}^{{commit}}"], capture_output=True
+    )
+    if known.returncode != 0:
+        p.error(
+            f"--before {args.before!r}: not a commit of this repository (accepted: a commit that holds "
+            f"the per-backend kernels, e.g. the default {UNIFICATION}^)"
+        )
     load_start, started = os.getloadavg(), time.time()
     with tempfile.TemporaryDirectory() as tmp:
         old = load_old_kernels(args.before, Path(tmp))

@@ -54,10 +54,16 @@ def _body(path: Path, section: str = "") -> str:
     if lines and lines[0].startswith("# "):
         lines = lines[1:]
     if section:
+        if f"#### {section}" not in lines:
+            raise ValueError(f"{path.name}: no '#### {section}' section (it has: {_sections(lines)})")
         start = lines.index(f"#### {section}") + 1
         ends = [i for i in range(start, len(lines)) if lines[i].startswith("#### ")]
         lines = lines[start : ends[0] if ends else len(lines)]
     return "\n".join(lines).strip()
+
+
+def _sections(lines: list[str]) -> str:
+    return ", ".join(line[5:] for line in lines if line.startswith("#### ")) or "none"
 
 
 def _source(source: str) -> tuple[Path, str]:
@@ -72,7 +78,11 @@ def main() -> int:
         missing += [s for s in sources if not _source(s)[0].exists()]
         if not present:
             continue
-        text = "\n\n".join(f"From `{s}`:\n\n{_body(*_source(s))}" for s in present)
+        try:
+            text = "\n\n".join(f"From `{s}`:\n\n{_body(*_source(s))}" for s in present)
+        except ValueError as err:
+            print(f"{doc}: {name}: {err}", file=sys.stderr)
+            return 2
         path = ROOT / doc
         content = path.read_text()
         pattern = re.compile(rf"(<!-- {re.escape(name)} -->\n).*?(<!-- /{re.escape(name)} -->)", re.S)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,3 +32,11 @@ def test_the_committed_docs_hold_their_results_blocks() -> None:
             assert f"From `{source}`:\n\n{tables._body(path, section)}" in block, (
                 f"{doc}: the {name} block is not what {source} holds: run python scripts/docs_tables.py"
             )
+
+
+def test_a_missing_section_is_named_with_those_there(tmp_path: Path) -> None:
+    tables = load_script("docs_tables")
+    results = tmp_path / "r.md"
+    results.write_text("# Title\n\n#### a\n\n| x |\n")
+    with pytest.raises(ValueError, match=r"r.md: no '#### b' section \(it has: a\)"):
+        tables._body(results, "b")

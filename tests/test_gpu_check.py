@@ -30,13 +30,18 @@ sys.meta_path.insert(0, _Absent())
 """
 
 
+def _absent_env(folder: Path) -> dict[str, str]:
+    """The environment of a child process in which none of :data:`_ABSENT` imports (``folder`` holds
+    the ``sitecustomize``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_BLOCKER)
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def _run(*args: str, timeout: float = 600, absent: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run the script; with ``absent`` (a folder), as on the GPU machine: none of :data:`_ABSENT`."""
-    env = {**os.environ}
-    if absent is not None:
-        absent.mkdir(parents=True, exist_ok=True)
-        (absent / "sitecustomize.py").write_text(_BLOCKER)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(absent), env.get("PYTHONPATH", "")) if p)
+    env = {**os.environ} if absent is None else _absent_env(absent)
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -114,9 +119,7 @@ def test_target_summary() -> None:
 
 def test_the_absent_modules_are_absent_in_the_child(tmp_path: Path) -> None:
     """The blocker of the pipeline test works: the child cannot import Optuna (it is installed here)."""
-    absent = tmp_path / "absent"
-    _run("--help", timeout=120, absent=absent)
-    env = {**os.environ, "PYTHONPATH": str(absent)}
+    env = _absent_env(tmp_path / "absent")
     code = "import optuna"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode != 0 and "absent on the GPU machine" in proc.stderr

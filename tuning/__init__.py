@@ -16,7 +16,7 @@ work where Optuna is not installed (the GPU check runs on such a machine).
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnbench.tuning.key import TuningKey, bucket_distance
 from attnbench.tuning.space import (
@@ -44,21 +44,40 @@ from attnbench.tuning.table import (
 )
 from attnbench.tuning.worker import Outcome, Worker, WorkerTask, evaluate
 
+if TYPE_CHECKING:  # what __getattr__ below imports on first use, for type checkers
+    from attnbench.tuning.storage import StorageError, repair_journal
+    from attnbench.tuning.study import (
+        JOURNAL_NAME,
+        KeyResult,
+        StudyPlan,
+        TrialRecord,
+        TuneOptions,
+        open_storage,
+        plan_studies,
+        run_study,
+    )
+    from attnbench.tuning.tuner import TuneReport, default_results_dir, tune
+
 __all__ = [
     "DEFAULT_BACKENDS",
+    "JOURNAL_NAME",
     "SWITCH_MARGIN",
     "BackendRef",
     "Candidate",
     "CandidateResult",
     "DeviceMismatchError",
     "Excluded",
+    "KeyResult",
     "Outcome",
     "ResultsTable",
     "SearchSpace",
     "StorageError",
+    "StudyPlan",
     "TableEntry",
     "TableError",
     "TableReadError",
+    "TrialRecord",
+    "TuneOptions",
     "TuneReport",
     "TuningKey",
     "Worker",
@@ -71,7 +90,10 @@ __all__ = [
     "evaluate",
     "hardware_id",
     "load_backend_class",
+    "open_storage",
+    "plan_studies",
     "repair_journal",
+    "run_study",
     "summarize",
     "table_path",
     "tune",
@@ -81,7 +103,6 @@ _LAZY = dict.fromkeys(("StorageError", "repair_journal"), "storage")
 _LAZY |= dict.fromkeys(("TuneReport", "default_results_dir", "tune"), "tuner")
 _STUDY = ("JOURNAL_NAME", "KeyResult", "StudyPlan", "TrialRecord", "TuneOptions", "open_storage")
 _LAZY |= dict.fromkeys((*_STUDY, "plan_studies", "run_study"), "study")
-__all__ += [n for n, m in _LAZY.items() if m == "study"]
 
 
 def __getattr__(name: str) -> Any:
