@@ -34,6 +34,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from attnbench.core.prefill import PREFILL_BUDGET_BYTES, prefill_attention
 from attnbench.resolution import Resolution, Tunable
 from attnbench.shapes import AttentionGeometry
 from attnbench.workload import Workload
@@ -154,6 +155,18 @@ class KVCache:
             f"{type(self).__qualname__} has no write(): give the cache one or override the backend's append()"
         )
 
+    def read(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` cached tokens of sequence ``seq`` in ``layer``, as values in the cache's
+        compute dtype: ``k [length, Hkv, Dk]``, ``v [length, Hkv, Dv]`` (dequantised for a lossy cache).
+
+        What a prompt appended to a non-empty cache attends to (:meth:`Backend.prefill`). Host work;
+        may allocate. A layout implements it.
+        """
+        raise NotImplementedError(
+            f"{type(self).__qualname__} has no read(): a prompt cannot be appended to a non-empty cache "
+            "(give the cache a read(), or start every prompt on an empty cache)"
+        )
+
     def bytes_per_token(self) -> int:
         """Bytes one cached token occupies over all layers of this cache (including any scales)."""
         g = self.geometry
@@ -190,6 +203,8 @@ class Backend(ABC):
     #: as a CUDA graph once and replayed for later steps of the same batch and context bucket: the
     #: plan lives in buffers the cache owns and no host integer that changes per step is baked in
     capturable: ClassVar[bool] = False
+    #: what one attention call of the default :meth:`prefill` may allocate (a chunk's mask or scores)
+    prefill_budget_bytes: ClassVar[int] = PREFILL_BUDGET_BYTES
 
     # -- what it can do --------------------------------------------------------------------------
     def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution:
@@ -329,17 +344,30 @@ class Backend(ABC):
     def prefill(
         self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Write a prompt into an empty cache and return causal attention over it.
+        """Write a prompt into the cache and return causal attention over it (and any cached prefix).
 
-        ``q [B, T, Hq, Dk]`` → ``[B, T, Hq, Dv]``; rows past ``plan.num_new[i]`` are zero. The default
-        appends, then runs torch SDPA on the given K/V (they are the whole history).
+        ``q [B, T, Hq, Dk]`` → ``[B, T, Hq, Dv]``; rows past ``plan.num_new[i]`` are zero. Sequence
+        ``i``'s new tokens start at ``plan.positions[i]``: a non-empty cache (the second turn of a
+        chat) is read back through :meth:`KVCache.read` and the prompt attends to it and to itself.
+        The default runs :func:`attnbench.core.prefill_attention` — torch SDPA's fused kernel, ragged
+        prompts without padding, chunked past a memory budget — then writes the prompt's K/V with
+        :meth:`append` (one vectorised write into this backend's layout). A backend with its own
+        prefill kernel may override it. Host work; may allocate; not capturable.
         """
+        prefix = None
         if any(plan.positions):
-            raise ValueError(
-                f"backend {self.name!r}: prefill needs an empty cache; lengths are {plan.positions}"
-            )
+            prefix = [cache.read(layer, i, p) if p else None for i, p in enumerate(plan.positions)]
+        out = prefill_attention(
+            q,
+            k,
+            v,
+            lengths=plan.num_new,
+            scale=cache.geometry.scale,
+            prefix=prefix,
+            budget_bytes=self.prefill_budget_bytes,
+        )
         self.append(cache, plan, layer=layer, k=k, v=v)
-        return causal_attention(q, k, v, plan.num_new, scale=cache.geometry.scale)
+        return out
 
 
 class ResolvingBackend(Backend):
@@ -428,25 +456,10 @@ def base_plan(cache: KVCache, num_new: Sequence[int]) -> StepPlan:
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], *, scale: float
 ) -> torch.Tensor:
-    """Causal attention of right-padded prompts in the inputs' dtype (fp32 softmax).
+    """Causal attention of right-padded prompts on an empty cache (:func:`attnbench.core.prefill_attention`).
 
     ``q [B, T, Hq, Dk]``, ``k [B, T, Hkv, Dk]``, ``v [B, T, Hkv, Dv]`` → ``[B, T, Hq, Dv]``; rows past
-    ``lengths[i]`` are zero. GQA is handled by grouping query heads, without repeating K/V.
+    ``lengths[i]`` are zero. torch SDPA (its flash kernel where the platform has one), GQA without
+    repeating K/V, memory O(T · chunk).
     """
-    b, t, hq, _ = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
-    qg = q.view(b, t, hkv, g, -1).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dk]
-    kt = k.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, Dk, T]
-    scores = torch.matmul(qg, kt).float() * scale  # [B, Hkv, G, T, T]
-    idx = torch.arange(t, device=q.device)
-    lens = torch.as_tensor(list(lengths), device=q.device)
-    valid = (idx[None, :, None] >= idx[None, None, :]) & (
-        idx[None, None, :] < lens[:, None, None]
-    )  # [B, T, T]
-    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hkv, G, T, Dv]
-    out = out.permute(0, 3, 1, 2, 4).reshape(b, t, hq, -1)
-    row_valid = idx[None, :] < lens[:, None]  # [B, T]
-    return out * row_valid[:, :, None, None].to(out.dtype)
+    return prefill_attention(q, k, v, lengths=lengths, scale=scale)

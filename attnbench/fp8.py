@@ -226,9 +226,16 @@ class FP8KVCache(PagedKVCache):
             )
         super().commit(plan)
 
-    def dequantized(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float64 ``k [S, Hkv, Dk]``, ``v [S, Hkv, Dv]`` of one sequence as stored (tests, debugging)."""
-        n = self.seq_lens[seq]
+    def read(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` tokens of ``seq`` as stored, dequantised to the compute dtype."""
+        k, v = self.dequantized(layer, seq, length)
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def dequantized(
+        self, layer: int, seq: int, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 ``k [S, Hkv, Dk]``, ``v [S, Hkv, Dv]`` of one sequence as stored (default: all of it)."""
+        n = self.seq_lens[seq] if length is None else length
         k, v = self.gather(layer, seq, n)
         if self.granularity == "tensor":
             return dequantize(k, self.k_scales[layer]), dequantize(v, self.v_scales[layer])

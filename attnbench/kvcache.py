@@ -35,6 +35,14 @@ class ContiguousKVCache(KVCache):
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def read(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k [length, Hkv, Dk]``, ``v [length, Hkv, Dv]``: sequence ``seq``'s first tokens (views when ``heads_first`` is off)."""
+        if self.heads_first:
+            return self.k[layer, seq, :, :length].transpose(0, 1), self.v[layer, seq, :, :length].transpose(
+                0, 1
+            )
+        return self.k[layer, seq, :length], self.v[layer, seq, :length]
+
     def write(self, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k [B, T, Hkv, Dk]``, ``v [B, T, Hkv, Dv]`` at ``plan.positions``."""
         kc, vc = self.k[layer], self.v[layer]

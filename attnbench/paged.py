@@ -189,17 +189,33 @@ class PagedKVCache(KVCache):
         base = base_plan(self, num_new)
         self.reserve(base.seq_lens_after)
         t = base.max_new
-        slots: list[int] = []
-        src: list[int] = []
-        for i, (p, n) in enumerate(zip(base.positions, base.num_new, strict=True)):
-            for j in range(n):
-                slots.append(self.slot(i, p + j))
-                src.append(i * t + j)
         uniform = len(set(base.num_new)) == 1
-        n = len(slots)
-        self.slot_buffer[:n].copy_(torch.tensor(slots, dtype=torch.int64))
-        if not uniform:
-            self.src_buffer[:n].copy_(torch.tensor(src, dtype=torch.int64))
+        if sum(base.num_new) <= 64:  # decode and small steps: a host loop is cheaper than tensor ops
+            slots = [
+                self.slot(i, p + j)
+                for i, (p, n) in enumerate(zip(base.positions, base.num_new, strict=True))
+                for j in range(n)
+            ]
+            src = [i * t + j for i, n in enumerate(base.num_new) for j in range(n)]
+            n = len(slots)
+            self.slot_buffer[:n].copy_(torch.tensor(slots, dtype=torch.int64))
+            if not uniform:
+                self.src_buffer[:n].copy_(torch.tensor(src, dtype=torch.int64))
+        else:  # a prompt: vectorised over its tokens
+            counts = torch.tensor(base.num_new)
+            seq = torch.repeat_interleave(torch.arange(self.batch), counts)  # [N]: each token's sequence
+            offset = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+                counts.cumsum(0) - counts, counts
+            )
+            token = torch.tensor(base.positions)[seq] + offset
+            host_table = torch.zeros(self.batch, self.pages_per_seq, dtype=torch.int64)
+            for i, row in enumerate(self.pages):
+                host_table[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+            n = token.numel()
+            slot = host_table[seq, token // self.page_size] * self.page_size + token % self.page_size
+            self.slot_buffer[:n].copy_(slot)
+            if not uniform:
+                self.src_buffer[:n].copy_(seq * t + offset)
         return base.extend(
             PagedStepPlan,
             block_table=self.block_table,
@@ -238,6 +254,11 @@ class PagedKVCache(KVCache):
         k = self.k_pages[layer].index_select(0, pages).flatten(0, 1)[:n]
         v = self.v_pages[layer].index_select(0, pages).flatten(0, 1)[:n]
         return k, v
+
+    def read(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k [length, Hkv, Dk]``, ``v [length, Hkv, Dv]`` of sequence ``seq`` in the compute dtype."""
+        k, v = self.gather(layer, seq, length)
+        return k.to(self.dtype), v.to(self.dtype)
 
     def bytes_per_token(self) -> int:
         g = self.geometry

@@ -10,7 +10,9 @@ In a plugin's own tests::
         # optional: dtypes = ("fp32", "bf16"); device = "cuda"; configs = [{"block": 64}]
 
 pytest then runs, for every case shape (MHA, GQA, MQA, and MLA for MLA-capable backends) × dtype ×
-config: a ragged prefill followed by several decode steps against the float64 reference, the
+config: a ragged prefill followed by several decode steps against the float64 reference, a ragged
+prompt in two turns (the second appended to the cached first; whole and in chunks) within the
+gate's calibrated bound, the
 correctness gate (calibrated bounds and needle probes, :mod:`attnbench.gate`) at a longer ragged
 context, and contract checks; and, in the backend's default config, the gate over a long ragged
 *decode context* (:data:`LONG_CASES`: the cache filled to 5,003 tokens directly, then decode steps —
@@ -38,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 
 from attnbench.backend import Backend, ConfigError
-from attnbench.gate import check, gate_seed, random_step_inputs, within
+from attnbench.gate import Judge, check, gate_seed, random_step_inputs, within
 from attnbench.reference import compare, reference_decode, reference_prefill
 from attnbench.shapes import ModelShape, load_shape, parse_dtype
 from attnbench.workload import Workload
@@ -51,6 +53,7 @@ __all__ = [
     "conformance_configs",
     "replay_hint",
     "run_case",
+    "run_prefill_turns",
 ]
 
 
@@ -190,6 +193,112 @@ def run_case(
     return worst
 
 
+def run_prefill_turns(
+    backend: Backend,
+    case: ConformanceCase,
+    *,
+    dtype: str | torch.dtype,
+    config: Mapping[str, Any] | None = None,
+    device: str = "cpu",
+    seed: int | None = None,
+    budget_bytes: int | None = None,
+) -> dict[str, Any]:
+    """A ragged prompt in two turns on 2 layers — the second appended to the cached first (a chat's
+    second turn) — every prompt row judged against float64 causal attention.
+
+    An exact backend is held to the gate's calibrated bound (:class:`attnbench.gate.Judge`: the error
+    multiple × what a careful implementation in ``dtype`` makes on the same inputs, each prompt row
+    judged as a query over its visible keys); a lossy one to its declared bound against exact
+    attention. ``budget_bytes`` (set on the backend instance) forces the prefill into chunks of a few
+    rows. Raises ``AssertionError`` naming the turn, the layer and the numbers. Returns the worst
+    errors and the bounds.
+    """
+    seed = gate_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    first = tuple(max(1, n // 2) for n in case.prompt_lens)
+    second = tuple(max(1, n - f) for n, f in zip(case.prompt_lens, first, strict=True))
+    total = tuple(a + b for a, b in zip(first, second, strict=True))
+    workload = Workload(case.shape, total, parse_dtype(dtype), device)
+    resolution = backend.resolve(workload, config)
+    if resolution.reasons:
+        raise ValueError(
+            f"backend {backend.name!r} does not support case {case.id}: {'; '.join(resolution.reasons)}"
+        )
+    cfg = dict(resolution.config)
+    if budget_bytes is not None:
+        backend.prefill_budget_bytes = budget_bytes  # an instance attribute: this backend object only
+    form, geom, layers = backend.kv_form, workload.geometry(backend.kv_form), 2
+    cache = backend.create_cache(workload, config=cfg, num_layers=layers, max_seq_len=max(total) + 1)
+    where = f"backend {backend.name!r} case {case.id} {dtype} config {cfg} {replay_hint(seed, case.id)}"
+    judge = Judge(
+        backend=backend,
+        config=cfg,
+        dtype=workload.dtype,
+        scale=geom.scale,
+        multiple=backend.error_multiple(workload.dtype, config=cfg),
+    )
+    history: list[list[torch.Tensor]] = [[], []]  # per layer: each sequence's K and V so far
+    worst = {"rel_l2": 0.0, "max_abs": 0.0}
+    for turn, new in enumerate((first, second)):
+        plan = backend.plan(cache, num_new=new)
+        for layer in range(layers):
+            q, k, v = random_step_inputs(
+                geom,
+                form,
+                batch=workload.batch,
+                tokens=max(new),
+                dtype=workload.dtype,
+                device=device,
+                generator=gen,
+            )
+            out = backend.prefill(cache, plan, layer=layer, q=q, k=k, v=v)
+            assert out.shape == (*q.shape[:3], geom.v_head_dim), (
+                f"{where}: prefill output shape {tuple(out.shape)}"
+            )
+            hk = [
+                torch.cat([history[layer][0][i], k[i, :n]]) if turn else k[i, :n] for i, n in enumerate(new)
+            ]
+            hv = [hk_i[..., : geom.v_head_dim] if form == "latent" else None for hk_i in hk]
+            if form != "latent":
+                hv = [
+                    torch.cat([history[layer][1][i], v[i, :n]]) if turn else v[i, :n]
+                    for i, n in enumerate(new)
+                ]
+            history[layer] = [hk, hv]  # type: ignore[list-item]
+            # every prompt row as a decode query over the keys it may see
+            rows = [(i, r) for i, n in enumerate(new) for r in range(n)]
+            lens = tuple(plan.positions[i] + r + 1 for i, r in rows)
+            width = max(lens)
+            qk = torch.stack([q[i, r] for i, r in rows])
+            kk = torch.stack([_pad_rows(hk[i][: lens[j]], width) for j, (i, _) in enumerate(rows)])
+            vk = torch.stack([_pad_rows(hv[i][: lens[j]], width) for j, (i, _) in enumerate(rows)])  # type: ignore[index]
+            got = torch.stack([out[i, r] for i, r in rows])
+            ref = reference_decode(qk, kk, vk, lens, scale=geom.scale)
+            stats = compare(got, ref)
+            worst["rel_l2"] = max(worst["rel_l2"], stats.rel_l2)
+            worst["max_abs"] = max(worst["max_abs"], stats.max_abs)
+            if backend.lossy:
+                failures = within(stats, backend.tolerance(workload.dtype))
+                assert not failures, f"{where}: prefill turn {turn + 1} layer {layer}: {'; '.join(failures)}"
+            else:
+                judge.add(got, qk, kk, vk, lens)
+            for i, n in enumerate(new):  # rows past a prompt's length are zero
+                if n < max(new):
+                    assert not out[i, n:].any(), f"{where}: prefill rows past length {n} not zero"
+        cache.commit(plan)
+    if not backend.lossy:
+        failures, _, _ = judge.failures()
+        assert not failures, f"{where}: prefill (two turns, calibrated bound): {'; '.join(failures)}"
+        worst["bound_rel_l2"] = judge.tolerances()[0].rel_l2
+    assert cache.seq_lens == total, f"{where}: lengths after two turns {cache.seq_lens}, expected {total}"
+    return worst
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t [n, H, D]`` zero-padded to ``[rows, H, D]``."""
+    return torch.nn.functional.pad(t, (0, 0, 0, 0, 0, rows - t.shape[0]))
+
+
 def _insert(hist: torch.Tensor, new: torch.Tensor, positions: tuple[int, ...]) -> torch.Tensor:
     """``hist [B, S, H, D]`` with ``new [B, 1, H, D]`` written at each sequence's position."""
     need = max(positions) + 1
@@ -238,6 +347,8 @@ class BackendConformance:
             metafunc.parametrize("long_case", cases, ids=[c.id for c in cases])
         if "dtype" in metafunc.fixturenames:
             metafunc.parametrize("dtype", list(cls.dtypes))
+        if "chunked" in metafunc.fixturenames:
+            metafunc.parametrize("chunked", [False, True], ids=["whole", "chunked"])
         if "config" in metafunc.fixturenames:
             configs = cls._configs()
             metafunc.parametrize("config", configs, ids=[_config_id(c) for c in configs])
@@ -306,6 +417,14 @@ class BackendConformance:
     def test_prefill_then_decode(self, case: ConformanceCase, dtype: str, config: dict[str, Any]) -> None:
         backend = self._instance_for(case, dtype, case.prompt_lens)
         run_case(backend, case, dtype=dtype, config=config, device=self.device)
+
+    def test_prefill_in_two_turns(self, case: ConformanceCase, dtype: str, chunked: bool) -> None:
+        """Ragged prompts, then a second prompt appended to the cached first, unchunked and in chunks
+        of a few rows: every row within the calibrated bound of float64 causal attention."""
+        backend = self._instance_for(case, dtype, case.prompt_lens)
+        run_prefill_turns(
+            backend, case, dtype=dtype, device=self.device, budget_bytes=512 if chunked else None
+        )
 
     def test_gate_at_ragged_context(self, case: ConformanceCase, dtype: str, config: dict[str, Any]) -> None:
         backend = self._instance_for(case, dtype, case.gate_lens)

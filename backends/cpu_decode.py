@@ -34,9 +34,10 @@ the reason, where no C compiler builds the file.
 
 Which call may allocate: ``create_cache`` (the pages, workspace and step buffers); ``plan`` (host
 work: small host tensors, copied into the cache's step buffers, which the plan then names);
-``decode`` allocates only its output. ``prefill`` is the base class's: the prompt goes through
-``append`` (the kernel's writer), its attention through torch's causal attention. Everything runs on
-the host: there is no graph capture.
+``decode`` allocates only its output. ``prefill`` is the base class's: the prompt's attention is
+torch SDPA's flash kernel (:func:`attnbench.core.prefill_attention`), its K/V go through ``append``
+(the kernel's writer, one call per layer); a prompt after a cached prefix reads the prefix back with
+:meth:`CpuDecodeCache.read`. Everything runs on the host: there is no graph capture.
 """
 
 from __future__ import annotations
@@ -183,6 +184,19 @@ class CpuDecodeCache(KVCache):
 
     def nbytes(self) -> int:
         return self.pages.nbytes + self.block_table.nbytes
+
+    def read(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k``/``v`` ``[length, Hkv, D]`` of sequence ``seq``: its pages' tiles back in token order."""
+        g, pair, d = self.geometry, self.pair, self.geometry.qk_head_dim
+        pages = self.block_table[seq, : math.ceil(length / self.page_size)].long()
+        tiles = self.pages[layer].index_select(0, pages)  # [np, Hkv, ps/16, 2, 16·D]
+        n_pages, tiles_per_page = tiles.shape[0], self.page_size // 16
+        # K tile [D/P, 16, P] -> [16, D]; V tile [16/P, D, P] -> [16, D]
+        k = tiles[:, :, :, 0].reshape(n_pages, g.num_kv_heads, tiles_per_page, d // pair, 16, pair)
+        k = k.permute(0, 2, 4, 1, 3, 5).reshape(-1, g.num_kv_heads, d)
+        v = tiles[:, :, :, 1].reshape(n_pages, g.num_kv_heads, tiles_per_page, 16 // pair, d, pair)
+        v = v.permute(0, 2, 3, 5, 1, 4).reshape(-1, g.num_kv_heads, d)
+        return k[:length], v[:length]
 
 
 def _splits(kv_splits: str | int, *, work: int, threads: int, max_len: int) -> int:

@@ -18,7 +18,8 @@ backend's ``prefill``/``decode`` write K/V into its own cache, once) and hands t
 attention call. The first layer's call plans the step (one ``plan()`` shared by every layer), the last
 layer's call commits it. Left-padded batches (transformers' batched generation) are mapped onto the
 backend's ragged per-sequence lengths: at prefill the pad positions, read from the attention mask,
-are stripped; position ids come from the model. Beam search, assisted decoding and cache cropping are
+are stripped; position ids come from the model. A prompt passed to a cache that already holds
+tokens (a chat's next turn) is appended: it attends to each sequence's cached tokens and to itself. Beam search, assisted decoding and cache cropping are
 not supported (the backend's cache cannot be reordered or cut).
 
 A model whose attention the backend cannot express exactly raises
@@ -268,13 +269,13 @@ class BackendCache(Cache):
         """Plan the step at the first layer: a prompt (ragged lengths from the mask) or one token each."""
         b = self.kv.batch
         if any(self.kv.seq_lens):
-            if t != 1:
-                raise ValueError(
-                    f"{self.model}: the cache holds {self.seen_tokens} tokens and the model passed {t} new ones; "
-                    "after the prompt the backend takes one token per step (call cache.reset() for a new prompt)"
-                )
-            self._shift = None
-            return self.backend.plan(self.kv, num_new=[1] * b)
+            if t == 1:
+                self._shift = None
+                return self.backend.plan(self.kv, num_new=[1] * b)
+            # a prompt appended to the cached sequences (a chat's next turn): every row holds t new
+            # tokens, which attend to their own sequence's cached tokens and to themselves
+            self._shift = torch.zeros(b, dtype=torch.long, device=self.kv.device)
+            return self.backend.plan(self.kv, num_new=[t] * b)
         lengths = prompt_lengths(attention_mask, batch=b, t=t, model=self.model)
         self._shift = torch.tensor([t - n for n in lengths], device=self.kv.device)
         return self.backend.plan(self.kv, num_new=lengths)

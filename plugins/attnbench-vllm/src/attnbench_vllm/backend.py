@@ -302,12 +302,12 @@ class VllmCpuBackend(Backend):
     def prefill(
         self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """``q [B, T, Hq, D]`` → ``[B, T, Hq, D]`` through vLLM's kernel (causal, packed prompts)."""
+        """``q [B, T, Hq, D]`` → ``[B, T, Hq, D]`` through vLLM's kernel (causal, packed prompts).
+
+        A prompt after a cached prefix is vLLM's chunked prefill: the plan's ``seq_lens`` count the
+        prefix, so each new row attends to the prefix (as stored) and to the prompt up to itself.
+        """
         assert isinstance(cache, VllmKVCache) and isinstance(plan, VllmStepPlan)
-        if any(plan.positions):
-            raise ValueError(
-                f"backend {self.name!r}: prefill needs an empty cache; lengths are {plan.positions}"
-            )
         self.append(cache, plan, layer=layer, k=k, v=v)
         b, t = q.shape[:2]
         packed = self._attend(cache, plan, layer, q.flatten(0, 1)[plan.token_index].contiguous())
