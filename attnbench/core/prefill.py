@@ -95,7 +95,7 @@ def _one_sequence(
     """
     n, keys = q.shape[0], k.shape[0]
     rows = _rows_per_call(keys=keys, heads=q.shape[1], fused=fused, budget=budget)
-    if offset == 0 and (fused or rows >= n):
+    if offset == 0 and fused:
         return _sdpa(q[None], k[None], v[None], scale=scale, causal=True)[0]
     out = q.new_empty(n, q.shape[1], v.shape[-1])
     cols = torch.arange(keys, device=q.device)
@@ -104,10 +104,29 @@ def _one_sequence(
         width = offset + end  # keys this chunk can see
         last = offset + torch.arange(start, end, device=q.device)  # [rows]: each row's last key
         mask = cols[None, :width] <= last[:, None]  # [rows, width]
-        out[start:end] = _sdpa(q[None, start:end], k[None, :width], v[None, :width], scale=scale, mask=mask)[
-            0
-        ]
+        if fused:
+            chunk = _sdpa(q[None, start:end], k[None, :width], v[None, :width], scale=scale, mask=mask)[0]
+        else:
+            chunk = _grouped_math(q[start:end], k[:width], v[:width], scale=scale, mask=mask)
+        out[start:end] = chunk
     return out
+
+
+def _grouped_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor
+) -> torch.Tensor:
+    """SDPA's math kernel without repeating K/V for GQA: a group's query heads become rows.
+
+    ``q [r, Hq, Dk]``, ``k [S, Hkv, Dk]``, ``v [S, Hkv, Dv]``, ``mask [r, S]`` → ``[r, Hq, Dv]``.
+    """
+    r, hq, _ = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qf = q.reshape(r, hkv, g, -1).permute(1, 2, 0, 3).reshape(1, hkv, g * r, -1)  # [1, Hkv, G·r, Dk]
+    o = F.scaled_dot_product_attention(
+        qf, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask.repeat(g, 1), scale=scale
+    )  # [1, Hkv, G·r, Dv]
+    return o[0].reshape(hkv, g, r, -1).permute(2, 0, 1, 3).reshape(r, hq, -1)
 
 
 def prefill_attention(
