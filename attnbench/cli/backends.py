@@ -16,8 +16,11 @@ from rich.table import Table
 from attnbench.backend import Backend
 from attnbench.cli.common import (
     add_query_command,
+    add_wide_option,
+    cli_table,
     console,
     emit_json,
+    print_table,
     workloads_from_args,
 )
 from attnbench.registry import load_registry
@@ -26,6 +29,7 @@ from attnbench.workload import Workload
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = add_query_command(sub, "backends", __doc__)
+    add_wide_option(p, adds="the tunables, or with --model the implementation in a column of its own")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -61,27 +65,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     out = console()
-    title = f"backends for {workload.describe()}" if workload else "registered backends"
-    table = Table(title=title)
-    columns = (
-        ("name", "source", "implementation", "status")
-        if workload
-        else ("name", "source", "description", "tunables")
-    )
-    for col in columns:
-        table.add_column(col)
-    for row in rows:
-        if workload is None:
-            status = ", ".join(f"{k}∈{v}" for k, v in row["tunables"].items()) or "-"
-            table.add_row(*(escape(str(c)) for c in (row["name"], row["source"], row["description"], status)))
-        else:
-            status = "runnable" + (" (interpreted: checked, never timed)" if row["interpreted"] else "")
-            if not row["runnable"]:
-                status = "cannot run: " + "; ".join(row["reasons"])
-            table.add_row(
-                *(escape(str(c)) for c in (row["name"], row["source"], row["implementation"], status))
-            )
-    out.print(table)
+    print_table(out, backends_table(rows, workload=workload.describe() if workload else None, wide=args.wide))
     for f in reg.failures:
         out.print(f"[red]broken[/red] {escape(str(f))}")
     if reg.autoload_disabled:
@@ -91,6 +75,33 @@ def run(args: argparse.Namespace) -> int:
     if reg.unmatched:
         out.print(f"[yellow]ATTNBENCH_PLUGINS names no installed plugin:[/yellow] {', '.join(reg.unmatched)}")
     return 0
+
+
+def backends_table(rows: list[dict[str, Any]], *, workload: str | None = None, wide: bool = False) -> Table:
+    """The rows of ``attnbench backends --json`` as a table that fits 80 columns.
+
+    Without a workload: name, source and description (``wide`` adds the tunables). With one (its
+    ``describe()``): name, source and whether it can run it — ``runnable: <implementation>`` or
+    ``cannot run: <reasons>`` (``wide`` gives the implementation a column of its own)."""
+    if workload is None:
+        title = "registered backends"
+        columns = ["name", "source", "description", *(["tunables"] if wide else [])]
+    else:
+        title = escape(f"backends for {workload}")
+        columns = ["name", "source", *(["implementation"] if wide else []), "status"]
+    table = cli_table(title, columns)
+    for row in rows:
+        cells = {"name": row["name"], "source": row["source"], "description": row["description"]}
+        cells["tunables"] = ", ".join(f"{k}∈{v}" for k, v in row["tunables"].items()) or "-"
+        if workload is not None:
+            cells["implementation"] = row["implementation"]
+            if not row["runnable"]:
+                cells["status"] = "cannot run: " + "; ".join(row["reasons"])
+            else:
+                how = "runnable (interpreted: checked, never timed)" if row["interpreted"] else "runnable"
+                cells["status"] = how if wide else f"{how}: {row['implementation']}"
+        table.add_row(*(escape(str(cells[c])) for c in columns))
+    return table
 
 
 def _status(backend: Backend, workload: Workload) -> dict[str, Any]:

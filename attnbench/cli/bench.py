@@ -6,6 +6,8 @@ layers) of the synthetic attention-only model. Reports the error numbers, step t
 KV bytes read per step, achieved GB/s, the share of the device's measured memory bandwidth (% BW,
 against the profile's copy bandwidth; % read, against the read bandwidth measured right before and
 right after that row at the same threads), and the speedup over 'naive'. Backends that would run in an interpreter are checked but never timed.
+The table shows the gate's verdict, the median step time, GB/s, % BW and the speedup; --wide shows
+every column, --json every field.
 
 example: attnbench bench --model llama-3.1-8b --batch 1,8 --context 1k,8k,32k --dtype bf16,fp32
 """
@@ -33,10 +35,14 @@ from attnbench.calibration import CalibrationError, find_calibration
 from attnbench.cli.common import (
     add_command,
     add_model_option,
+    add_wide_option,
     add_workload_options,
+    cli_table,
     command_line,
     console,
     emit_json,
+    ms_text,
+    print_table,
     run_options,
     timing_options,
     workloads_from_args,
@@ -73,6 +79,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--remeasure", action="store_true", help="measure the device's bandwidth again")
     add_gate_options(p, lossy=False)
+    add_wide_option(
+        p,
+        adds="the error numbers, p90, KV MB per step, % of the read bandwidth, the bound and × its floor, "
+        "the calibrated model's predicted time and measured/predicted, the layers materialised",
+    )
     p.add_argument(
         "--save",
         metavar="PREFIX",
@@ -162,9 +173,9 @@ def run(args: argparse.Namespace) -> int:
         emit_json(report)
         return 0
     out = console()
-    if not out.is_terminal:
+    if args.wide and not out.is_terminal:
         out.width = 180  # a file or a pipe: keep the wide table on one line per row
-    out.print(_table(report))
+    print_table(out, _table(report, wide=args.wide))
     _print_notes(out, report)
     return 0
 
@@ -287,61 +298,82 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
-def _table(report: dict[str, Any]) -> Table:
+#: What a row that was not timed shows where its step time would be.
+_NOT_TIMED = {"unsupported": "cannot run", "failed-check": "not timed", "error": "error"}
+
+
+def _table(report: dict[str, Any], *, wide: bool = True) -> Table:
+    """The report as a table: with ``wide`` (``--wide``, and what ``--save`` writes) every column;
+    without, the ones that fit 80 columns — batch, context, backend, gate verdict, median step time,
+    GB/s, % of the measured bandwidth and the speedup over naive, the dtype as a column only when
+    the rows differ in it. Why a row was not timed is said under the table (:func:`_print_notes`)."""
     dev = report["device"]
-    model = report["results"][0]["workload"].split(" ")[0] if report["results"] else ""
-    table = Table(
-        title=escape(
-            f"{model}: one decode step, all layers — {dev['fingerprint'].get('name')} "
-            f"(measured copy bandwidth {dev['copy_bandwidth'] / 1e9:.1f} GB/s)"
-        )
+    results = report["results"]
+    model = results[0]["workload"].split(" ")[0] if results else ""
+    dtypes = sorted({r["dtype"] for r in results})
+    dtype_column = wide or len(dtypes) > 1
+    what = " ".join([model, *([] if dtype_column else dtypes)])
+    title = escape(
+        f"{what}: measured decode step, all layers — {dev['fingerprint'].get('name')} (measured copy "
+        f"bandwidth {dev['copy_bandwidth'] / 1e9:.1f} GB/s)"
     )
-    columns = ["dtype", "batch", "context", "backend", "rel_l2", "max_abs", "gate", "p50 ms", "p90 ms"]
-    columns += ["KV MB/step", "GB/s", "% BW", "% read", "× naive", "bound", "× floor"]
-    columns += ["model ms", "meas/model", "layers mat."]
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("dtype", "backend", "gate") else "right")
-    for r in report["results"]:
+    columns = [*(["dtype"] if dtype_column else []), "batch", "context", "backend"]
+    columns += ["rel_l2", "max_abs", "gate", "p50 ms", "p90 ms", "KV MB/step"] if wide else ["gate", "p50 ms"]
+    columns += ["GB/s", "% BW", "% read", "× naive"] if wide else ["GB/s", "% BW", "× naive"]
+    if wide:
+        columns += ["bound", "× floor", "predicted ms", "meas/model", "layers mat."]
+    table = cli_table(title, columns, right=[c for c in columns if c not in ("dtype", "backend", "gate")])
+    for r in results:
         check = r.get("check")
-        lead = [r["dtype"], str(r["batch"]), str(r["context"]), escape(r["backend"])]
-        errors = ["—", "—", "—"]
+        cells = {"dtype": r["dtype"], "batch": str(r["batch"]), "context": str(r["context"])}
+        cells["backend"] = escape(r["backend"])
         if check:
             e = check["error"]
-            verdict = "pass" if check["passed"] else "[red]FAIL[/red]"
+            cells["rel_l2"], cells["max_abs"] = f"{e['rel_l2']:.1e}", f"{e['max_abs']:.1e}"
+            cells["gate"] = "pass" if check["passed"] else "[red]FAIL[/red]"
             if check.get("lossy"):  # the error shown is against exact attention
-                verdict += f" · lossy ({escape(check['lossy'])})"
-            errors = [f"{e['rel_l2']:.1e}", f"{e['max_abs']:.1e}", verdict]
-        if r["status"] in ("unsupported", "failed-check", "error"):
-            why = {"unsupported": "cannot run", "failed-check": "failed", "error": "error"}[r["status"]]
-            reason = escape(f"{why}: {'; '.join(r['reasons'])}")
-            table.add_row(
-                *lead, *errors[:2], reason if r["status"] != "failed-check" else errors[2] + " " + reason
-            )
-            continue
-        step = r.get("step") or {}
-        if not r["timed"]:
-            table.add_row(*lead, *errors, escape(r["note"]))
-            continue
-        table.add_row(
-            *lead,
-            *errors,
-            _fmt(step["median_s"] * 1e3, ".2f"),
-            _fmt(step["p90_s"] * 1e3, ".2f"),
-            _fmt(r["kv_bytes"] / 1e6, ".1f"),
-            _fmt(r.get("gbps"), ".2f"),
-            _fmt(r.get("pct_of_bandwidth"), ".0f"),
-            _fmt(r.get("pct_of_read"), ".0f"),
-            _fmt(r.get("speedup_vs_naive"), ".2f"),
-            (r.get("roofline") or {}).get("bound", "—"),
-            _fmt((r.get("roofline") or {}).get("x_floor"), ".1f"),
-            _fmt((r.get("model") or {}).get("step_s", 0) * 1e3 or None, ".2f"),
-            _fmt((r.get("model") or {}).get("measured_over_model"), ".2f"),
-            f"{r['layers_materialised']}/{r['num_layers']}",
-        )
+                cells["gate"] += f", lossy ({escape(check['lossy'])})" if wide else ", lossy"
+        if r["status"] in _NOT_TIMED or not r["timed"]:
+            cells["p50 ms"] = _NOT_TIMED.get(r["status"], "not timed")
+        else:
+            step, roof, predicted = r["step"], r.get("roofline") or {}, r.get("model") or {}
+            cells |= {
+                "p50 ms": ms_text(step["median_s"] * 1e3),
+                "p90 ms": ms_text(step["p90_s"] * 1e3),
+                "KV MB/step": _fmt(r["kv_bytes"] / 1e6, ".1f"),
+                "GB/s": _fmt(r.get("gbps"), ".2f"),
+                "% BW": _fmt(r.get("pct_of_bandwidth"), ".0f"),
+                "% read": _fmt(r.get("pct_of_read"), ".0f"),
+                "× naive": _fmt(r.get("speedup_vs_naive"), ".2f"),
+                "bound": roof.get("bound", "—"),
+                "× floor": _fmt(roof.get("x_floor"), ".1f"),
+                "predicted ms": ms_text(predicted.get("step_s", 0) * 1e3 or None),
+                "meas/model": _fmt(predicted.get("measured_over_model"), ".2f"),
+                "layers mat.": f"{r['layers_materialised']}/{r['num_layers']}",
+            }
+        table.add_row(*(cells.get(c, "—" if c in ("rel_l2", "max_abs", "gate") else "") for c in columns))
     return table
 
 
+def _untimed_notes(report: dict[str, Any]) -> list[str]:
+    """Why each row that has no step time has none, one line per backend and reason."""
+    why = {"unsupported": "cannot run", "failed-check": "failed the correctness gate", "error": "error"}
+    lines: list[str] = []
+    for r in report["results"]:
+        if r["status"] in why:
+            line = f"{r['backend']}: {why[r['status']]}: {'; '.join(r['reasons'])}"
+        elif not r.get("timed", True) and r.get("note"):
+            line = f"{r['backend']}: {r['note']}"
+        else:
+            continue
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
 def _print_notes(out: Console, report: dict[str, Any]) -> None:
+    for line in _untimed_notes(report):
+        out.print(escape(line))
     out.print(
         f"device {report['device']['id']}: {report['device']['fingerprint'].get('name')}, "
         f"{report['device']['fingerprint'].get('threads', '')} threads; load average "
@@ -351,7 +383,7 @@ def _print_notes(out: Console, report: dict[str, Any]) -> None:
     if around:
         reads = [x[k] / 1e9 for x in around for k in ("before_bps", "after_bps")]
         out.print(
-            "% BW: of the profile's copy bandwidth; % read: of the read bandwidth measured right before and "
+            "% BW: of the profile's copy bandwidth; % read (--wide): of the read bandwidth measured right before and "
             f"right after that row at the same threads (mean of the two; {min(reads):.1f}–{max(reads):.1f} "
             "GB/s in this run, per row in the JSON)."
         )
@@ -359,13 +391,14 @@ def _print_notes(out: Console, report: dict[str, Any]) -> None:
         r.get("layers_materialised") and r["layers_materialised"] < r["num_layers"] for r in report["results"]
     ):
         out.print(
-            "layers mat. < layers: the synthetic model cycles its decode calls over that many distinct layer "
+            "layers mat. (--wide) < layers: the synthetic model cycles its decode calls over that many distinct layer "
             "caches (together several times the last-level cache), so each call still reads from DRAM."
         )
     fits = sorted({r["model"]["fit"] for r in report["results"] if r.get("model")})
     if fits:
         out.print(
-            "model ms: this device's calibrated step-time model (attnbench calibrate) at the bytes read:"
+            "predicted ms (--wide): this device's calibrated step-time model (attnbench calibrate) at the "
+            "bytes read; meas/model: the measured p50 over it:"
         )
         for fit in fits:
             out.print(f"  {escape(fit)}")
@@ -391,7 +424,7 @@ def _save(prefix: Path, report: dict[str, Any]) -> None:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{prefix}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     rec = Console(record=True, width=180, file=open(os.devnull, "w"))  # noqa: SIM115
-    rec.print(_table(report))
+    print_table(rec, _table(report, wide=True))
     _print_notes(rec, report)
     dev = report["device"]
     header = [

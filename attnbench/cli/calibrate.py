@@ -13,11 +13,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from rich.markup import escape
 from rich.table import Table
 
-from attnbench.cli.common import add_command, add_device_option, console, emit_json
+from attnbench.cli.common import (
+    add_command,
+    add_device_option,
+    add_wide_option,
+    cli_table,
+    console,
+    emit_json,
+    print_table,
+)
+
+if TYPE_CHECKING:  # imported when the command runs (numpy)
+    from attnbench.calibration import Calibration
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,6 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--out", default=None, help="output file (default: calibration-<device>.yaml beside the table)"
     )
     add_device_option(p, what="device whose profile the calibration is for")
+    add_wide_option(p, adds="the points of each fit, their span in batch × context, the largest error")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -106,32 +121,42 @@ def run(args: argparse.Namespace) -> int:
         emit_json(cal.as_dict() | {"path": str(out)})
         return 0
     con = console()
-    t = Table(title=f"calibration of {profile.name} → {out}  (model: {cal.as_dict()['model']})")
-    for col in (
-        "backend",
-        "dtype",
-        "geometry",
-        "t0 µs/layer",
-        "t_seq µs/seq/layer",
-        "bw_eff GB/s",
-        "points",
-        "span",
-        "fit error rms / max",
-    ):
-        t.add_column(col, justify="left" if col in ("backend", "dtype", "geometry") else "right")
-    for f in cal.fits:
-        t.add_row(
-            f.backend,
-            f.dtype,
-            f.geometry or "all",
-            f"{1e6 * f.t0_s:.3g}",
-            f"{1e6 * f.t_seq_s:.3g}",
-            f"{f.bw_eff / 1e9:.3g}",
-            str(f.points),
-            f"{f.span:.0f}×",
-            f"{100 * f.rms_rel_error:.1f}% / {100 * f.max_rel_error:.1f}%",
-        )
-    con.print(t)
+    print_table(con, calibration_table(cal, device=profile.name, wide=args.wide))
+    con.print(f"written to {out}", markup=False)
     for s in cal.skipped:
-        con.print(f"not fitted: {s}")
+        con.print(f"not fitted: {s}", markup=False)
     return 0
+
+
+def calibration_table(cal: Calibration, *, device: str, wide: bool = False) -> Table:
+    """The fits of ``cal`` as a table that fits 80 columns: backend, dtype, geometry (in words), the
+    fitted t0, t_seq and bw_eff, and the rms error of the fit over its measured points; ``wide`` adds
+    the number of points, their span in batch × context and the largest error."""
+    title = escape(
+        f"step-time models fitted to {device}'s measured decode steps: t = layers · (t0 + t_seq · batch) "
+        "+ kv_bytes / bw_eff"
+    )
+    columns = ["backend", "dtype", "geometry", "t0 µs/layer", "t_seq µs/seq/layer", "bw_eff GB/s"]
+    columns += ["points", "span", "rms error", "max error"] if wide else ["rms error"]
+    table = cli_table(title, columns, right=columns[3:])
+    for f in cal.fits:
+        geometry = f.geometry if wide else _geometry_words(f.geometry)
+        cells = [f.backend, f.dtype, geometry or "all", _num(1e6 * f.t0_s), _num(1e6 * f.t_seq_s)]
+        cells.append(_num(f.bw_eff / 1e9))
+        if wide:
+            cells += [str(f.points), f"{f.span:.0f}×"]
+        cells.append(f"{100 * f.rms_rel_error:.1f}%")
+        if wide:
+            cells.append(f"{100 * f.max_rel_error:.1f}%")
+        table.add_row(*(escape(c) for c in cells))
+    return table
+
+
+def _geometry_words(key: str | None) -> str | None:
+    """``expanded:q32/kv8/d128+128`` as ``expanded q32/kv8 d128+128``: words a column can wrap."""
+    return key.replace(":", " ").replace("/d", " d") if key else None
+
+
+def _num(x: float) -> str:
+    """Three significant digits, whole numbers from 1000 up (never an exponent)."""
+    return f"{x:.3g}" if not math.isfinite(x) or abs(x) < 1000 else f"{x:.0f}"

@@ -32,9 +32,11 @@ from attnbench.cli.common import (
     add_command,
     add_device_option,
     add_model_option,
+    cli_table,
     command_line,
     console,
     emit_json,
+    print_table,
     run_options,
 )
 from attnbench.decode import SyntheticModel, generate
@@ -183,16 +185,30 @@ def _real_model(checkpoint: Path, backend: Backend, *, batch: int, dtype: torch.
 
 
 def _print(out: Console, r: dict[str, Any]) -> None:
-    n = r["new_tokens"]
-    table = Table(
-        title=escape(
-            f"{r['model']} ({r['model_kind']}, {r['num_layers']} layers) · {r['backend']} "
-            f"[{r['implementation']}] · {r['dtype']} · batch {r['batch']} · prompt {r['prompt_len']} → +{n} tokens"
+    if not out.is_terminal:
+        out.width = 140
+    print_table(out, decode_table(r))
+    if r["layers_materialised"] < r["num_layers"]:
+        out.print(
+            f"{r['layers_materialised']} distinct layer caches are materialised; the {r['num_layers']} layer "
+            "calls of a step cycle over them (each still reads its cache from DRAM)."
         )
+    out.print(
+        f"load average {r['load_avg_start'][0]:.2f} → {r['load_avg_end'][0]:.2f} (shared machine: noisy)"
     )
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_column("note")
+
+
+def decode_table(r: dict[str, Any]) -> Table:
+    """The report of ``attnbench decode --json`` as a table (metric, value, note) that fits 80 columns."""
+    n = r["new_tokens"]
+    table = cli_table(
+        escape(
+            f"measured: {r['model']} ({r['model_kind']}, {r['num_layers']} layers) · {r['backend']} "
+            f"[{r['implementation']}] · {r['dtype']} · batch {r['batch']} · prompt {r['prompt_len']} → +{n} tokens"
+        ),
+        ["metric", "value", "note"],
+        right=["value"],
+    )
     check_note = "skipped (--no-check)"
     if r["check"]:
         e = r["check"]["error"]
@@ -221,14 +237,4 @@ def _print(out: Console, r: dict[str, Any]) -> None:
         f"{r['gbps']:.2f}",
         f"{pct:.0f}% of measured {r['device']['copy_bandwidth'] / 1e9:.1f} GB/s" if pct is not None else "",
     )
-    if not out.is_terminal:
-        out.width = 140
-    out.print(table)
-    if r["layers_materialised"] < r["num_layers"]:
-        out.print(
-            f"{r['layers_materialised']} distinct layer caches are materialised; the {r['num_layers']} layer "
-            "calls of a step cycle over them (each still reads its cache from DRAM)."
-        )
-    out.print(
-        f"load average {r['load_avg_start'][0]:.2f} → {r['load_avg_end'][0]:.2f} (shared machine: noisy)"
-    )
+    return table

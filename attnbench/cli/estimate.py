@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 
+from rich.markup import escape
 from rich.table import Table
 
-from attnbench.cli.common import add_command, add_model_option, console, emit_json
+from attnbench.cli.common import add_command, add_model_option, cli_table, console, emit_json, print_table
 from attnbench.estimate import KV_DTYPES, WEIGHT_DTYPES, Estimate, MoERouting, estimate, list_gpus
 from attnbench.workload import parse_tokens
 
@@ -109,11 +110,8 @@ def render(est: Estimate) -> Table:
         f"{est.model} on {est.tp}× {gpu.label} — batch {est.batch}, context {est.context}, prompt "
         f"{est.prompt_len}, {est.new_tokens} new tokens, weights {est.weight_dtype}, KV {est.kv_dtype}"
     )
-    t = Table(title=title, title_justify="left")
-    t.add_column("per GPU")
-    t.add_column("amount", justify="right")
-    t.add_column("time", justify="right")
-    t.add_column("note")
+    t = cli_table(escape(title), ["per GPU", "amount", "time", "note"], right=["amount", "time"])
+    t.title_justify = "left"
     bw = gpu.memory_bandwidth * gpu.achievable
     rate = f"{bw / 1e12:.2f} TB/s" if bw >= 1e12 else f"{bw / 1e9:.2f} GB/s"
     s = est.step
@@ -202,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         emit_json(est.as_dict())
         return 0
     out = console()
-    out.print(render(est))
+    print_table(out, render(est))
     out.print(f"GPU figures: {est.gpu.source}")
     if est.attention is not None:
         out.print(f"KV term: {est.attention.fit}; backend chosen: {est.attention.selected}")

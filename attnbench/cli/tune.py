@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -12,10 +14,15 @@ from rich.table import Table
 
 from attnbench.cli.common import (
     add_model_option,
+    add_wide_option,
     add_workload_options,
+    cli_table,
     command_line,
+    config_text,
     console,
     emit_json,
+    ms_text,
+    print_table,
     run_options,
     timing_options,
     workloads_from_args,
@@ -128,6 +135,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="allow writing into a folder of committed reference runs (one holding REFERENCE.md, like "
         "the repository's results/); refused without it",
+    )
+    add_wide_option(
+        p,
+        adds="model and dtype, the winner's 95% interval, GB/s and % of bandwidth, the runner-up, the "
+        "default's time, the decision, the load average, failed candidates and trials",
     )
     add_gate_options(p)
     p.set_defaults(func=run)
@@ -258,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         for msg in report.messages:
             out.print(f"[yellow]{msg}[/yellow]")
-        out.print(summary_table(report.entries))
+        print_table(out, summary_table(report.entries, wide=args.wide))
         for line in spread_advice(report.entries):
             out.print(f"[yellow]{line}[/yellow]", markup=True)
         for m in report.maps:
@@ -284,57 +296,86 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary_table(entries: dict) -> Table:
-    table = Table(
-        title="tuned winners (median decode step, all layers; [95 % interval] of interleaved samples)"
+def summary_table(entries: Mapping[str, Mapping[str, Any]], *, wide: bool = False) -> Table:
+    """The tuned winners, one row per (model, dtype, batch, context) in that order.
+
+    By default the columns that fit 80 columns: batch, context, the winner's backend and config, its
+    measured step time and how it compares with the default; the model and dtype are in the title
+    when every row has the same. ``wide`` adds the winner's interval, GB/s and share of bandwidth, the
+    runner-up, the default's time, the decision, the load average, the failed candidates and the
+    trial count (``--json`` has every field)."""
+    rows = sorted(
+        entries.values(),
+        key=lambda e: (e["model"], e["dtype"], e["batch_bucket"], e["context_bucket"]),
     )
-    for col in (
-        "model",
-        "dtype",
-        "batch",
-        "context",
-        "winner",
-        "step ms",
-        "GB/s",
-        "% bw",
-        "runner-up",
-        "default ms",
-        "decision",
-        "load",
-        "failed",
-        "trials",
-    ):
-        table.add_column(
-            col, justify="right" if col not in ("model", "dtype", "winner", "runner-up") else "left"
-        )
-    for entry in entries.values():
+    same = {k: {e[k] for e in rows} for k in ("model", "dtype")}
+    lead = [k for k in ("model", "dtype") if wide or len(same[k]) > 1]
+    what = " ".join(next(iter(same[k])) for k in ("model", "dtype") if k not in lead and same[k])
+    title = escape(
+        f"tuned winners{' for ' + what if what else ''}: measured decode step, all layers (median of "
+        "interleaved samples)"
+    )
+    columns = [*lead, "batch", "context", "winner", "config", "step ms", "vs default"]
+    if wide:
+        columns += ["95% interval ms", "GB/s", "% BW", "runner-up", "default ms", "decision"]
+        columns += ["load", "failed", "trials"]
+    left = ("model", "dtype", "winner", "config", "runner-up", "decision", "failed")
+    table = cli_table(title, columns, right=[c for c in columns if c not in left])
+    for entry in rows:
         w, r, d = entry.get("winner"), entry.get("runner_up"), entry.get("default") or {}
-        cfg = ",".join(f"{k}={v}" for k, v in (w or {}).get("config", {}).items())
-        failed = [c for c in entry.get("candidates", []) if c.get("failed")]
-        table.add_row(
-            entry["model"],
-            entry["dtype"],
-            str(entry["batch_bucket"]),
-            str(entry["context_bucket"]),
-            f"{w['backend']}{f'[{cfg}]' if cfg else ''}" if w else "[red]none passed[/red]",
-            f"{w['step_ms']:.4g} {_interval(w)}" if w else "-",
-            f"{w.get('gbps', 0):.3g}" if w else "-",
-            f"{w.get('pct_of_bandwidth', 0):.3g}" if w else "-",
-            f"{r['backend']} ({entry['margin']:+.1%})" if r else "-",
-            f"{d['step_ms']:.4g} {_interval(d)}" if d.get("step_ms") is not None else "-",
-            "tie: default kept"
-            if entry.get("tie")
-            else ("switched" if w and d and w.get("backend") != d.get("backend") else "-"),
-            f"{entry['load_avg'][0]:.2g}" if entry.get("load_avg") else "-",
-            ", ".join(f"{c['backend']}:{c['failed']}" for c in failed) or "-",
-            f"{entry['trials']}" + ("" if entry.get("complete", True) else " (partial)"),
-        )
+        cells = [escape(str(entry[k])) for k in lead]
+        cells += [str(entry["batch_bucket"]), str(entry["context_bucket"])]
+        if w:
+            cells += [escape(w["backend"]), escape(config_text(w.get("config"))), ms_text(w["step_ms"])]
+        else:
+            cells += ["[red]none passed[/red]", "-", "-"]
+        cells.append(_versus_default(entry))
+        if wide:
+            failed = [c for c in entry.get("candidates", []) if c.get("failed")]
+            cells += [
+                _interval(w) or "-",
+                f"{w.get('gbps', 0):.3g}" if w else "-",
+                f"{w.get('pct_of_bandwidth', 0):.3g}" if w else "-",
+                escape(f"{_candidate_text(r)} ({entry['margin']:+.1%})") if r else "-",
+                f"{ms_text(d['step_ms'])} {_interval(d)}" if d.get("step_ms") is not None else "-",
+                "tie: default kept"
+                if entry.get("tie")
+                else ("switched" if w and d and w.get("backend") != d.get("backend") else "-"),
+                f"{entry['load_avg'][0]:.2g}" if entry.get("load_avg") else "-",
+                escape(", ".join(f"{c['backend']}:{c['failed']}" for c in failed)) or "-",
+                f"{entry['trials']}" + ("" if entry.get("complete", True) else " (partial)"),
+            ]
+        table.add_row(*cells)
     return table
 
 
-def _interval(c: dict | None) -> str:
+def _versus_default(entry: Mapping[str, Any]) -> str:
+    """How the winner compares with the backend's default candidate, in a few words."""
+    w, d = entry.get("winner"), entry.get("default") or {}
+    if not w:
+        return "-"
+    if entry.get("tie"):
+        return "default kept (tie)"
+    if not d:
+        return "no default"
+    if d.get("failed"):
+        return "default failed"
+    if d.get("step_ms") is None:
+        return "default not timed"
+    if _candidate_text(w) == _candidate_text(d):
+        return "is the default"
+    return f"{d['step_ms'] / w['step_ms']:.2f}× faster"
+
+
+def _candidate_text(c: Mapping[str, Any]) -> str:
+    """``backend page_size=128 kv_splits=auto``: a candidate in words that a column can wrap."""
+    config = c.get("config") or {}
+    return f"{c['backend']} {config_text(config)}" if config else str(c["backend"])
+
+
+def _interval(c: Mapping[str, Any] | None) -> str:
     iv = (c or {}).get("interval")
-    return escape(f"[{iv['lo_ms']:.4g}, {iv['hi_ms']:.4g}] n={iv['samples']}") if iv else ""
+    return escape(f"[{ms_text(iv['lo_ms'])}, {ms_text(iv['hi_ms'])}] n={iv['samples']}") if iv else ""
 
 
 def spread_advice(entries: dict) -> list[str]:
