@@ -17,7 +17,7 @@ from contextlib import nullcontext
 from attnbench import __version__
 
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ["backends", "bench", "decode", "tune", "select", "estimate", "calibrate"]
+COMMANDS = ["backends", "bench", "decode", "e2e", "tune", "select", "estimate", "calibrate"]
 
 
 def build_parser() -> argparse.ArgumentParser:
