@@ -66,6 +66,11 @@ class TestVllmCpu(BackendConformance):
     configs: ClassVar[list[dict[str, Any]]] = _configs(VllmCpuBackend, fp8=False)
 
 
+#: why vLLM's fp8 KV cache cannot run on this CPU (its AVX2 build has none), or None
+_FP8_MISSING = _MISSING or isa_mod.fp8_kernel_error("vec", 64, torch.bfloat16)
+
+
+@pytest.mark.skipif(_FP8_MISSING is not None, reason=f"vllm_cpu_fp8 cannot run here: {_FP8_MISSING}")
 class TestVllmCpuFP8(BackendConformance):
     backend = VllmCpuFP8Backend
     dtypes = ("bf16",)
@@ -106,6 +111,16 @@ def test_amx_is_refused_without_amx_tiles() -> None:
         VllmCpuBackend().create_cache(w, config={"isa": "amx"}, num_layers=1, max_seq_len=16)
 
 
+def test_fp8_is_refused_where_the_build_has_none() -> None:
+    """Where vLLM's build has no fp8 KV cache (its AVX2 build), vllm_cpu_fp8 says so before any call."""
+    w = Workload(CASES[1].shape, (8,), torch.bfloat16)
+    reasons = VllmCpuFP8Backend().supports(w)
+    if _FP8_MISSING is None:
+        assert reasons == []
+    else:
+        assert reasons and "no fp8 KV cache" in reasons[0], reasons
+
+
 def test_unsupported_shapes_say_why() -> None:
     mla = Workload.uniform("tiny-mla", batch=1, context=8, dtype="bf16")
     assert any("head dims differ" in r for r in VllmCpuBackend().supports(mla))
@@ -115,6 +130,7 @@ def test_unsupported_shapes_say_why() -> None:
     assert VllmCpuBackend().implementation(meta).startswith("unavailable: ")
 
 
+@pytest.mark.skipif(_FP8_MISSING is not None, reason=f"vllm_cpu_fp8 cannot run here: {_FP8_MISSING}")
 def test_fp8_reference_matches_what_the_cache_stores() -> None:
     """The stored reference is vLLM's truncating quantiser: the kernel is within bf16 arithmetic of it,
     and far from round-to-nearest fp8 (so the check can tell the two apart)."""

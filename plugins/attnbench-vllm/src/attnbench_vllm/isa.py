@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import platform
-import sys
 from typing import Any
 
 import torch
@@ -61,14 +60,48 @@ def vllm_version() -> str:
 
 
 def kernel_library() -> str:
-    """The vLLM kernel library this process loaded, e.g. ``"vllm._C (AVX-512 + BF16)"``."""
-    loaded = [name for name in _LIBRARIES if name in sys.modules]
-    name = loaded[0] if loaded else "vllm._C"
+    """The vLLM kernel library this process loads, e.g. ``"vllm._C (AVX-512 + BF16)"``.
+
+    vLLM's rule (``CpuPlatform.import_kernels``), restated: the library is loaded under the module name
+    ``_C`` whichever file it is, so ``sys.modules`` cannot tell them apart.
+    """
+    if torch.cpu._is_avx512_supported():
+        name = "vllm._C" if torch.cpu._is_avx512_bf16_supported() else "vllm._C_AVX512"
+    else:
+        name = "vllm._C_AVX2"
     return f"{name} ({_LIBRARIES[name]})"
 
 
 def has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
+
+
+@functools.cache
+def fp8_kernel_error(isa: str, head_dim: int, dtype: torch.dtype) -> str | None:
+    """``None`` when the loaded build plans an fp8 KV cache for ``isa`` at ``head_dim``; else why not.
+
+    One small planning call (no attention runs): vLLM's AVX2 build, for one, has no fp8 cache at any
+    head size and refuses at planning time, so this is asked before a cache is made.
+    """
+    try:
+        vllm_ops().cpu_attn_get_scheduler_metadata(
+            num_reqs=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=head_dim,
+            seq_lens=torch.tensor([16], dtype=torch.int32),
+            dtype=dtype,
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            causal=True,
+            sliding_window_size=-1,
+            isa=isa,
+            enable_kv_split=False,
+            kv_cache_dtype="fp8_e4m3",
+        )
+    except RuntimeError as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return f"vLLM's CPU kernels have no fp8 KV cache for isa {isa!r} at head_dim {head_dim} on this CPU ({first})"
+    return None
 
 
 def isa_reasons(isa: str, *, dtype: torch.dtype, head_dim: int, fp8: bool) -> list[str]:
@@ -91,6 +124,10 @@ def isa_reasons(isa: str, *, dtype: torch.dtype, head_dim: int, fp8: bool) -> li
             reasons.append("isa 'vec16' has no fp8 KV cache (vLLM: amx or vec only)")
     else:
         reasons.append(f"isa {isa!r} not in {('auto', *ISAS)}")
+    if fp8 and not reasons:
+        err = fp8_kernel_error(isa, head_dim, dtype)
+        if err:
+            reasons.append(err)
     return reasons
 
 
