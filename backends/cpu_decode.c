@@ -18,34 +18,49 @@
  *
  * ISA variants: ISA_AVX512BF16 (bf16 caches: q·k and p·v with vdpbf16ps, p rounded to bf16 for p·v,
  * as flash attention does), ISA_AVX512 (fp32 and fp16 caches: vfmadd231ps, fp16 widened with
- * vcvtph2ps) and ISA_SCALAR (any dtype, plain C; p kept in fp32). The AVX-512 code is compiled with
- * target attributes, so the file builds with any x86-64 compiler flags; cpu_decode_isa() says what
- * the running CPU supports.
+ * vcvtph2ps), ISA_AVX2 (any dtype on AVX2 + FMA + F16C: 8-lane vfmadd231ps in fp32; a 32-byte load of
+ * a bf16 K row is 8 keys × 2 dims, of a V row 8 dims × 2 keys, widened by a shift and a mask; p kept
+ * in fp32) and ISA_SCALAR (any dtype, plain C; p kept in fp32). The AVX-512 and AVX2 code is compiled
+ * with target attributes, so the file builds with any x86-64 compiler flags; cpu_decode_isa() says
+ * the best variant the running CPU supports (the numbering is ordered: a CPU that runs one variant
+ * runs those below it, for the dtypes each takes).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && !defined(CPU_DECODE_NO_AVX512)
+#if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#define CPU_DECODE_X86 1
+#define INLINE static inline __attribute__((always_inline))
+#if !defined(CPU_DECODE_NO_AVX512)
 #define CPU_DECODE_AVX512 1
+#endif
 #endif
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
-enum { ISA_SCALAR = 0, ISA_AVX512 = 1, ISA_AVX512BF16 = 2 };
+/* ordered: a CPU that runs one variant runs every variant below it (for the dtypes each takes) */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
 #define TILE 16
 #define MAX_G 64
 
-int cpu_decode_abi(void) { return 3; }
+int cpu_decode_abi(void) { return 4; }
 
+/* the best variant the running CPU (and OS) supports */
 int cpu_decode_isa(void) {
-#ifdef CPU_DECODE_AVX512
+#ifdef CPU_DECODE_X86
     __builtin_cpu_init();
+#ifdef CPU_DECODE_AVX512
     int f = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
     if (f && __builtin_cpu_supports("avx512bf16")) return ISA_AVX512BF16;
     if (f) return ISA_AVX512;
+#endif
+    unsigned a, b, c, d; /* F16C from CPUID leaf 1 (not every compiler's __builtin_cpu_supports names it) */
+    int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    if (f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
 #endif
     return ISA_SCALAR;
 }
@@ -172,10 +187,317 @@ static void item_scalar(const item_t *it) {
     free(qv);
 }
 
+#ifdef CPU_DECODE_X86
+/* ---- AVX2 + FMA + F16C: bf16, fp16 and fp32 caches ----------------------------------------------
+ * The same layout, item walk, online softmax and merge as the AVX-512 code; 8-lane vectors, and no
+ * bf16 dot product: a bf16 pair is widened by its position in a 32-bit lane (low half << 16, high
+ * half & 0xffff0000), so one 32-byte load of a bf16 K row is 8 keys × 2 dims (two FMAs per head)
+ * and one of a V row 8 dims × 2 keys. The probabilities stay in fp32 for p·v in every dtype (as in
+ * the scalar code; no bf16 rounding of P). AVX2 has 16 registers and no embedded broadcast, so a
+ * step's scores pass through a small buffer on the stack, and the operands an FMA broadcasts — q
+ * (once per item) and p (once per step) — are stored broadcast to 8 lanes and read as plain loads. */
+#define TGT2 __attribute__((target("avx2,fma,f16c")))
+
+/* e^x for x ≤ 0 of n ≤ 4 vectors in place: exp512n's evaluation on 8 lanes */
+TGT2 INLINE void exp256n(int n, __m256 *x) {
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    __m256 t[4], r[4], p[4];
+    for (int i = 0; i < n; i++) {
+        x[i] = _mm256_max_ps(x[i], _mm256_set1_ps(-87.0f));
+        t[i] = _mm256_fmadd_ps(x[i], _mm256_set1_ps(1.44269504088896341f), magic);
+    }
+    for (int i = 0; i < n; i++) r[i] = _mm256_fnmadd_ps(_mm256_sub_ps(t[i], magic), _mm256_set1_ps(0.693359375f), x[i]);
+    for (int i = 0; i < n; i++) r[i] = _mm256_fnmadd_ps(_mm256_sub_ps(t[i], magic), _mm256_set1_ps(-2.12194440e-4f), r[i]);
+    for (int i = 0; i < n; i++) p[i] = _mm256_fmadd_ps(_mm256_set1_ps(1.0f / 5040.0f), r[i], _mm256_set1_ps(1.0f / 720.0f));
+    for (int i = 0; i < n; i++) p[i] = _mm256_fmadd_ps(p[i], r[i], _mm256_set1_ps(1.0f / 120.0f));
+    for (int i = 0; i < n; i++) p[i] = _mm256_fmadd_ps(p[i], r[i], _mm256_set1_ps(1.0f / 24.0f));
+    for (int i = 0; i < n; i++) p[i] = _mm256_fmadd_ps(p[i], r[i], _mm256_set1_ps(1.0f / 6.0f));
+    for (int i = 0; i < n; i++) p[i] = _mm256_fmadd_ps(p[i], r[i], _mm256_set1_ps(0.5f));
+    for (int i = 0; i < n; i++) p[i] = _mm256_fmadd_ps(p[i], r[i], _mm256_set1_ps(1.0f));
+    for (int i = 0; i < n; i++) p[i] = _mm256_fmadd_ps(p[i], r[i], _mm256_set1_ps(1.0f));
+    for (int i = 0; i < n; i++) {
+        __m256i e = _mm256_sub_epi32(_mm256_castps_si256(t[i]), _mm256_castps_si256(magic));
+        e = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23);
+        x[i] = _mm256_mul_ps(p[i], _mm256_castsi256_ps(e));
+    }
+}
+
+/* 8 fp32 or fp16 elements from p + i as fp32 */
+TGT2 INLINE __m256 load8(int dt, const void *p, size_t i) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)p + i);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+}
+
+/* 8 floats from p kept in a register: compilers otherwise fold the load into every FMA that uses it
+ * (a load each), and at two loads a cycle the loads rather than the FMAs would set the pace */
+TGT2 INLINE __m256 load_reg(const float *p) {
+    __m256 x = _mm256_load_ps(p);
+    __asm__("" : "+x"(x));
+    return x;
+}
+
+/* 8 bf16 pairs loaded once (not again as the and's memory operand) */
+TGT2 INLINE __m256i load_pairs(const uint16_t *p) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    __asm__("" : "+x"(x));
+    return x;
+}
+
+/* bf16 pairs in 32-bit lanes → the low (even) and high (odd) elements as fp32 */
+TGT2 INLINE __m256 bf16_lo(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+TGT2 INLINE __m256 bf16_hi(__m256i x) {
+    return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* s[g · 32 + j] = scale · q_g · k_j for the 16 keys of the K tile kt and GN heads. qb: the heads'
+ * queries in fp32, each element broadcast to 8 lanes ([GN, D, 8], written once per item): an FMA
+ * then takes q as a plain load, where a broadcast in the loop would take a vector-unit slot too.
+ * Each K row is loaded and widened once for all GN heads. Enough independent FMA chains at 16
+ * registers: with 4 heads one accumulator per head and 8 keys, q loaded once for both halves of the
+ * row; with fewer, two (even and odd dims); with 3, the two halves of a row one after the other (12
+ * accumulators). pf: a future tile (its K and V) to prefetch into L2 over the loop, or NULL */
+TGT2 INLINE void qk_avx2(int gn, int dt, int D, const float *qb, const void *kt, float scale, float *s,
+                         const char *pf) {
+    const int two = gn != 4;
+    __m256 a[4][2][2];
+    for (int g = 0; g < gn; g++)
+        for (int h = 0; h < 2; h++) a[g][h][0] = a[g][h][1] = _mm256_setzero_ps();
+    /* bf16 row r = dp: keys 0..15 × dims 2dp, 2dp + 1; fp32/fp16 rows r = d, d + 1: keys 0..15 of a
+     * dim. Either way one step of r covers 2 dims, and 2 · 16 · 2 · esize bytes of the tile */
+    const size_t pfb = dt == DT_F32 ? 256 : 128;
+    for (int r = 0; r < D / 2; r++) {
+        if (pf)
+            for (size_t i = 0; i < pfb; i += 64) _mm_prefetch(pf + (size_t)r * pfb + i, _MM_HINT_T2);
+        __m256 e[2], o[2]; /* keys 8h .. 8h + 7: dim 2r in e[h], dim 2r + 1 in o[h] */
+#define KROW(h)                                                                                   \
+    do {                                                                                          \
+        if (dt == DT_BF16) {                                                                      \
+            __m256i x = load_pairs((const uint16_t *)kt + (size_t)r * 32 + 16 * (h));                \
+            e[h] = bf16_lo(x);                                                                    \
+            o[h] = bf16_hi(x);                                                                    \
+        } else {                                                                                  \
+            e[h] = load8(dt, kt, (size_t)r * 32 + 8 * (h));                                       \
+            o[h] = load8(dt, kt, (size_t)r * 32 + 16 + 8 * (h));                                  \
+        }                                                                                         \
+    } while (0)
+        if (gn == 3) {
+            for (int h = 0; h < 2; h++) {
+                KROW(h);
+                for (int g = 0; g < 3; g++) {
+                    const float *qg = qb + ((size_t)g * D + 2 * r) * 8;
+                    a[g][h][0] = _mm256_fmadd_ps(e[h], _mm256_load_ps(qg), a[g][h][0]);
+                    a[g][h][1] = _mm256_fmadd_ps(o[h], _mm256_load_ps(qg + 8), a[g][h][1]);
+                }
+            }
+        } else {
+            KROW(0);
+            KROW(1);
+            for (int g = 0; g < gn; g++) {
+                const float *qg = qb + ((size_t)g * D + 2 * r) * 8;
+                __m256 qe = load_reg(qg), qo = load_reg(qg + 8);
+                a[g][0][0] = _mm256_fmadd_ps(e[0], qe, a[g][0][0]);
+                a[g][1][0] = _mm256_fmadd_ps(e[1], qe, a[g][1][0]);
+                a[g][0][two] = _mm256_fmadd_ps(o[0], qo, a[g][0][two]);
+                a[g][1][two] = _mm256_fmadd_ps(o[1], qo, a[g][1][two]);
+            }
+        }
+#undef KROW
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int g = 0; g < gn; g++)
+        for (int h = 0; h < 2; h++) {
+            __m256 x = two ? _mm256_add_ps(a[g][h][0], a[g][h][1]) : a[g][h][0];
+            _mm256_storeu_ps(s + g * 32 + 8 * h, _mm256_mul_ps(x, sc));
+        }
+}
+
+/* the online-softmax update of GN heads over the step's keys in s (32 a head, the first n real; a
+ * 16-key step evaluates the other 16 too, masked, so that one copy of this serves both steps):
+ * pb[(g · 32 + j) · 8 ..] = p_j = e^(s_j - m_new) broadcast to 8 lanes (0 past n; for p·v, as qb is
+ * for q·k), m the new running max, lv (per head 8 lanes of the running sum, reduced once per item)
+ * lv · alpha + Σ p, alpha = e^(m_old - m_new) (all heads' in one vector). Each operation runs over
+ * all heads before the next and the exponentials are evaluated four chains at a time (exp512n's
+ * reason); branch-free: m_old = -inf gives alpha = e^-87, which multiplies zeros */
+TGT2 INLINE void softmax_avx2(int gn, float *s, int n, float *m, float *lv, float *alpha, float *pb) {
+    const int nv = 4, ns = gn * nv;
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 valid[4], ex[4 * 4 + 1];
+    float da[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* m_old - m_new of each head */
+    for (int i = 0; i < nv; i++)
+        valid[i] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * i), lane));
+    for (int g = 0; g < gn; g++) {
+        __m256 mx = ninf;
+        for (int i = 0; i < nv; i++) {
+            ex[g * nv + i] = _mm256_loadu_ps(s + g * 32 + 8 * i);
+            mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, ex[g * nv + i], valid[i]));
+        }
+        mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+        mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
+        mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
+        __m256 mn = _mm256_max_ps(mx, _mm256_set1_ps(m[g]));
+        float mnew = _mm256_cvtss_f32(mn);
+        da[g] = m[g] - mnew;
+        m[g] = mnew;
+        for (int i = 0; i < nv; i++) ex[g * nv + i] = _mm256_sub_ps(ex[g * nv + i], mn);
+    }
+    ex[ns] = _mm256_setr_ps(da[0], da[1], da[2], da[3], 0.0f, 0.0f, 0.0f, 0.0f);
+    for (int i = 0; i < ns; i += 4) exp256n(4, ex + i);
+    exp256n(1, ex + ns);
+    _mm256_storeu_ps(alpha, ex[ns]);
+    for (int g = 0; g < gn; g++) {
+        __m256 sum = _mm256_setzero_ps();
+        for (int i = 0; i < nv; i++) {
+            __m256 p = _mm256_and_ps(ex[g * nv + i], valid[i]);
+            sum = _mm256_add_ps(sum, p);
+            /* each lane broadcast with shuffles: a vector store and then 4-byte broadcast loads of it
+             * would wait on the store (no store-to-load forwarding there), several times as slow */
+            __m256 lo = _mm256_permute2f128_ps(p, p, 0x00), hi = _mm256_permute2f128_ps(p, p, 0x11);
+            float *d = pb + (size_t)(g * 32 + 8 * i) * 8;
+            _mm256_store_ps(d + 0, _mm256_permute_ps(lo, 0x00));
+            _mm256_store_ps(d + 8, _mm256_permute_ps(lo, 0x55));
+            _mm256_store_ps(d + 16, _mm256_permute_ps(lo, 0xaa));
+            _mm256_store_ps(d + 24, _mm256_permute_ps(lo, 0xff));
+            _mm256_store_ps(d + 32, _mm256_permute_ps(hi, 0x00));
+            _mm256_store_ps(d + 40, _mm256_permute_ps(hi, 0x55));
+            _mm256_store_ps(d + 48, _mm256_permute_ps(hi, 0xaa));
+            _mm256_store_ps(d + 56, _mm256_permute_ps(hi, 0xff));
+        }
+        __m256 ag = _mm256_permutevar8x32_ps(ex[ns], _mm256_set1_epi32(g)); /* not alpha[g]: just stored */
+        _mm256_storeu_ps(lv + 8 * g, _mm256_fmadd_ps(_mm256_loadu_ps(lv + 8 * g), ag, sum));
+    }
+}
+
+/* p·v for GN heads over dims [c, c + 8 · NU) and the step's 16 · NT keys (NT at run time; pb:
+ * softmax_avx2's; vt: the first tile's V, the second lies 2 · 16 · D elements on): acc = acc · alpha
+ * + Σ_j p_j · v_j. As in qk_avx2: with 2 or 4 heads each key pair's V chunks are widened first and
+ * each head's two p loaded once for all chunks; with 1 or 3, chunk after chunk (p a load per FMA).
+ * TWO: even and odd keys in separate accumulators (more independent FMA chains where registers allow) */
+TGT2 INLINE void pv_avx2(int gn, int nu, int two, int nt, int dt, int D, int c, const void *vt, const float *pb,
+                         const float *alpha, float *acc) {
+    __m256 a[4][4][2];
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < nu; u++) a[g][u][0] = a[g][u][1] = _mm256_setzero_ps();
+    for (int jp = 0; jp < nt * TILE / 2; jp++) { /* keys 2jp, 2jp + 1 */
+        const float *p = pb + (size_t)jp * 16;
+        __m256 ve[4], vo[4];
+#define VROW(u)                                                                                   \
+    do {                                                                                          \
+        if (dt == DT_BF16) { /* row jp % 8 of tile jp / 8: the pair's dims side by side */        \
+            const uint16_t *row = (const uint16_t *)vt + (size_t)(jp >> 3) * 2 * TILE * D + (size_t)(jp & 7) * 2 * D; \
+            __m256i x = load_pairs(row + 2 * (c + 8 * (u)));                                      \
+            ve[u] = bf16_lo(x);                                                                   \
+            vo[u] = bf16_hi(x);                                                                   \
+        } else { /* rows 2jp % 16 and 2jp % 16 + 1 of tile 2jp / 16 */                           \
+            size_t row = (size_t)(jp >> 3) * 2 * TILE * D + (size_t)(2 * jp & 15) * D + c + 8 * (u); \
+            ve[u] = load8(dt, vt, row);                                                           \
+            vo[u] = load8(dt, vt, row + D);                                                       \
+        }                                                                                         \
+    } while (0)
+        if (gn % 2 == 0) {
+            for (int u = 0; u < nu; u++) VROW(u);
+            for (int g = 0; g < gn; g++) {
+                __m256 pe = load_reg(p + (size_t)g * 256), po = load_reg(p + (size_t)g * 256 + 8);
+                for (int u = 0; u < nu; u++) {
+                    a[g][u][0] = _mm256_fmadd_ps(ve[u], pe, a[g][u][0]);
+                    a[g][u][two] = _mm256_fmadd_ps(vo[u], po, a[g][u][two]);
+                }
+            }
+        } else {
+            for (int u = 0; u < nu; u++) {
+                VROW(u);
+                for (int g = 0; g < gn; g++) {
+                    a[g][u][0] = _mm256_fmadd_ps(ve[u], _mm256_load_ps(p + (size_t)g * 256), a[g][u][0]);
+                    a[g][u][two] = _mm256_fmadd_ps(vo[u], _mm256_load_ps(p + (size_t)g * 256 + 8), a[g][u][two]);
+                }
+            }
+        }
+#undef VROW
+    }
+    /* the step's sum joins the running one once (see pv_f32) */
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < nu; u++) {
+            float *o = acc + (size_t)g * D + c + 8 * u;
+            __m256 x = two ? _mm256_add_ps(a[g][u][0], a[g][u][1]) : a[g][u][0];
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(alpha[g]), x));
+        }
+}
+
+/* one step of NT (1 or 2, at run time) adjacent tiles of one page for heads g0 .. g0 + GN: scores,
+ * softmax, p·v. kt, vt: the first tile's K and V; n: the step's real keys; pf[t]: a future tile to
+ * prefetch or NULL */
+TGT2 INLINE void step_avx2(int gn, int nt, int dt, const item_t *it, int g0, const float *qb, const char *kt,
+                           const char *vt, int n, const char *const *pf, float *lv) {
+    /* p·v: NU 8-dim chunks at a time, TWO accumulators per chunk (8, 8, 12, 8 accumulators) */
+    const int D = it->D, nu = gn == 1 ? 4 : 2, two = gn != 4;
+    const size_t stride = (size_t)2 * TILE * D * (dt == DT_F32 ? 4 : 2); /* bytes from one tile to the next */
+    float s[4 * 32] __attribute__((aligned(32))), alpha[8], pb[4 * 32 * 8] __attribute__((aligned(32)));
+#pragma GCC unroll 1 /* one copy of the loop body: a shorter build */
+    for (int t = 0; t < nt; t++)
+        qk_avx2(gn, dt, D, qb + (size_t)g0 * D * 8, kt + t * stride, it->scale, s + 16 * t, pf[t]);
+    if (nt == 1)
+        for (int g = 0; g < gn; g++) memset(s + g * 32 + 16, 0, 16 * sizeof(float)); /* masked, but defined */
+    softmax_avx2(gn, s, n, it->m + g0, lv + 8 * g0, alpha, pb);
+    float *acc = it->acc + (size_t)g0 * D;
+    int c = 0;
+    for (; c + 8 * nu <= D; c += 8 * nu) pv_avx2(gn, nu, two, nt, dt, D, c, vt, pb, alpha, acc);
+    if (nu == 4 && c < D) pv_avx2(gn, 2, two, nt, dt, D, c, vt, pb, alpha, acc); /* D % 16 == 0: 16 dims left */
+}
+
+/* the tile walk of one item (dt constant once inlined): two tiles (32 keys) a step where both lie in
+ * one page, as the AVX-512 bf16 loop does, in every dtype */
+TGT2 INLINE void item_avx2_dt(const item_t *it, int dt) {
+    const int G = it->G, D = it->D, pf = it->prefetch;
+    const size_t esize = dt == DT_F32 ? 4 : 2;
+    const char *kc = (const char *)it->kc, *vc = (const char *)it->vc;
+    float lv[MAX_G * 8] __attribute__((aligned(32)));
+    float *qb = (float *)aligned_alloc(64, sizeof(float) * 8 * (size_t)G * D); /* [G, D, 8] */
+    for (int i = 0; i < G * D; i++)
+        _mm256_store_ps(qb + (size_t)i * 8, _mm256_set1_ps(load_elem(it->q, (size_t)i, dt)));
+    for (int g = 0; g < G; g++) {
+        it->m[g] = -INFINITY;
+        it->l[g] = 0.0f;
+    }
+    memset(lv, 0, sizeof(float) * 8 * (size_t)G);
+    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
+    for (int t = it->t0; t < it->t1;) {
+        const int nt = it->ps >= 2 * TILE && t % (2 * TILE) == 0 && t + TILE < it->t1 ? 2 : 1;
+        const int n = it->t1 - t < nt * TILE ? it->t1 - t : nt * TILE;
+        const char *pk[2] = {NULL, NULL}, *none[2] = {NULL, NULL};
+        for (int j = 0; j < nt; j++) {
+            int f = t + (pf + j) * TILE;
+            if (pf > 0 && f < it->t1) pk[j] = kc + tile_offset(it, f) * esize;
+        }
+        const size_t base = tile_offset(it, t) * esize;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const char *const *p = g0 ? none : pk; /* the first head group prefetches */
+#define AVX2_STEP(gn) step_avx2(gn, nt, dt, it, g0, qb, kc + base, vc + base, n, p, lv)
+            switch (G - g0 < 4 ? G - g0 : 4) {
+                case 4: AVX2_STEP(4); break;
+                case 3: AVX2_STEP(3); break;
+                case 2: AVX2_STEP(2); break;
+                default: AVX2_STEP(1); break;
+            }
+#undef AVX2_STEP
+        }
+        t += nt * TILE;
+    }
+    for (int g = 0; g < G; g++) {
+        float l = 0.0f;
+        for (int i = 0; i < 8; i++) l += lv[8 * g + i];
+        it->l[g] = l;
+    }
+    free(qb);
+}
+
+TGT2 static void item_avx2_bf16(const item_t *it) { item_avx2_dt(it, DT_BF16); }
+TGT2 static void item_avx2_f16(const item_t *it) { item_avx2_dt(it, DT_F16); }
+TGT2 static void item_avx2_f32(const item_t *it) { item_avx2_dt(it, DT_F32); }
+#endif
+
 #ifdef CPU_DECODE_AVX512
 #define TGT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define TGT_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-#define INLINE static inline __attribute__((always_inline))
 
 /* e^x for x ≤ 0 of n ≤ 6 vectors in place (Cephes' range reduction, degree-7 Taylor on |r| ≤ ln2/2:
  * < 1e-8 relative; x·log2(e) is rounded and 2^n formed with integer arithmetic on the float bits, as
@@ -503,6 +825,17 @@ TGT static void item_avx512(const item_t *it) {
 #endif
 
 static void run_item(const item_t *it, int isa) {
+#ifdef CPU_DECODE_X86
+    if (isa == ISA_AVX2) {
+        if (it->dt == DT_BF16)
+            item_avx2_bf16(it);
+        else if (it->dt == DT_F16)
+            item_avx2_f16(it);
+        else
+            item_avx2_f32(it);
+        return;
+    }
+#endif
 #ifdef CPU_DECODE_AVX512
     if (isa == ISA_AVX512BF16) {
         item_avx512bf16(it);

@@ -1,10 +1,10 @@
-"""``cpu_decode`` — the project's own paged decode-attention kernel for CPUs (C, AVX-512, OpenMP).
+"""``cpu_decode`` — the project's own paged decode-attention kernel for CPUs (C, AVX-512 or AVX2, OpenMP).
 
 The kernel is ``cpu_decode.c`` beside this file, compiled at first use with the system C compiler
 (``$CC``, else ``cc``/``gcc``) into a per-user cache (``attnbench.device.cache_dir() / "cpu_decode"``,
 one file per hash of the source, the compiler's version and the flags, renamed into place atomically
 so parallel processes never see a half-written library), and called through :mod:`ctypes` with the
-tensors' ``data_ptr()``: no torch C++ headers, a build of about a second.
+tensors' ``data_ptr()``: no torch C++ headers, a build of seconds (once per source, compiler and flags).
 
 The cache (P = 2 for bf16, else 1)::
 
@@ -23,14 +23,22 @@ time for bf16 (two tiles of one page; 16 for fp32, fp16 and on 16-token pages); 
 accumulates in fp32 (for bf16 the probabilities are rounded to bf16 for ``vdpbf16ps``, as flash
 attention rounds P to the input dtype; the denominator sums the rounded values).
 
+Without AVX-512 (``c-avx2``: AVX2, FMA and F16C) the same layout is read with 32-byte loads: one of a
+bf16 K row is 8 keys × 2 dims and one of V 8 dims × 2 keys, each bf16 widened to fp32 by its place
+in a 32-bit lane (a shift left by 16 for the low one, a mask for the high one), then fused
+multiply-adds in fp32; fp16 is widened with ``vcvtph2ps``. Each K/V row is loaded once for up to four
+query heads, softmax runs over 32 keys of a page at a time in every dtype, and the probabilities stay in fp32
+for p·v (as in ``c-scalar``; no bf16 rounding of P).
+
 Work is split over (sequence, KV head, KV split) with OpenMP, on ``torch.get_num_threads()`` threads
 as of :meth:`plan` (``bench``/``tune --threads`` set it). ``kv_splits = "auto"`` splits each sequence
 only when batch × KV heads is smaller than the thread count, and a merge combines the splits.
 
 Variants (:meth:`CpuDecodeBackend.implementation` names the one that runs): ``c-avx512bf16`` (bf16 on
 a CPU with AVX512_BF16), ``c-avx512`` (fp32 and fp16 on AVX-512: fused multiply-adds in fp32, fp16
-widened on load) and ``c-scalar`` (plain C, any dtype, where the CPU lacks those). Unavailable, with
-the reason, where no C compiler builds the file.
+widened on load), ``c-avx2`` (any dtype on a CPU with AVX2 + FMA + F16C, where those do not apply:
+no AVX-512, or bf16 without AVX512_BF16) and ``c-scalar`` (plain C, any dtype, where the CPU lacks
+even AVX2). Unavailable, with the reason, where no C compiler builds the file.
 
 Which call may allocate: ``create_cache`` (the pages, workspace and step buffers); ``plan`` (host
 work: small host tensors, copied into the cache's step buffers, which the plan then names);
@@ -65,14 +73,17 @@ FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
 PAGE_SIZES = (16, 32, 64, 128)
 MAX_SPLITS = 16
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_ISA_NAMES = {0: "c-scalar", 1: "c-avx512", 2: "c-avx512bf16"}
+#: the kernel's variants, ordered: a CPU that runs one runs every one before it (cpu_decode_isa())
+_ISA_NAMES = {0: "c-scalar", 1: "c-avx2", 2: "c-avx512", 3: "c-avx512bf16"}
 _ISA_CODES = {v: k for k, v in _ISA_NAMES.items()}
-_ABI = 3
+#: the dtypes a variant takes where it does not take all three
+_ISA_DTYPES = {"c-avx512": (torch.float32, torch.float16), "c-avx512bf16": (torch.bfloat16,)}
+_ABI = 4
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """The loaded library and what the running CPU supports (``isa``: 0 scalar, 1 AVX-512, 2 + BF16)."""
+    """The loaded library and the best variant the running CPU supports (``isa``: a key of ``_ISA_NAMES``)."""
 
     lib: ctypes.CDLL
     isa: int
@@ -210,7 +221,9 @@ def _splits(kv_splits: str | int, *, work: int, threads: int, max_len: int) -> i
 
 class CpuDecodeBackend(Backend):
     name = "cpu_decode"
-    description = "attnbench's own paged decode kernel for CPUs (C, AVX-512 BF16 / AVX-512 / scalar, OpenMP)"
+    description = (
+        "attnbench's own paged decode kernel for CPUs (C, AVX-512 BF16 / AVX-512 / AVX2 / scalar, OpenMP)"
+    )
     tunables = (
         Tunable("page_size", PAGE_SIZES, 128, "tokens per cache page (a multiple of the 16-key tile)"),
         Tunable(
@@ -245,14 +258,18 @@ class CpuDecodeBackend(Backend):
         isa = self._isa(workload.dtype, kernel)
         if _ISA_CODES[isa] > kernel.isa:
             return [f"variant {isa} needs an ISA this CPU lacks (it has {_ISA_NAMES[kernel.isa]})"]
+        if workload.dtype not in _ISA_DTYPES.get(isa, (workload.dtype,)):
+            return [f"variant {isa} does not take dtype {workload.dtype_name}"]
         return []
 
     def _isa(self, dtype: torch.dtype, kernel: Kernel) -> str:
+        """The forced variant, else the best one this CPU runs for ``dtype``."""
         if self.force_isa is not None:
             return self.force_isa
-        if dtype == torch.bfloat16:
-            return "c-avx512bf16" if kernel.isa >= 2 else "c-scalar"
-        return "c-avx512" if kernel.isa >= 1 else "c-scalar"
+        for code in range(kernel.isa, 0, -1):
+            if dtype in _ISA_DTYPES.get(_ISA_NAMES[code], (dtype,)):
+                return _ISA_NAMES[code]
+        return "c-scalar"
 
     def implementation(self, workload: Workload) -> str:
         """``cpu_decode.c[<variant>]`` with the variant that runs for this dtype on this CPU."""
@@ -270,7 +287,8 @@ class CpuDecodeBackend(Backend):
         for ``vdpbf16ps`` and stays within 1.3–1.5× the calibration error (worst share of the bound
         0.59); fp16 is at 1.00× (the output's rounding dominates); fp32, whose p·v joins the running
         sum once per 16 or 32 keys, within 1.8× in rel_l2 and 3.7× in max_abs at 32k, where the bound's
-        fp32 accumulation allowance dominates (worst share 0.54)."""
+        fp32 accumulation allowance dominates (worst share 0.54). Those figures are the AVX-512
+        variants'; ``c-avx2`` keeps P in fp32 (no bf16 rounding) and passes the same suite and gate."""
         return super().error_multiple(dtype, config=config)
 
     def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
