@@ -15,9 +15,11 @@ refused::
     >>> print(choice.explain())
 
 Serving code may call it per batch: a :class:`Selector` keeps everything it learnt in memory, so after
-the first call in a process it reads no file, rebuilds no registry and allocates no cache. It only
-``os.stat``-s the device's table and dispatch map (every call by default, ``recheck_s`` spaces the
-checks out) and reads them again when ``tune`` rewrote them. :func:`select` uses a default selector,
+the first call in a process it reads no file, rebuilds no registry and allocates no cache; the
+explanation (:meth:`Choice.explain`, :attr:`Choice.rejected`) is written only when read. Whether
+``tune`` (or ``calibrate``) rewrote the device's files costs one ``os.stat`` of their folder per call
+(see :class:`Selector`; ``recheck_s`` spaces the checks out); a rewritten file is read again.
+:func:`select` uses a default selector,
 whose caches are keyed by everything that decides an answer (the files' identity and modification
 time, the results location, the registry, the device and its thread count), so nothing has to be reset
 between uses; :meth:`Selector.clear` forgets everything at once.
@@ -27,59 +29,36 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 import warnings
 import weakref
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from attnbench.backend import Resolution
-from attnbench.calibrated import calibrated_choice
-from attnbench.calibration import Calibration, CalibrationError, calibration_path, geometry_key
+from attnbench.calibrated import calibrated_ranking
+from attnbench.calibration import calibration_path, geometry_key
 from attnbench.choice import Choice, Rejected
 from attnbench.device import fingerprint, fingerprint_id, load_profile, resolve_device
 from attnbench.locations import RESULTS_ENV, check_table_file, readable_results
 from attnbench.probe import ask
 from attnbench.registry import Registry, load_registry
 from attnbench.select_heuristic import HeuristicRanking, rank, runnable_reason
-from attnbench.select_tuned import TunedIndex, entry_choice
+from attnbench.select_tuned import Location, entry_choice, file_signature
 from attnbench.shapes import ModelShape, load_shape, parse_dtype
-from attnbench.tuning.dispatch import dispatch_path, load_maps, map_key
+from attnbench.tuning.dispatch import dispatch_path, map_key
 from attnbench.tuning.space import code_hash
-from attnbench.tuning.table import DeviceMismatchError, ResultsTable, TableError, hardware_id, table_path
+from attnbench.tuning.table import hardware_id, table_path
 from attnbench.workload import Workload, bucket, parse_tokens
 
 __all__ = ["Choice", "Rejected", "Selector", "default_selector", "select"]
 
 _PLUGIN_ENV = ("ATTNBENCH_PLUGINS", "ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD")
-_Signature = tuple[int, int, int] | None  # (inode, size, mtime ns) of a file, None when missing
+_LOCATION_ENV = (RESULTS_ENV, "XDG_DATA_HOME", "HOME")  # what decides the default results location
 #: Workload is a plain frozen dataclass of these fields (its checks rerun only when this changes)
 _FIELDS = ["shape", "context_lens", "dtype", "device"]
 _PLAIN_WORKLOAD = [f.name for f in fields(Workload)] == _FIELDS and "__slots__" not in vars(Workload)
-
-
-def _signature(path: Path, *, was: _Signature = None) -> _Signature:
-    if was is None and not os.access(path, os.F_OK):  # still missing: no exception raised per call
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-@dataclass
-class _Files:
-    """One device's tuned files in one results folder, as last read."""
-
-    signature: tuple[_Signature, _Signature]
-    checked_at: float
-    index: TunedIndex
-    notes: list[str]
-    templates: dict  # cached per-entry choices (invalidated with the files)
 
 
 class Selector:
@@ -87,11 +66,20 @@ class Selector:
     dispatch maps, the calibration, and each backend's :class:`~attnbench.backend.Resolution` per
     batch and context bucket are computed once and reused.
 
+    A rewrite of the device's table, dispatch map or calibration is noticed by one ``os.stat`` of the
+    folder that holds them per call (about a microsecond on a local disk): ``tune`` and ``calibrate``
+    write atomically, a temporary file renamed into the folder, which changes the folder's
+    modification time. When the folder changed, or was itself modified less than two seconds before
+    the last check (a coarse file-system clock could give a change in the same tick the same time),
+    the three files are ``os.stat``-ed and a changed one is read again. So a rewrite is seen by the
+    next call, at one system call per call rather than three; a file edited in place without a
+    rename is seen when the folder next changes (or after :meth:`clear`).
+
     Args:
         registry: the backends to choose from (default: the full registry, built on first use and
             again only when ``ATTNBENCH_PLUGINS`` / ``ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD`` change).
-        recheck_s: how often to ``os.stat`` the table and dispatch map for a rewrite (default 0:
-            every call, about a microsecond each on a local disk).
+        recheck_s: check the folder at most this often, in seconds (default 0: every call); a rewrite
+            is then seen up to ``recheck_s`` late.
 
     Thread-safe in the sense that matters for serving: concurrent calls may both fill a cache
     entry, never see a half-built one.
@@ -104,18 +92,20 @@ class Selector:
 
     def clear(self) -> None:
         """Forget everything learnt (the next call reads and asks again)."""
-        self._default_registry: tuple[tuple[str | None, ...], Registry] | None = None
+        self._default_registry: tuple[tuple[object, ...], Registry] | None = None
         self._shapes: dict[object, tuple[ModelShape, str]] = {}
         self._devices: dict[tuple[str, int], tuple[dict, str, str]] = {}
         self._kinds: dict[tuple, tuple[torch.dtype, str, str]] = {}  # (dtype, device) as given → accepted
-        self._paths: dict[tuple, Any] = {}  # results location → files; folder → calibration file
-        self._files: dict[Path, _Files] = {}
-        self._calibrations: dict[Path, tuple[_Signature, Calibration | None, str]] = {}
-        self._resolved: dict[tuple, list[tuple[str, Resolution, dict, str]]] = {}
+        self._paths: dict[tuple, Location] = {}  # results location as given → its files
+        self._resolved: dict[
+            tuple, tuple[list[tuple[str, Resolution, dict, str]], dict[str, Resolution], int]
+        ] = {}
         self._heuristic: dict[tuple, HeuristicRanking | LookupError] = {}
         self._bandwidth: dict[str, float] = {}
         self._engine: dict[tuple, str | None] = {}
+        self._engine_kernels: dict[tuple[int, str], bool] = {}
         self._warned: set[str] = set()
+        self._env_keys: dict[tuple[str, ...], tuple] = {}
         self._registries: dict[int, tuple[weakref.ref[Registry], int]] = {}
         self._serial = itertools.count()
 
@@ -161,13 +151,14 @@ class Selector:
         reg = registry if registry is not None else self._registry_now()
         workload, shape_hash, dname, b, c = self._workload(workload, model, batch, context, dtype, device)
         fp, fp_id, hw = self._device(workload.device)
-        table_file, map_file, folder, explicit = self._locate(results_dir, table, fp, hw)
-        files = self._load(table_file, map_file, fp, hw, folder=folder, explicit=explicit)
+        location = self._locate(results_dir, table, fp, hw)
+        files = location.load(fingerprint=fp, hardware_id=hw, recheck_s=self.recheck_s)
         index = files.index
         mkey = map_key(workload.shape.name, shape_hash, dname)
         failed_gate = index.gate_failures.get(dname, {})
         regkey = self._reg_key(reg)
-        resolved, by_name, rkey = self._resolutions(reg, regkey, workload, shape_hash, (bucket(b), bucket(c)))
+        buckets = (bucket(b), bucket(c))
+        resolved, by_name, rkey = self._resolutions(reg, regkey, workload, shape_hash, buckets)
 
         def why_not(backend: str, lossy: str) -> str:
             res = by_name.get(backend)
@@ -182,13 +173,22 @@ class Selector:
         dispatch = index.maps.get(mkey)
         if dispatch is not None:
             key = ("map", mkey, allow_lossy, rkey)
-            hit = files.templates.get(key)
-            if hit is None:
+            plan = files.templates.get(key)
+            if plan is None:  # once per bucket: who may be chosen here, and why not the others
                 refused = {label: why_not(c.backend, c.lossy) for label, c in dispatch.candidates.items()}
-                hit = files.templates[key] = (refused, index.refusals(dispatch, refused))
-            name = index.table.path.name if index.table is not None else map_file.name
+                eligible = frozenset(label for label, why in refused.items() if not why)
+                name = index.table.path.name if index.table is not None else location.map.name
+                plan = files.templates[key] = (refused, index.refusals(dispatch, refused), eligible, name)
+            refused, rejected, eligible, name = plan
             choice = index.from_map(
-                dispatch, workload, b, c, refused=hit[0], rejected=hit[1], source_name=name
+                dispatch,
+                workload,
+                b,
+                c,
+                refused=refused,
+                rejected=rejected,
+                eligible=eligible,
+                source_name=name,
             )
             if choice is not None:  # the gate's numbers live in the table entry of the bucket
                 gkey = ("gate", choice.lookup.label, rkey)  # type: ignore[union-attr]
@@ -199,18 +199,22 @@ class Selector:
             choice = self._from_entry(files, reg, rkey, workload, mkey, b, c, why_not, allow_lossy, by_name)
         note = ""
         # the measured map wins inside the tuned region; beyond it, the calibrated model
-        if index.outside(mkey, b, c):
-            calibration, note = self._calibration(folder, fp, hw)
+        if index.outside(mkey, b, c, buckets=buckets):
+            calibration, note = files.calibration_now()
             if calibration is not None:
-                calibrated = calibrated_choice(
-                    workload,
-                    resolved,
-                    calibration=calibration,
-                    failed_gate=failed_gate,
-                    why_outside=index.beyond_at(mkey, workload.shape.name, dname, b, c),
-                    skip=[] if allow_lossy else [n for n, r in by_name.items() if r.lossy],
-                )
-                choice = calibrated or choice
+                ckey = ("calibrated", allow_lossy, rkey)
+                ranking = files.templates.get(ckey)
+                if ranking is None:  # once per bucket: each backend's fit; each call predicts its step
+                    ranking = files.templates[ckey] = calibrated_ranking(
+                        workload,
+                        resolved,
+                        calibration=calibration,
+                        failed_gate=failed_gate,
+                        skip=[] if allow_lossy else [n for n, r in by_name.items() if r.lossy],
+                    )
+                if ranking.fitted:
+                    why_outside = index.beyond_at(mkey, workload.shape.name, dname, b, c)
+                    choice = ranking.choice(workload, why_outside=why_outside)
         if choice is None:
             choice = self._heuristic_choice(rkey, workload, resolved, failed_gate, fp_id, bandwidth)
         if note:
@@ -263,9 +267,13 @@ class Selector:
         return made, shape_hash, dname, batch, ctx
 
     def _shape(self, model: str | ModelShape) -> tuple[ModelShape, str]:
+        if type(model) is str:  # a preset seen before (a shape file is never kept under its bare name)
+            hit = self._shapes.get(model)
+            if hit is not None:
+                return hit
         key: object = id(model) if isinstance(model, ModelShape) else model
         if isinstance(model, str) and (os.sep in model or model.endswith((".json", ".yaml", ".yml"))):
-            key = (model, _signature(Path(model)))  # a shape file: read again when it changes
+            key = (model, file_signature(Path(model)))  # a shape file: read again when it changes
         hit = self._shapes.get(key)
         if hit is None or (isinstance(model, ModelShape) and hit[0] is not model):
             shape = model if isinstance(model, ModelShape) else load_shape(model)
@@ -285,21 +293,35 @@ class Selector:
     def _registry_now(self) -> Registry:
         if self._registry is not None:
             return self._registry
-        env = tuple(os.environ.get(k) for k in _PLUGIN_ENV)
+        env = self._env(_PLUGIN_ENV)
         if self._default_registry is None or self._default_registry[0] != env:
             self._default_registry = (env, load_registry())
         return self._default_registry[1]
 
+    def _env(self, names: tuple[str, ...]) -> tuple[object, ...]:
+        """The values of ``names`` in the environment as a cache key (encoded: bytes on POSIX).
+
+        ``os.environ.get`` of a name that is not set raises and catches a ``KeyError`` inside, which
+        costs microseconds per call; CPython's ``os.environ`` keeps its encoded values in a dict
+        (``_data``, written by every ``os.environ[...] =``), read here directly; ``os.environ.get``
+        where there is none."""
+        env = os.environ
+        data = getattr(env, "_data", None)
+        if type(data) is not dict:
+            return tuple([env.get(n) for n in names])
+        keys = self._env_keys.get(names)
+        if keys is None:
+            keys = self._env_keys[names] = tuple(env.encodekey(n) for n in names)  # type: ignore[attr-defined]
+        return tuple([data.get(k) for k in keys])
+
     # -- the files -------------------------------------------------------------------------------
     def _locate(
         self, results_dir: str | Path | None, table: str | Path | None, fp: dict, hw: str
-    ) -> tuple[Path, Path, Path, bool]:
+    ) -> Location:
+        """The table, the dispatch map and the calibration file, and whether the table was named."""
         where: tuple = (results_dir, table)
         if results_dir is None and table is None:  # the location the environment gives
-            env, xdg = os.environ.get(RESULTS_ENV), None
-            if not env:
-                xdg = os.environ.get("XDG_DATA_HOME") or ("~", os.environ.get("HOME"))
-            where = (env, xdg)
+            where = self._env(_LOCATION_ENV)
         key = (where, hw)
         hit = self._paths.get(key)
         if hit is None:
@@ -309,67 +331,18 @@ class Selector:
             else:
                 location = readable_results(results_dir)
                 folder, path = location.path, table_path(location.path, fp)
-            hit = self._paths[key] = (path, dispatch_path(path), folder, table is not None)
+            cal = calibration_path(folder, fp)
+            hit = self._paths[key] = Location(path, dispatch_path(path), cal, table is not None)
         return hit
-
-    def _load(
-        self, table_file: Path, map_file: Path, fp: dict, hw: str, *, folder: Path, explicit: bool
-    ) -> _Files:
-        files = self._files.get(table_file)
-        now = time.monotonic() if self.recheck_s else 0.0
-        if files is not None and self.recheck_s and now - files.checked_at < self.recheck_s:
-            return files
-        was = files.signature if files else (None, None)  # files seen before are stat-ed directly
-        signature = (_signature(table_file, was=was[0]), _signature(map_file, was=was[1]))
-        if files is not None and files.signature == signature:
-            files.checked_at = now
-            return files
-        if explicit and signature[0] is None:
-            check_table_file(table_file)  # removed since: one clear line
-        notes: list[str] = []
-        try:
-            loaded: ResultsTable | None = ResultsTable.load(table_file, fingerprint=fp)
-        except DeviceMismatchError:
-            raise  # another device's table: refused, never used
-        except TableError as err:
-            if explicit:
-                raise
-            notes.append(f"{err}; ignoring it (re-run `attnbench tune` to rewrite it)")
-            loaded = None
-        try:
-            maps = load_maps(map_file, hardware_id=hw)
-        except ValueError as err:
-            if "another device" in str(err):
-                raise DeviceMismatchError(f"{err}; refusing another device's map") from None
-            notes.append(f"{err}; ignoring it (re-run `attnbench tune` to rewrite it)")
-            maps = {}
-        files = _Files(signature, now, TunedIndex.build(loaded, maps), notes, {})
-        self._files[table_file] = files
-        return files
-
-    def _calibration(self, folder: Path, fp: dict, hw: str) -> tuple[Calibration | None, str]:
-        path = self._paths.get((folder, hw))  # type: ignore[assignment]
-        if path is None:
-            path = self._paths[(folder, hw)] = calibration_path(folder, fp)  # type: ignore[assignment]
-        hit = self._calibrations.get(path)
-        sig = _signature(path, was=hit[0] if hit else None)
-        if hit is None or hit[0] != sig:
-            cal, note = None, ""
-            if sig is not None:
-                try:
-                    cal = Calibration.load(path)
-                except CalibrationError as err:
-                    note = f"{err}; ignoring it (re-run `attnbench calibrate`)"
-            hit = self._calibrations[path] = (sig, cal, note)
-        return hit[1], hit[2]
 
     # -- what the backends say -------------------------------------------------------------------
     def _resolutions(
         self, reg: Registry, regkey: int, workload: Workload, shape_hash: str, buckets: tuple[int, int]
-    ) -> tuple[list[tuple[str, Resolution, dict, str]], dict[str, Resolution], tuple]:
+    ) -> tuple[list[tuple[str, Resolution, dict, str]], dict[str, Resolution], int]:
         """``(name, resolution, default config, geometry key)`` per backend, asked once per bucket
         (as the plugin probes are cached: a backend's answer is taken as the bucket's), the
-        resolutions by name, and the key they are cached under."""
+        resolutions by name, and a number no other resolutions get (what is learnt per bucket is
+        keyed by it: an int hashes faster than the key of the bucket)."""
         key = (regkey, shape_hash, workload.shape.name, workload.dtype, workload.device, *buckets)
         hit = self._resolved.get(key)
         if hit is None:
@@ -378,9 +351,13 @@ class Selector:
                 res = ask(e.cls, workload)
                 geometry = geometry_key(e.cls, workload) if res.runnable else ""  # type: ignore[arg-type]
                 listed.append((e.name, res, e.cls.default_config(), geometry))
-            if len(self._resolved) > 4096:
+            if len(self._resolved) > 4096:  # and what was learnt from them
                 self._resolved.clear()
-            hit = self._resolved[key] = (listed, {n: r for n, r, _, _ in listed}, key)
+                self._heuristic.clear()
+                for location in self._paths.values():
+                    if location.files is not None:
+                        location.files.templates.clear()
+            hit = self._resolved[key] = (listed, {n: r for n, r, _, _ in listed}, next(self._serial))
         return hit
 
     def _from_entry(
@@ -414,14 +391,7 @@ class Selector:
             files.templates[key] = template
         if template is None:
             return None
-        return replace(
-            template,
-            workload=workload,
-            distance_octaves=distance,
-            rejected=list(template.rejected),
-            measured=list(template.measured),
-            warnings=list(template.warnings),
-        )
+        return template.copy_for(workload, distance_octaves=distance)
 
     def _heuristic_choice(self, rkey, workload, resolved, failed_gate, fp_id, bandwidth) -> Choice:
         key = (rkey, tuple(sorted(failed_gate.items())))
@@ -448,20 +418,24 @@ class Selector:
         """The engine settings that run the chosen kernel in its engine (``None``: not an engine's
         kernel). A backend that wraps an engine's kernel declares ``engine_setting(config) -> str``
         (the plugin checks the names against the installed engine); see docs/engines.md."""
+        kind = (regkey, choice.backend)
+        engine = self._engine_kernels.get(kind)
+        if engine is None:  # whether the backend wraps an engine's kernel: asked once
+            engine = self._engine_kernels[kind] = choice.backend in reg and callable(
+                getattr(reg.entry(choice.backend).cls, "engine_setting", None)
+            )
+        if not engine:
+            return None
         key = (regkey, choice.backend, repr(choice.config) if choice.config else "")
         if key in self._engine:
             return self._engine[key]
-        setting = None
-        if choice.backend in reg:
-            method = getattr(reg.entry(choice.backend).cls, "engine_setting", None)
-            if callable(method):
-                try:
-                    setting = str(reg.get(choice.backend).engine_setting(choice.config))  # type: ignore[attr-defined]
-                except Exception as err:  # e.g. the installed engine lacks the name: say so, keep the choice
-                    choice.warnings.append(
-                        f"{choice.backend}: cannot name its engine setting ({type(err).__name__}: {err})"
-                    )
-                    return None
+        try:
+            setting = str(reg.get(choice.backend).engine_setting(choice.config))  # type: ignore[attr-defined]
+        except Exception as err:  # e.g. the installed engine lacks the name: say so, keep the choice
+            choice.warnings.append(
+                f"{choice.backend}: cannot name its engine setting ({type(err).__name__}: {err})"
+            )
+            return None
         self._engine[key] = setting
         return setting
 

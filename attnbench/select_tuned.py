@@ -3,7 +3,8 @@ tuned entry of the results table.
 
 :class:`TunedIndex` is built once per version of the device's files (the table and the dispatch map,
 read through :mod:`attnbench.tuning.table`'s and :mod:`attnbench.tuning.dispatch`'s typed API) and
-answers every later call from memory. Whether a candidate can run here (registered, runnable, not
+answers every later call from memory; :class:`Location` keeps the files as last read
+(:class:`TunedFiles`) and reads them again when ``tune`` rewrote them. Whether a candidate can run here (registered, runnable, not
 interpreted, lossy only when allowed, never after failing the gate) is asked by the caller through
 ``why_not(backend, lossy) -> str`` ('' when it may be chosen).
 """
@@ -11,15 +12,28 @@ interpreted, lossy only when allowed, never after failing the gate) is asked by 
 from __future__ import annotations
 
 import math
+import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from attnbench.calibration import Calibration, CalibrationError
 from attnbench.choice import Choice, Rejected
-from attnbench.tuning.dispatch import DispatchMap, map_key
-from attnbench.tuning.table import CandidateResult, ResultsTable, TableEntry
+from attnbench.locations import check_table_file
+from attnbench.tuning.dispatch import DispatchMap, Lookup, load_maps, map_key
+from attnbench.tuning.table import CandidateResult, DeviceMismatchError, ResultsTable, TableEntry, TableError
 from attnbench.workload import Workload, bucket
 
-__all__ = ["TunedIndex", "WhyNot"]
+__all__ = [
+    "Location",
+    "TunedFiles",
+    "TunedIndex",
+    "WhyNot",
+    "entry_choice",
+    "file_signature",
+    "slower_in_map",
+]
 
 #: ``why_not(backend, lossy)``: why a candidate may not be chosen here ('' when it may).
 WhyNot = Callable[[str, str], str]
@@ -79,14 +93,15 @@ class TunedIndex:
         key = map_key(workload.shape.name, shape_hash, workload.dtype_name)
         return self.beyond_at(key, workload.shape.name, workload.dtype_name, workload.batch, workload.context)
 
-    def outside(self, key: str, batch: int, context: int) -> bool:
-        """Whether (batch, context) lies outside the tuned region of map key ``key`` (see :meth:`beyond`)."""
+    def outside(self, key: str, batch: int, context: int, *, buckets: tuple[int, int] | None = None) -> bool:
+        """Whether (batch, context) lies outside the tuned region of map key ``key`` (see :meth:`beyond`);
+        ``buckets``: their buckets, when the caller has them."""
         region = self.region.get(key)
         if region is None:
             return True
-        (b0, b1), (c0, c1), buckets = region
-        if buckets:
-            batch, context = bucket(batch), bucket(context)
+        (b0, b1), (c0, c1), in_buckets = region
+        if in_buckets:
+            batch, context = buckets if buckets is not None else (bucket(batch), bucket(context))
         return not (b0 <= batch <= b1 and c0 <= context <= c1)
 
     def beyond_at(self, key: str, model: str, dtype: str, batch: int, context: int) -> str:
@@ -129,38 +144,36 @@ class TunedIndex:
         *,
         refused: Mapping[str, str],
         rejected: tuple[Rejected, ...] | None = None,
+        eligible: frozenset[str] | None = None,
         source_name: str,
     ) -> Choice | None:
         """The map's choice at the exact (batch, context) of ``workload``, or ``None`` (no candidate
         measured at the four corners of the cell that may run here). ``refused`` maps every candidate
         label of ``m`` to why it may not be chosen here ('' when it may); ``rejected`` is
-        :meth:`refusals` of it (computed when not given)."""
-        look = m.lookup(batch, context, allowed=lambda label, _c: not refused[label])
-        if look.label is None or look.candidate is None:
+        :meth:`refusals` of it and ``eligible`` the labels it allows (both computed when not given;
+        a caller that asks often passes them, made once). The slower candidates, with their times,
+        join :attr:`Choice.rejected` only when it is read."""
+        if eligible is None:
+            eligible = frozenset(label for label in m.candidates if not refused[label])
+        look = m.lookup(batch, context, eligible=eligible)
+        if look.label is None or look.candidate is None or look.chosen is None:
             return None
-        out = list(self.refusals(m, refused) if rejected is None else rejected)
-        chosen = look.predicted[look.label]
-        for label, t in sorted(look.predicted.items(), key=lambda kv: kv[1].median_ms):
-            if label != look.label:
-                c = m.candidates[label]
-                rel = t.median_ms / chosen.median_ms - 1
-                why = (
-                    f"interpolated {t.median_ms:.4g} ms ({rel:+.1%} vs the chosen {chosen.median_ms:.4g} ms)"
-                )
-                out.append(Rejected(c.backend, why, c.config, t.median_ms))
-        return Choice(
+        chosen = look.chosen
+        choice = Choice(
             backend=look.candidate.backend,
             config=dict(look.candidate.config),
             source="tuned",
             workload=workload,
-            reason=f"dispatch map: {look.reason}",
-            rejected=out,
+            reason=f"dispatch map ({look.basis}): {look.reason}",
+            rejected=self.refusals(m, refused) if rejected is None else rejected,
             step_ms=chosen.median_ms,
             table=source_name,
             lossy=look.candidate.lossy,
             lookup=look,
             extrapolated=look.extrapolated,
         )
+        choice.reject_later(lambda: slower_in_map(m, look))
+        return choice
 
     def gate_of(
         self, workload: Workload, shape_hash: str, backend: str, config: Mapping[str, object]
@@ -193,6 +206,166 @@ class TunedIndex:
             ),
         )
         return best, abs(best.log_batch - lb) + abs(best.log_context - lc)
+
+
+# --------------------------------------------------------------------------------------------------
+# the device's files, as last read, and whether `tune` rewrote them
+# --------------------------------------------------------------------------------------------------
+Signature = tuple[int, int, int] | None  # (inode, size, mtime ns) of a file, None when missing
+#: a folder last modified longer ago than this (ns) when its files were checked is *settled*: any later
+#: change of its entries (an atomic rewrite is a rename into it) gives it a later modification time,
+#: even on a file system whose clock ticks coarsely, so one ``os.stat`` of the folder tells
+_SETTLED_NS = 2_000_000_000
+
+
+def file_signature(path: Path, *, was: Signature = None) -> Signature:
+    """(inode, size, mtime ns) of a file, ``None`` when missing (``was``: its last signature)."""
+    if was is None and not os.access(path, os.F_OK):  # still missing: no exception raised per call
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _folder_id(path: str) -> tuple[int, int] | None:
+    """(inode, mtime ns) of a folder, ``None`` when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns)
+
+
+@dataclass
+class TunedFiles:
+    """One device's tuned files in one results folder, as last read: its table, dispatch map and
+    calibration (read on first need), and what was learnt from them."""
+
+    paths: tuple[Path, Path, Path]  # table, dispatch map, calibration
+    signature: tuple[Signature, Signature, Signature]
+    index: TunedIndex
+    notes: list[str]
+    templates: dict  # per-entry choices and per-map plans (made again with the files)
+    folders: tuple[str, ...]  # the folders holding the three files (one, unless a table was named)
+    #: the folders' identities when the files were last checked, when every folder was settled then
+    settled: tuple[tuple[int, int] | None, ...] | None = None
+    checked_at: float = 0.0
+    calibration: tuple[Calibration | None, str] | None = None
+
+    def unchanged(self) -> bool:
+        """No entry of the folders changed since the files were checked (one ``os.stat`` each)."""
+        if self.settled is None:
+            return False
+        if len(self.folders) == 1:
+            return _folder_id(self.folders[0]) == self.settled[0]
+        return tuple(_folder_id(f) for f in self.folders) == self.settled
+
+    def calibration_now(self) -> tuple[Calibration | None, str]:
+        """The calibration beside the files and a note on why it is ignored, if it is (read on first
+        need, and again when rewritten)."""
+        hit = self.calibration
+        if hit is None:
+            cal, note = None, ""
+            if self.signature[2] is not None:
+                try:
+                    cal = Calibration.load(self.paths[2])
+                except CalibrationError as err:
+                    note = f"{err}; ignoring it (re-run `attnbench calibrate`)"
+            hit = self.calibration = (cal, note)
+        return hit
+
+
+@dataclass
+class Location:
+    """Where one results location keeps a device's files, and what they held when last read."""
+
+    table: Path
+    map: Path
+    calibration: Path
+    explicit: bool  # the table file was named (--table): it must exist
+    files: TunedFiles | None = None
+
+    def load(self, *, fingerprint: dict, hardware_id: str, recheck_s: float = 0.0) -> TunedFiles:
+        """What the files hold, read again when one was rewritten: one ``os.stat`` of their folder
+        when it has settled, else of the files too (see :class:`attnbench.select.Selector`);
+        ``recheck_s`` > 0 checks at most that often. Another device's table or map is refused
+        (:class:`~attnbench.tuning.DeviceMismatchError`); an unreadable one is ignored with a note,
+        unless the table was named."""
+        files = self.files
+        now = time.monotonic() if recheck_s else 0.0
+        if files is not None:
+            if recheck_s and now - files.checked_at < recheck_s:
+                return files
+            if files.unchanged():  # the common case: one os.stat
+                files.checked_at = now
+                return files
+        table_file, map_file, cal_file = self.table, self.map, self.calibration
+        # the folders first: a change after this is seen by the next call
+        folders = tuple(dict.fromkeys(str(p.parent) for p in (table_file, map_file, cal_file)))
+        ids = tuple(_folder_id(f) for f in folders)
+        wall = time.time_ns()
+        settled = ids if all(i is not None and wall - i[1] > _SETTLED_NS for i in ids) else None
+        was = files.signature if files is not None else (None, None, None)
+        signature = (
+            file_signature(table_file, was=was[0]),
+            file_signature(map_file, was=was[1]),
+            file_signature(cal_file, was=was[2]),
+        )
+        if files is not None and files.signature[:2] == signature[:2]:
+            if files.signature[2] != signature[2]:  # read again when needed, its rankings made again
+                files.calibration = None
+                files.templates = {k: v for k, v in files.templates.items() if k[0] != "calibrated"}
+            files.signature, files.settled, files.checked_at = signature, settled, now
+            return files
+        if self.explicit and signature[0] is None:
+            check_table_file(table_file)  # removed since: one clear line
+        notes: list[str] = []
+        try:
+            loaded: ResultsTable | None = ResultsTable.load(table_file, fingerprint=fingerprint)
+        except DeviceMismatchError:
+            raise  # another device's table: refused, never used
+        except TableError as err:
+            if self.explicit:
+                raise
+            notes.append(f"{err}; ignoring it (re-run `attnbench tune` to rewrite it)")
+            loaded = None
+        try:
+            maps = load_maps(map_file, hardware_id=hardware_id)
+        except ValueError as err:
+            if "another device" in str(err):
+                raise DeviceMismatchError(f"{err}; refusing another device's map") from None
+            notes.append(f"{err}; ignoring it (re-run `attnbench tune` to rewrite it)")
+            maps = {}
+        files = self.files = TunedFiles(
+            paths=(table_file, map_file, cal_file),
+            signature=signature,
+            index=TunedIndex.build(loaded, maps),
+            notes=notes,
+            templates={},
+            folders=folders,
+            settled=settled,
+            checked_at=now,
+        )
+        return files
+
+
+def slower_in_map(m: DispatchMap, look: Lookup) -> list[Rejected]:
+    """The candidates the map's lookup did not choose, fastest first, each with its time and how that
+    time was found (measured at this grid point, interpolated between tuned points, or extrapolated)."""
+    chosen = look.chosen
+    basis = {"extrapolated": "predicted (extrapolated)"}.get(look.basis, look.basis)
+    out = []
+    for label, t in sorted(look.predicted.items(), key=lambda kv: kv[1].median_ms):
+        if label != look.label:
+            c = m.candidates[label]
+            vs = ""
+            if chosen is not None:
+                rel = t.median_ms / chosen.median_ms - 1
+                vs = f" ({rel:+.1%} vs the chosen {chosen.median_ms:.4g} ms)"
+            out.append(Rejected(c.backend, f"{basis} {t.median_ms:.4g} ms{vs}", c.config, t.median_ms))
+    return out
 
 
 def entry_choice(
@@ -232,7 +405,7 @@ def entry_choice(
                     f"{entry.switch_margin:.0%} switch margin over the default"
                 )
             else:
-                why = f"slower: {c.step_ms:.4g} ms vs {chosen.step_ms:.4g} ms"
+                why = f"slower: measured {c.step_ms:.4g} ms vs {chosen.step_ms:.4g} ms in the tuned entry"
             rejected.append(Rejected(c.backend, why, c.config, c.step_ms))
     if chosen is None:
         return None

@@ -160,6 +160,7 @@ def test_later_calls_read_no_file_rebuild_nothing_and_allocate_no_cache(tmp_path
     from attnbench.select import Selector
 
     sel = importlib.import_module("attnbench.select")  # the module (attnbench.select is the function)
+    files = importlib.import_module("attnbench.select_tuned")  # reads the tuned files
     p = stated_profile()
     w = Workload.uniform("tiny-gqa", batch=1, context=1024)
     _table(tmp_path, [planted_entry(w, flash=1e-3, naive=3e-3, profile=p)])
@@ -174,12 +175,12 @@ def test_later_calls_read_no_file_rebuild_nothing_and_allocate_no_cache(tmp_path
         (sel, "load_registry"),
         (sel, "load_shape"),
         (sel, "fingerprint"),
-        (sel, "load_maps"),
+        (files, "load_maps"),
         (sel, "load_profile"),
         (sel, "ask"),
     ):
         monkeypatch.setattr(module, name, forbidden)
-    monkeypatch.setattr(sel.ResultsTable, "load", forbidden)
+    monkeypatch.setattr(files.ResultsTable, "load", forbidden)
     monkeypatch.setattr(Backend, "create_cache", forbidden)
     # values not seen before, in the bucket seen (a new bucket asks each backend's resolve() once)
     for batch, context in ((1, 999), (1, 1100), (1, 800), (1, 1400)):
@@ -354,3 +355,217 @@ def test_the_latency_script_runs(tmp_path):
     assert heuristic["sources"] == ["heuristic"] and mapped["sources"] == ["tuned"]
     assert heuristic["calls"] == mapped["calls"] == 50 and mapped["median_us"] > 0
     assert "| source | first call µs |" in (tmp_path / "sl.md").read_text()
+
+
+# --------------------------------------------------------------------------------------------------
+# a dispatch map: every time says what it is; per call, nothing is read and nothing is explained
+# --------------------------------------------------------------------------------------------------
+FLASH = "flash[num_splits=0]"
+
+
+def _planted_map(folder, *, batches=(1, 4), contexts=(256, 1024)):
+    """This machine's dispatch map for tiny-gqa bf16 (device cpu): flash, the default, takes
+    ``1e-3 · batch · context`` ms at every grid point and naive twice that, so log-log interpolation
+    gives exactly those times between the points."""
+    from attnbench.device import fingerprint
+    from attnbench.shapes import load_shape
+    from attnbench.tuning.dispatch import DispatchMap, GridPoint, MapCandidate, dispatch_path, save_maps
+    from attnbench.tuning.margin import Interval
+    from attnbench.tuning.table import hardware_id, table_path
+
+    fp = fingerprint("cpu")
+    candidates = {FLASH: MapCandidate("flash", {"num_splits": 0}), "naive": MapCandidate("naive", {})}
+    points = {}
+    for b in batches:
+        for c in contexts:
+            t = 1e-3 * b * c
+            times = {
+                FLASH: Interval(t, t * 0.98, t * 1.02, 9),
+                "naive": Interval(2 * t, 1.96 * t, 2.04 * t, 9),
+            }
+            points[(b, c)] = GridPoint(b, c, times, winner=FLASH)
+    shape = load_shape("tiny-gqa")
+    m = DispatchMap(
+        "tiny-gqa", shape.fingerprint(), "bf16", FLASH, [*batches], [*contexts], candidates, points
+    )
+    path = dispatch_path(table_path(folder, fp))
+    save_maps(path, [m], device={"hardware_id": hardware_id(fp)})
+    return path
+
+
+def _from_map(folder, batch, context, selector=None):
+    from attnbench.select import Selector
+
+    return (selector or Selector()).select(
+        model="tiny-gqa", batch=batch, context=context, dtype="bf16", device="cpu", results_dir=folder
+    )
+
+
+def test_explain_says_whether_a_time_was_measured_interpolated_or_predicted(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", "1")  # built-ins: no plugin probe per bucket
+    _planted_map(tmp_path)
+    between = _from_map(tmp_path, 2, 512)  # between the grid points: interpolated
+    assert between.source == "tuned" and between.backend == "flash" and between.step_basis == "interpolated"
+    text = between.explain()
+    assert "interpolated step: 1.024 ms (between the tuned points of batch 1..4 × context 256..1024" in text
+    assert "measured step" not in text and "not measured at this batch and context" in text
+    assert "naive: interpolated 2.048 ms (+100.0% vs the chosen 1.024 ms)" in text
+    assert f"{FLASH}: 1.024 ms [" in text and "] interpolated" in text  # the map's account
+
+    at = _from_map(tmp_path, 4, 1024)  # a tuned grid point: measured there
+    assert at.step_basis == "measured" and at.step_ms == pytest.approx(4.096)
+    text = at.explain()
+    assert "measured step: 4.096 ms (at the tuned point batch 4, context 1024)" in text
+    assert "interpolated" not in text and "naive: measured 8.192 ms" in text and "measured here" in text
+
+    beyond = _from_map(tmp_path, 16, 1024)  # outside the grid: the trend extended, a prediction
+    assert beyond.step_basis == "extrapolated" and beyond.extrapolated
+    text = beyond.explain()
+    assert "predicted step: 16.38 ms (extrapolated beyond the tuned grid" in text
+    assert "measured step" not in text and "naive: predicted (extrapolated) 32.77 ms" in text
+
+    nothing = attnbench.select(model="mistral-7b", batch=1, context=64, results_dir=tmp_path, bandwidth=1e10)
+    assert nothing.source == "heuristic" and "predicted by the roofline floor: ≥ " in nothing.explain()
+
+    # the CLI says the same: --explain, the table's step column and --json
+    args = [
+        "--model",
+        "tiny-gqa",
+        "--batch",
+        "2",
+        "--context",
+        "512",
+        "--device",
+        "cpu",
+        "--results",
+        str(tmp_path),
+    ]
+    assert main(["select", *args, "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "interpolated step: 1.024 ms" in out and "measured step" not in out
+    assert main(["select", *args, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["step_basis"] == "interpolated" and row["step_ms"] == pytest.approx(1.024)
+    from attnbench.cli.select import step_cell
+
+    assert step_cell(between) == "1.024 (interpolated)" and step_cell(at) == "4.096 (measured)"
+    assert step_cell(beyond) == "16.38 (predicted, extrapolated)"
+    assert step_cell(nothing).endswith("(predicted, roofline floor)")
+
+
+def test_later_calls_from_a_map_read_nothing_and_explain_only_when_asked(tmp_path, monkeypatch):
+    """After the first call: no file read, no registry or map rebuilt, one ``os.stat`` (the folder's)
+    per call once the folder has settled, and the slower candidates written out only when read."""
+    import importlib
+    import os
+    import time
+
+    from attnbench.calibration import Calibration
+    from attnbench.select import Selector
+    from attnbench.tuning.dispatch import DispatchMap
+
+    monkeypatch.setenv("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", "1")  # built-ins: no plugin probe per bucket
+    sel = importlib.import_module("attnbench.select")
+    tuned = importlib.import_module("attnbench.select_tuned")
+    _planted_map(tmp_path)
+    old = time.time() - 60
+    os.utime(tmp_path, (old, old))  # written a minute ago: the folder has settled
+    selector = Selector()
+    assert _from_map(tmp_path, 2, 512, selector).backend == "flash"
+    for b, c in ((4, 256), (1, 1024), (8, 1024)):  # the other batch × context buckets used below
+        _from_map(tmp_path, b, c, selector)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("select() did work its first call should have cached")
+
+    for module, name in (
+        (sel, "load_registry"),
+        (sel, "load_shape"),
+        (sel, "fingerprint"),
+        (tuned, "load_maps"),
+        (sel, "load_profile"),
+        (sel, "ask"),
+        (sel, "calibration_path"),
+        (tuned.ResultsTable, "load"),
+        (Calibration, "load"),
+        (DispatchMap, "from_dict"),
+    ):
+        monkeypatch.setattr(module, name, forbidden)
+    explained = []
+    slower = tuned.slower_in_map
+    monkeypatch.setattr(tuned, "slower_in_map", lambda m, look: explained.append(1) or slower(m, look))
+    stats = []
+    real_stat = os.stat
+    monkeypatch.setattr(
+        sel.os, "stat", lambda path, *a, **k: stats.append(str(path)) or real_stat(path, *a, **k)
+    )
+    choices = [
+        _from_map(tmp_path, b, c, selector) for b, c in ((2, 700), (3, 333), (1, 999), (4, 257), (8, 900))
+    ]
+    assert [c.backend for c in choices] == ["flash"] * 5 and choices[-1].extrapolated
+    assert stats == [str(tmp_path)] * 5  # one stat per call: the folder
+    assert explained == []  # nothing explained yet
+    assert any(r.backend == "naive" and r.reason.startswith("interpolated") for r in choices[0].rejected)
+    assert explained == [1]  # written when read, once
+    choices[0].rejected  # noqa: B018  (read again: not written again)
+    assert explained == [1]
+
+
+def test_a_rewrite_in_a_settled_folder_is_seen_by_the_next_call(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from attnbench.select import Selector
+
+    monkeypatch.setenv("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", "1")
+    p = stated_profile()
+    w = Workload.uniform("tiny-gqa", batch=1, context=64)
+    _table(tmp_path, [planted_entry(w, flash=1e-3, naive=3e-3, profile=p)])
+    old = time.time() - 60
+    os.utime(tmp_path, (old, old))
+    selector = Selector()
+    assert selector.select(model="tiny-gqa", batch=1, context=64, results_dir=tmp_path).backend == "flash"
+    assert selector.select(model="tiny-gqa", batch=1, context=64, results_dir=tmp_path).backend == "flash"
+    _table(tmp_path, [planted_entry(w, flash=9e-3, naive=3e-3, profile=p)])  # atomic: renamed into the folder
+    assert selector.select(model="tiny-gqa", batch=1, context=64, results_dir=tmp_path).backend == "naive"
+
+
+def test_the_latency_script_runs_from_another_directory_on_a_results_folder(tmp_path):
+    """``--results DIR`` (e.g. what ``tune`` wrote) is measured and its map named in the report, with
+    the script run by its path from a directory that is not the repository."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder, elsewhere = tmp_path / "tuned", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    _planted_map(folder)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "select_latency.py"
+    argv = [
+        "--model",
+        "tiny-gqa",
+        "--device",
+        "cpu",
+        "--calls",
+        "30",
+        "--results",
+        str(folder),
+        "--out",
+        "sl",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(script), *argv], cwd=elsewhere, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((elsewhere / "sl.json").read_text())
+    held = report["results_folder"]["map"]
+    assert held["batches"] == [1, 4] and held["contexts"] == [256, 1024] and held["points"] == 4
+    assert held["candidates"] == 2 and held["candidates_per_point"] == [2, 2, 2]
+    rows = report["rows"]
+    assert rows["results folder (--results)"]["tuned_from"] == {"dispatch map": 30, "table entry": 0}
+    inside = rows["results folder (--results), inside its tuned grid"]
+    assert inside["calls"] == 30 and inside["sources"] == ["tuned"]
+    md = (elsewhere / "sl.md").read_text()
+    assert "dispatch map 2 × 2 grid (batches [1, 4], contexts [256, 1024]), 4 points, 2 candidates" in md
+    assert str(folder) not in md and not (elsewhere / "results").exists()

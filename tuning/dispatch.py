@@ -18,7 +18,9 @@ results table), readable without Optuna::
 :meth:`DispatchMap.lookup` interpolates every candidate's time (median and interval) bilinearly in
 log-log space between the four grid points around (batch, context), then decides by the one margin
 policy (:func:`attnbench.tuning.margin.decide`). Outside the grid it extends the trend between the
-first and last grid lines (linear in log-log space) and says it extrapolates. It reads no file and imports no torch: a map loaded once answers in microseconds.
+first and last grid lines (linear in log-log space) and says it extrapolates. It reads no file and
+imports no torch: a map loaded once answers in microseconds (what a cell needs is made once, the
+per-call part is :mod:`attnbench.tuning.lookup`).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from attnbench.tuning.files import locked, write_atomically
+from attnbench.tuning.lookup import Basis, Cell, Lookup, answer, make_cell
 from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide
 
 __all__ = [
     "FORMAT",
+    "Basis",
     "DispatchMap",
     "GridPoint",
     "Lookup",
@@ -109,39 +113,6 @@ class GridPoint:
         )
 
 
-@dataclass(frozen=True)
-class Lookup:
-    """The map's answer for one (batch, context).
-
-    ``label`` is the chosen candidate (``None`` when no candidate is measured at all four corners),
-    ``predicted`` every eligible candidate's interpolated interval, ``cell`` the batch and context
-    lines around the point ``(b0, b1, c0, c1)`` and ``corners`` those four grid points.
-    """
-
-    label: str | None
-    candidate: MapCandidate | None
-    predicted: dict[str, Interval]
-    tie: bool
-    reason: str
-    extrapolated: bool
-    cell: tuple[int, int, int, int]
-    corners: tuple[GridPoint, ...]
-
-    def explain(self) -> str:
-        b0, b1, c0, c1 = self.cell
-        where = f"cell batch {b0}..{b1} × context {c0}..{c1}"
-        if self.extrapolated:
-            where += " (extrapolated: outside the tuned region, the trend across it extended)"
-        lines = [f"dispatch map: {where}; {self.reason}"]
-        for k, t in sorted(self.predicted.items(), key=lambda kv: kv[1].median_ms):
-            lines.append(f"    {k}: {t} interpolated")
-        for p in self.corners:
-            win = f"{p.winner}{' (tie)' if p.tie else ''}"
-            load = f", load {p.load_avg[0]:.2g}" if p.load_avg else ""
-            lines.append(f"    corner b={p.batch} ctx={p.context}: {win}{load}")
-        return "\n".join(lines)
-
-
 @dataclass
 class DispatchMap:
     """Measured grid for one model shape and dtype on one device."""
@@ -165,6 +136,8 @@ class DispatchMap:
         self._log_cache: dict[
             tuple[int, int], tuple[GridPoint, dict[str, tuple[float, float, float, int]]]
         ] = {}
+        #: (corner keys, eligible labels) → (corner points, candidates, their count, the cell): see _cell
+        self._cells: dict[tuple, tuple[tuple, dict, int, Cell]] = {}
 
     def add_lines(self, *, batches: Sequence[int] = (), contexts: Sequence[int] = ()) -> None:
         """Add grid lines (their points are measured separately, see ``complete()``)."""
@@ -218,34 +191,22 @@ class DispatchMap:
         i = 0 if x < lines[0] else len(lines) - 2
         return i, i + 1, (math.log(x) - logs[i]) / (logs[i + 1] - logs[i])
 
-    def _predict(
-        self,
-        keys: tuple[tuple[int, int], ...],
-        wb: float,
-        wc: float,
-        allowed: Callable[[str, MapCandidate], bool] | None,
-    ) -> dict[str, Interval]:
-        """Every allowed candidate measured at all four ``keys``, interpolated (log-log bilinear)."""
-        w0, w1, w2, w3 = (1 - wb) * (1 - wc), wb * (1 - wc), (1 - wb) * wc, wb * wc
-        a0, a1, a2, a3 = abs(w0), abs(w1), abs(w2), abs(w3)
-        logs = [self._logs(k) for k in keys]
-        predicted: dict[str, Interval] = {}
-        if None in logs:
-            return predicted
-        l0, l1, l2, l3 = logs  # type: ignore[misc]
-        exp = math.exp
-        for label, cand in self.candidates.items():  # unrolled over the four corners: called per select()
-            if allowed is not None and not allowed(label, cand):
-                continue
-            t0, t1, t2, t3 = l0.get(label), l1.get(label), l2.get(label), l3.get(label)
-            if t0 is None or t1 is None or t2 is None or t3 is None:
-                continue
-            med = w0 * t0[0] + w1 * t1[0] + w2 * t2[0] + w3 * t3[0]
-            down = a0 * (t0[0] - t0[1]) + a1 * (t1[0] - t1[1]) + a2 * (t2[0] - t2[1]) + a3 * (t3[0] - t3[1])
-            up = a0 * (t0[2] - t0[0]) + a1 * (t1[2] - t1[0]) + a2 * (t2[2] - t2[0]) + a3 * (t3[2] - t3[0])
-            n = min(1 << 30, t0[3], t1[3], t2[3], t3[3])
-            predicted[label] = Interval(exp(med), exp(med - down), exp(med + up), n)
-        return predicted
+    def _cell(self, keys: tuple[tuple[int, int], ...], eligible: frozenset[str] | None) -> Cell:
+        """The cell with corners ``keys`` for the ``eligible`` labels (all when ``None``), made once per
+        cell and eligible set (the same set object is found without hashing it again); a replaced
+        corner point or a changed candidate list makes it again."""
+        points, cands = self.points, self.candidates
+        corners = (points.get(keys[0]), points.get(keys[1]), points.get(keys[2]), points.get(keys[3]))
+        hit = self._cells.get((keys, eligible))
+        if hit is not None and hit[0] == corners and hit[1] is cands and hit[2] == len(cands):
+            return hit[3]
+        present = tuple([points[k] for k in dict.fromkeys(keys) if k in points])
+        labels = cands if eligible is None else [label for label in cands if label in eligible]
+        made = make_cell(present, [self._logs(k) for k in keys], labels)
+        if len(self._cells) > 4096:
+            self._cells.clear()
+        self._cells[(keys, eligible)] = (corners, cands, len(cands), made)
+        return made
 
     def lookup(
         self,
@@ -253,39 +214,52 @@ class DispatchMap:
         context: int,
         *,
         allowed: Callable[[str, MapCandidate], bool] | None = None,
+        eligible: frozenset[str] | None = None,
         margin: float | None = None,
     ) -> Lookup:
         """Interpolate every candidate between the four surrounding grid points, then decide.
 
         ``allowed(label, candidate)`` filters candidates (e.g. no lossy cache, only registered
-        backends). A candidate missing (failed or not measured) at any corner is not eligible in that
-        cell. ``margin`` defaults to the map's switch margin.
+        backends); ``eligible``, a set of labels, does the same for a caller that asks many times with
+        one filter (``select()``: pass the same set object each time and the cell's work is reused).
+        A candidate missing (failed or not measured) at any corner is not eligible in that cell.
+        ``margin`` defaults to the map's switch margin.
+
+        Per call, each eligible candidate's median is interpolated; intervals are made for the few
+        candidates the margin policy compares, the rest when :attr:`Lookup.predicted` is read.
         """
+        if allowed is not None:  # a filter given as a function: asked once per candidate
+            ok = frozenset(label for label, c in self.candidates.items() if allowed(label, c))
+            eligible = ok if eligible is None else ok & eligible
         i0, i1, wb, xb = self._bracket(self.batches, self._lb, batch)
         j0, j1, wc, xc = self._bracket(self.contexts, self._lc, context)
         b0, b1, c0, c1 = self.batches[i0], self.batches[i1], self.contexts[j0], self.contexts[j1]
         keys = ((b0, c0), (b1, c0), (b0, c1), (b1, c1))
-        points = self.points
-        corners = tuple([points[k] for k in dict.fromkeys(keys) if k in points])
-        predicted = self._predict(keys, wb, wc, allowed)
+        cell = self._cell(keys, eligible)
+        edge_cell = None
         if xb or xc:  # candidates not measured across the whole range: the edge cell's trend instead
-            i0, i1, wb = self._edge(self.batches, self._lb, batch) if xb else (i0, i1, wb)
-            j0, j1, wc = self._edge(self.contexts, self._lc, context) if xc else (j0, j1, wc)
+            i0, i1, ewb = self._edge(self.batches, self._lb, batch) if xb else (i0, i1, wb)
+            j0, j1, ewc = self._edge(self.contexts, self._lc, context) if xc else (j0, j1, wc)
             b0, b1, c0, c1 = self.batches[i0], self.batches[i1], self.contexts[j0], self.contexts[j1]
             edge = ((b0, c0), (b1, c0), (b0, c1), (b1, c1))
-            predicted = self._predict(edge, wb, wc, allowed) | predicted
-        default = self.default if self.default in predicted else None
-        verdict = decide(predicted, default=default, margin=self.switch_margin if margin is None else margin)
-        label = verdict.winner
-        return Lookup(
-            label=label,
-            candidate=self.candidates.get(label) if label else None,
-            predicted=predicted,
-            tie=verdict.tie,
-            reason=verdict.reason,
+            if edge != keys or ewb != wb or ewc != wc:  # else the same cell (one or two lines an axis)
+                outer = self._cell(edge, eligible)
+                # the union below gives the inner cell's times alone when both hold the same candidates
+                if outer.rows is not None and (
+                    cell.rows is None or outer.places.keys() != cell.places.keys()
+                ):
+                    edge_cell = (outer, ewb, ewc)
+        return answer(
+            cell,
+            wb,
+            wc,
+            edge=edge_cell,
+            candidates=self.candidates,
+            default=self.default,
+            margin=self.switch_margin if margin is None else margin,
+            lines=(b0, b1, c0, c1),
+            point=(batch, context),
             extrapolated=xb or xc,
-            cell=(b0, b1, c0, c1),
-            corners=corners,
         )
 
     # -- serialisation -----------------------------------------------------------------------------

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from rich.table import Table
-
+from attnbench.choice import Choice
 from attnbench.cli.common import (
     add_query_command,
+    cli_table,
     console,
     emit_json,
+    print_table,
     workloads_from_args,
 )
 from attnbench.select import select
@@ -48,6 +49,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def step_cell(c: Choice) -> str:
+    """The chosen candidate's step time, saying what it is (see :attr:`Choice.step_basis`)."""
+    if c.step_ms is not None:
+        basis = c.step_basis
+        return f"{c.step_ms:.4g} ({'predicted, extrapolated' if basis == 'extrapolated' else basis})"
+    if c.estimate_ms is not None:
+        if c.source == "calibrated":
+            return f"{c.estimate_ms:.4g} (predicted, calibrated model)"
+        return f"≥{c.estimate_ms:.3g} (predicted, roofline floor)"
+    return "-"
+
+
 def run(args: argparse.Namespace) -> int:
     choices = []
     with warnings.catch_warnings():
@@ -64,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
         for c in choices:
             out.print(c.explain(), markup=False)
         return 0
-    table = Table(title="selected backends")
-    for col in ("workload", "backend", "config", "source", "from bucket", "step ms"):
-        table.add_column(col)
+    table = cli_table(
+        "selected backends", ["workload", "backend", "config", "source", "from bucket", "step ms"]
+    )
     for c in choices:
         table.add_row(
             c.workload.describe(),
@@ -74,11 +87,10 @@ def run(args: argparse.Namespace) -> int:
             ",".join(f"{k}={v}" for k, v in c.config.items()) or "-",
             c.source,
             c.tuned_key or "-",
-            f"{c.step_ms:.4g}"
-            if c.step_ms is not None
-            else (f"≥{c.estimate_ms:.3g} (roofline)" if c.estimate_ms else "-"),
+            step_cell(c),
         )
-    out.print(table)
-    for w in dict.fromkeys(w for c in choices for w in c.warnings):
-        out.print(f"[yellow]warning:[/yellow] {w}")
+    table.caption = "step ms: measured at a tuned point, interpolated between tuned points, or predicted"
+    print_table(out, table)
+    for note in dict.fromkeys(note for c in choices for note in c.warnings):
+        out.print(f"[yellow]warning:[/yellow] {note}")
     return 0
