@@ -112,7 +112,11 @@ def test_a_fleet_of_three_tuners_survives_a_sigkill(fresh_database, tmp_path, ca
         except Exception:  # the schema is being created
             time.sleep(0.2)
             continue
-        running = [(n, t) for n, t in trials if t.state.name == "RUNNING" and "backend" in t.user_attrs]
+        running = [
+            (n, t)
+            for n, t in trials
+            if t.state.name == "RUNNING" and {"backend", "host"} <= set(t.user_attrs)
+        ]  # a trial writes its attributes one by one: wait until it names its host
         before = dict(collections.Counter(t.state.name for _, t in trials))  # the moment before the kill
         if running:
             victim = running[0][1].user_attrs["host"]
