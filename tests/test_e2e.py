@@ -120,3 +120,29 @@ def test_cli_refuses_bad_input(capsys) -> None:
     assert "name at least one stock path" in capsys.readouterr().err
     assert main(["e2e", "--model", "no-such-model"]) == 2
     assert "not a checkpoint directory, a config.json or an architecture preset" in capsys.readouterr().err
+
+
+def test_cli_a_backend_failing_the_gate_is_reported_not_timed(capsys, monkeypatch) -> None:
+    """A candidate that fails the correctness gate is listed with the reason and never timed; the
+    command goes on with the other paths (no traceback)."""
+    import attnbench.gate
+    from attnbench.gate import check as real_check
+
+    def wrong(backend, workload, **kw):
+        result = real_check(backend, workload, **kw)
+        return (
+            result
+            if backend.name != "naive"
+            else real_check(
+                backend, workload, multiple=1e-30, **{k: v for k, v in kw.items() if k != "multiple"}
+            )
+        )
+
+    monkeypatch.setattr(attnbench.gate, "check", wrong)
+    argv = ["e2e", "--model", "tiny-qwen2", "--prompt", "16", "--new-tokens", "3", "--dtype", "fp32",
+            "--threads", "1", "--paths", "sdpa,naive,cpu_decode", "--no-predict", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["path"] for r in report["rows"]] == ["sdpa", "cpu_decode"]
+    (failed,) = report["failed"]
+    assert failed["path"] == "naive" and "failed the correctness gate" in failed["reason"]

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from attnbench.bench import CheckFailed
 from attnbench.cli.common import (
     add_command,
     add_device_option,
@@ -166,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         "new_tokens": new_tokens,
         "paths": [p.name for p in paths],
         "rows": [],
+        "failed": [],  # candidates refused by the correctness gate, with the reason
     }
     total = len(batches) * len(prompts) * len(paths)
     done = 0
@@ -185,7 +187,17 @@ def run(args: argparse.Namespace) -> int:
                 with err.status(
                     f"[{done}/{total}] b={batch} prompt={prompt_len} · {path.name}: prefill + {new_tokens - 1} steps…"
                 ):
-                    row = run_path(model, path, prompt=prompt, new_tokens=new_tokens, gate=gate)
+                    try:
+                        row = run_path(model, path, prompt=prompt, new_tokens=new_tokens, gate=gate)
+                    except CheckFailed as fail:  # a candidate that fails the gate is never timed
+                        report["failed"].append(
+                            {"batch": batch, "prompt_len": prompt_len, "path": path.name, "reason": str(fail)}
+                        )
+                        err.print(
+                            escape(f"  b={batch} prompt={prompt_len} {path.name}: not timed: {fail}"),
+                            soft_wrap=False,
+                        )
+                        continue
                 if reference is None and row.stock:
                     reference = row
                 if reference is not None and row is not reference:
