@@ -220,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
         emit_json(report)
         return 0
     out = console()
+    if args.wide and not out.is_terminal:
+        out.width = max(out.width, 160)  # --wide asks for the columns that 80 cannot hold
     print_table(out, e2e_table(report, wide=args.wide))
     out.print(
         "ITL ×: ITL p50 over the best stock path's at the same point; attn: the share of a decode step "
