@@ -48,6 +48,17 @@ def cli_json(capsys: pytest.CaptureFixture[str]) -> Callable[..., Any]:
     return run
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():  # type: ignore[no-untyped-def]
+    """A test that runs the CLI in this process with ``--threads`` (``main([...])`` sets torch's
+    thread count, as the command does in its own process) leaves the count as it found it: a CPU
+    fingerprint records the threads, so a later test's tuned table would belong to another device."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_results_location(tmp_path_factory):
     """Tests never read or write the user's own results location: the per-user default points into a
