@@ -20,6 +20,7 @@ from attnbench.measure.e2e import (
     load_hf_model,
     parse_path,
     run_path,
+    run_paths,
     timed_attention,
 )
 
@@ -56,6 +57,60 @@ def test_paths_give_transformers_tokens_and_time_attention() -> None:
         assert 0 < r.attention_share < 1, (r.path, r.attention_share)
         assert r.e2e_s == pytest.approx(r.ttft_s + sum(r.itl_s))
         assert PathRun.from_dict(r.to_dict()) == r
+
+
+def test_decode_steps_interleave_and_match_the_paths_run_alone(monkeypatch) -> None:
+    """run_paths: every path prefilled, then step i of every path (rotated order) before step i+1 of
+    any; two backends alternate on one model; the tokens and attention timers equal each path alone."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import attnbench.measure.e2e as e2e
+
+    model, _ = load_hf_model("tiny-qwen2", dtype=torch.float32)
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    prompt = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(5))
+    paths = [parse_path(p, backends=["naive", "cpu_decode"]) for p in ("sdpa", "naive", "cpu_decode")]
+    order: list[tuple[str, int]] = []
+    step = e2e._decode_step
+
+    def logged(model, run, sink):  # type: ignore[no-untyped-def]
+        if run.new_tokens > 2:  # not the warm-up
+            order.append((run.session.path.name, len(run.itl) + 1))
+        step(model, run, sink)
+
+    monkeypatch.setattr(e2e, "_decode_step", logged)
+    runs, failed = run_paths(model, paths, prompt=prompt, new_tokens=5)
+    assert failed == [] and [r.path for r in runs] == ["sdpa", "naive", "cpu_decode"]
+    assert order == [
+        ("sdpa", 1), ("naive", 1), ("cpu_decode", 1),
+        ("naive", 2), ("cpu_decode", 2), ("sdpa", 2),
+        ("cpu_decode", 3), ("sdpa", 3), ("naive", 3),
+        ("sdpa", 4), ("naive", 4), ("cpu_decode", 4),
+    ]  # fmt: skip
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before and model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(e2e, "_decode_step", step)
+    for r in runs:
+        alone = run_path(
+            model, parse_path(r.path, backends=["naive", "cpu_decode"]), prompt=prompt, new_tokens=5
+        )
+        assert r.tokens == alone.tokens, r.path
+        assert len(r.attention_s) == 4 and all(a > 0 for a in r.attention_s), r.path
+        assert 0 < r.attention_share < 1
+
+
+def test_a_gate_failure_is_returned_and_the_others_run() -> None:
+    model, _ = load_hf_model("tiny-qwen2", dtype=torch.float32)
+    prompt = torch.randint(0, 512, (1, 8))
+
+    def gate(backend, config):  # type: ignore[no-untyped-def]
+        if backend.name == "naive":
+            raise RuntimeError("naive failed the gate")
+        return "pass"
+
+    paths = [parse_path(p, backends=["naive", "cpu_decode"]) for p in ("sdpa", "naive", "cpu_decode")]
+    runs, failed = run_paths(model, paths, prompt=prompt, new_tokens=3, gate=gate)
+    assert [r.path for r in runs] == ["sdpa", "cpu_decode"] and runs[1].gate == "pass"
+    assert [(p.name, str(e)) for p, e in failed] == [("naive", "naive failed the gate")]
 
 
 def test_a_gate_failure_stops_the_path() -> None:

@@ -8,8 +8,10 @@ length. Each path prefills the prompt once (TTFT) and then runs the decode steps
 p50/p90); the time inside the attention calls gives the attention share of a step. Backends pass
 the correctness gate at the run's batch and context before they are timed, and their tokens are
 compared with the first stock path's. With the cost model (attnbench.cost.generation) each row also
-shows the predicted TTFT and ITL. Paths run one after another on the same model and prompt; run it
-on a quiet machine.
+shows the predicted TTFT and ITL. On the same model and prompt the paths prefill one after another,
+then their decode steps run interleaved (step i of every path, in an order rotated each step, before
+step i+1 of any), so the ITLs are compared side by side; --sequential runs each path to its end
+before the next. Run it on a quiet machine.
 
 example: attnbench e2e --model qwen2.5-0.5b --batch 1,4 --prompt 1k --new-tokens 32 --threads 2
 """
@@ -40,7 +42,7 @@ from attnbench.cli.common import (
     print_table,
     run_record,
 )
-from attnbench.measure.e2e import STOCK_PATHS, GenerationPath, PathRun, compare_tokens, parse_path, run_path
+from attnbench.measure.e2e import STOCK_PATHS, GenerationPath, PathRun, compare_tokens, parse_path, run_paths
 from attnbench.shapes import parse_dtype
 from attnbench.workload import parse_tokens
 
@@ -77,12 +79,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--no-predict", action="store_true", help="skip the cost model's prediction (and its calibration)"
     )
     p.add_argument("--wide", action="store_true", help="more columns: ITL p90, predictions, implementation")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="decode each path to its end before the next path's prefill (default: decode steps interleaved)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument(
         "--save",
         metavar="PREFIX",
         default=None,
-        help="write PREFIX.json after every row (nothing lost if interrupted) and PREFIX.md at the end",
+        help="write PREFIX.json after every (batch, prompt) point (nothing lost if interrupted) and PREFIX.md at the end",
     )
     p.add_argument(
         "--plot", metavar="PNG", default=None, help="plot ITL against context per path (matplotlib)"
@@ -156,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
     with err.status(f"building {args.model} ({args.dtype})…"):
         model, name = load_hf_model(args.model, dtype=dtype, device=args.device, seed=args.seed)
         shape = shape_of(model)
-    predictor = None if args.no_predict else _predictor(model, paths, dtype=dtype, batches=batches, err=err)
+    predictor, calibration = (
+        (None, None) if args.no_predict else _predictor(model, paths, dtype=dtype, batches=batches, err=err)
+    )
     record = run_record(command=command_line(args), load_start=load_start, started=started)
     report: dict[str, Any] = {
         **record,
@@ -166,9 +175,12 @@ def run(args: argparse.Namespace) -> int:
         "device": args.device,
         "new_tokens": new_tokens,
         "paths": [p.name for p in paths],
+        "interleaved": not args.sequential,  # the decode steps of the paths alternate (see run_paths)
         "rows": [],
         "failed": [],  # candidates refused by the correctness gate, with the reason
     }
+    if calibration is not None:  # what the predictions were made from (scripts/validate_generation.py)
+        report["calibration"] = calibration.to_dict()
     total = len(batches) * len(prompts) * len(paths)
     done = 0
     for batch in batches:
@@ -181,23 +193,30 @@ def run(args: argparse.Namespace) -> int:
                 gate = _gate(
                     shape=shape, batch=batch, context=prompt_len + new_tokens, dtype=dtype, device=args.device
                 )
+            done += len(paths)
+            with err.status(
+                f"[{done}/{total}] b={batch} prompt={prompt_len}: {len(paths)} prefills, then "
+                f"{new_tokens - 1} decode steps of each path interleaved…"
+            ):
+                runs, failures = run_paths(
+                    model,
+                    paths,
+                    prompt=prompt,
+                    new_tokens=new_tokens,
+                    gate=gate,
+                    interleave=not args.sequential,
+                )
+            for path, fail in failures:  # a candidate that fails the gate is never timed
+                if not isinstance(fail, CheckFailed):
+                    raise fail
+                report["failed"].append(
+                    {"batch": batch, "prompt_len": prompt_len, "path": path.name, "reason": str(fail)}
+                )
+                err.print(
+                    escape(f"  b={batch} prompt={prompt_len} {path.name}: not timed: {fail}"), soft_wrap=False
+                )
             reference: PathRun | None = None
-            for path in paths:
-                done += 1
-                with err.status(
-                    f"[{done}/{total}] b={batch} prompt={prompt_len} · {path.name}: prefill + {new_tokens - 1} steps…"
-                ):
-                    try:
-                        row = run_path(model, path, prompt=prompt, new_tokens=new_tokens, gate=gate)
-                    except CheckFailed as fail:  # a candidate that fails the gate is never timed
-                        report["failed"].append(
-                            {"batch": batch, "prompt_len": prompt_len, "path": path.name, "reason": str(fail)}
-                        )
-                        err.print(
-                            escape(f"  b={batch} prompt={prompt_len} {path.name}: not timed: {fail}"),
-                            soft_wrap=False,
-                        )
-                        continue
+            for row in runs:
                 if reference is None and row.stock:
                     reference = row
                 if reference is not None and row is not reference:
@@ -206,8 +225,8 @@ def run(args: argparse.Namespace) -> int:
                     row.prediction = predictor(row)
                 report["rows"].append(row.to_dict())
                 err.print(_progress_line(row))
-                if args.save:
-                    _write_json(Path(f"{args.save}.json"), report | {"load_avg_end": list(os.getloadavg())})
+            if args.save:
+                _write_json(Path(f"{args.save}.json"), report | {"load_avg_end": list(os.getloadavg())})
     report["load_avg_end"] = list(os.getloadavg())
     report["seconds"] = round(time.time() - started, 1)
     report["summary"] = summarise([PathRun.from_dict(r) for r in report["rows"]])
@@ -241,11 +260,12 @@ def run(args: argparse.Namespace) -> int:
 def _predictor(
     model: Any, paths: list[GenerationPath], *, dtype: torch.dtype, batches: list[int], err: Console
 ):
-    """The cost model's prediction per row, calibrated once on this device (None when unavailable)."""
+    """The cost model's prediction per row, calibrated once on this device, and that calibration
+    (``(None, None)`` when unavailable)."""
     try:
         from attnbench.cost import generation
     except ImportError:
-        return None
+        return None, None
     cost = generation.ModelCost.from_hf_config(model.config)
     with err.status("calibrating the cost model (short measurements on this device)…"):
         calibration = generation.calibrate_generation(
@@ -263,7 +283,7 @@ def _predictor(
         )
         return {k: float(v) for k, v in vars(pred).items() if isinstance(v, (int, float))}
 
-    return predict
+    return predict, calibration
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -381,7 +401,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report.get('seconds', 0):.0f} s",
         "",
         "Each path prefills the prompt once (TTFT, the first token included), then "
-        f"{report['new_tokens'] - 1} decode steps are timed one by one (ITL). `attn` is the share of the decode "
+        f"{report['new_tokens'] - 1} decode steps are timed one by one (ITL), "
+        + (
+            "interleaved across the paths (step i of every path, in an order rotated each step, before step i+1 "
+            "of any: the ITLs are compared side by side). "
+            if report.get("interleaved")
+            else "each path to its end before the next path's prefill. "
+        )
+        + "`attn` is the share of the decode "
         "steps' time spent inside the attention calls; `ITL ×` is the ITL p50 over the best stock path's at the "
         "same point; tokens are compared with the first stock path's (greedy).",
         "",

@@ -69,7 +69,7 @@ FORMAT = 1
 #: Contexts of the frame's decode steps (tokens cached); the first also runs on the 1-layer frame.
 DECODE_CONTEXTS = (64, 1536, 6144)
 #: Prompt lengths of the frame's prefills (batch 1).
-PREFILL_LENGTHS = (192, 640, 1536)
+PREFILL_LENGTHS = (192, 640, 1536, 4096)
 #: Rows at which the prefill GEMMs are timed (decode GEMVs: at each calibrated batch).
 PREFILL_ROWS = (320, 1280)
 #: Layers of the deeper frame (the other has one).

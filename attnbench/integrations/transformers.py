@@ -69,6 +69,7 @@ __all__ = [
     "ATTENTION_IMPLEMENTATION",
     "BackendCache",
     "TransformersDecodeModel",
+    "bind_cache",
     "cache_kwarg",
     "greedy_reference",
     "shape_of",
@@ -96,10 +97,18 @@ def _attention(call: AttentionCall) -> torch.Tensor:
     return cache.attend(call)
 
 
+_REGISTERED: list[bool] = []
+
+
 def _register() -> None:
+    """Register the ``"attnbench"`` attention and mask functions with transformers, once (a timer
+    that wraps the registered function, as ``attnbench e2e`` installs, stays in place)."""
+    if _REGISTERED:
+        return
     AttentionInterface.register(ATTENTION_IMPLEMENTATION, attention_function(_attention))
     # the padding mask at prefill as SDPA gets it: boolean, or None when nothing is padded
     AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, sdpa_mask)
+    _REGISTERED.append(True)
 
 
 class _BackendLayer(CacheLayerMixin):
@@ -346,12 +355,19 @@ def use_backend(
         refuse([f"{r}: every layer" for r in reasons])
     kv = instance.create_cache(workload, config=resolved, num_layers=len(layers), max_seq_len=max_seq_len)
     cache = BackendCache(backend=instance, kv=kv, layers=layers, model=name)
+    bind_cache(model, cache)
+    return cache
+
+
+def bind_cache(model: Any, cache: BackendCache) -> None:
+    """Route ``model``'s attention through ``cache`` again (what :func:`use_backend` does once the cache
+    is made): after ``model.set_attn_implementation("sdpa")``, or to alternate between two backends'
+    caches on one model (``attnbench e2e`` interleaves the decode steps of its paths)."""
     _register()
     for module in model.modules():
         if getattr(module, "layer_idx", None) is not None and hasattr(module, "config"):
             setattr(module, _BINDING, cache)
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
-    return cache
 
 
 def shape_of(model: Any) -> ModelShape:

@@ -21,7 +21,10 @@ backend path is timed it passes the correctness gate (:func:`attnbench.gate.chec
 batch and context; its tokens are compared with the first stock path's. A warm-up generation on a
 short prompt runs untimed before each path (kernel builds, first allocations).
 
-:func:`run_path` runs one path; :class:`PathRun` is its typed record (``to_dict``/``from_dict``).
+:func:`run_paths` runs the paths of one (batch, prompt): each prefilled in turn, then their decode
+steps interleaved (step ``i`` of every path, in a rotated order, before step ``i + 1`` of any), so
+that the ITLs of the paths are compared side by side; :func:`run_path` runs one path;
+:class:`PathRun` is its typed record (``to_dict``/``from_dict``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "load_hf_model",
     "parse_path",
     "run_path",
+    "run_paths",
 ]
 
 #: transformers' own paths: name → (attn_implementation, cache kind)
@@ -269,6 +273,15 @@ class _Session:
             self.describe = self.backend_cache.backend.resolve(workload, path.config_dict).implementation
         self.max_seq_len = max_seq_len
 
+    def activate(self) -> None:
+        """Make this path the model's attention (several paths may alternate on one model)."""
+        if self.kind == "backend":
+            from attnbench.integrations.transformers import bind_cache
+
+            bind_cache(self.model, self.backend_cache)
+        elif getattr(self.model.config, "_attn_implementation", None) != self.implementation:
+            self.model.set_attn_implementation(self.implementation)
+
     def new_cache(self) -> Any:
         from transformers import DynamicCache, StaticCache
 
@@ -284,35 +297,152 @@ class _Session:
         self.backend_cache = None
 
 
+class _Running:
+    """One path part-way through its generation: its session and cache, the prefill's figures, and the
+    decode steps timed so far."""
+
+    def __init__(self, session: _Session, cache: Any, *, new_tokens: int, gate: str | None) -> None:
+        self.session, self.cache, self.gate = session, cache, gate
+        self.tokens: torch.Tensor | None = None
+        self.new_tokens = new_tokens
+        self.ttft = self.prefill_attention = 0.0
+        self.itl: list[float] = []
+        self.attention: list[float] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.itl) >= self.new_tokens - 1
+
+
 @torch.inference_mode()
-def _generate(
-    model: Any, cache: Any, prompt: torch.Tensor, new_tokens: int, *, implementation: str
-) -> tuple[float, list[float], list[float], float, torch.Tensor]:
-    """Prefill then ``new_tokens - 1`` greedy decode steps; TTFT, ITLs, attention seconds, tokens."""
+def _prefill(model: Any, run: _Running, prompt: torch.Tensor, sink: list[float]) -> None:
+    """The prompt through the model into ``run``'s cache; the first token; TTFT."""
     device = prompt.device
+    run.session.activate()
+    run.tokens = torch.empty(prompt.shape[0], run.new_tokens, dtype=torch.long, device=device)
+    sink[0] = 0.0
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = model(input_ids=prompt, past_key_values=run.cache, use_cache=True, logits_to_keep=1).logits
+    run.tokens[:, 0] = logits[:, -1].argmax(-1)
+    _sync(device)
+    run.ttft = time.perf_counter() - t0
+    run.prefill_attention = sink[0]
+
+
+@torch.inference_mode()
+def _decode_step(model: Any, run: _Running, sink: list[float]) -> None:
+    """One greedy decode step of ``run``, timed (the switch to its path is not)."""
+    assert run.tokens is not None
+    i = len(run.itl) + 1
+    run.session.activate()
+    device = run.tokens.device
+    sink[0] = 0.0
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = model(
+        input_ids=run.tokens[:, i - 1 : i], past_key_values=run.cache, use_cache=True, logits_to_keep=1
+    ).logits
+    run.tokens[:, i] = logits[:, -1].argmax(-1)
+    _sync(device)
+    run.itl.append(time.perf_counter() - t0)
+    run.attention.append(sink[0])
+
+
+def _record(run: _Running, path: GenerationPath, model: Any, prompt: torch.Tensor) -> PathRun:
+    assert run.tokens is not None
+    batch, prompt_len = prompt.shape
+    session = run.session
+    return PathRun(
+        path=path.name,
+        stock=path.stock,
+        backend=path.backend,
+        config=dict(session.backend_cache.kv.config) if not path.stock else {},
+        implementation=session.describe,
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=run.new_tokens,
+        dtype=str(model.dtype).removeprefix("torch."),
+        ttft_s=run.ttft,
+        itl_s=run.itl,
+        attention_s=run.attention,
+        prefill_attention_s=run.prefill_attention,
+        tokens=run.tokens.tolist(),
+        gate=run.gate,
+    )
+
+
+def run_paths(
+    model: Any,
+    paths: Sequence[GenerationPath],
+    *,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    gate: Callable[[Any, dict[str, Any]], str] | None = None,
+    warmup_tokens: int = 16,
+    interleave: bool = True,
+) -> tuple[list[PathRun], list[tuple[GenerationPath, Exception]]]:
+    """Generate ``new_tokens`` greedy tokens after ``prompt [B, T]`` through each path, timed.
+
+    Each path in turn: ``gate(backend, config)`` (backend paths; it returns the gate's summary or raises
+    — such a path is returned under failures, never timed), an untimed warm-up generation
+    (``warmup_tokens`` of the prompt, 2 new tokens), then its prefill (TTFT). Then the decode steps,
+    with ``interleave`` *interleaved*: step ``i`` of every path before step ``i + 1`` of any, in an
+    order rotated by one each step, so a drift of the machine's speed (a shared machine's memory
+    bandwidth, its clock) reaches every path alike and the ratios of ITLs are measured side by side.
+    Without it each path decodes all its steps before the next path's prefill. Every path's cache is
+    held until all are done. Returns the records (in ``paths`` order, less the failed) and the failures.
+    """
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens = {new_tokens} must be ≥ 2 (one prefill token, then decode steps)")
+    batch, prompt_len = prompt.shape
+    running: list[tuple[GenerationPath, _Running]] = []
+    failed: list[tuple[GenerationPath, Exception]] = []
     sink = [0.0]
-    itl: list[float] = []
-    attention: list[float] = []
-    tokens = torch.empty(prompt.shape[0], new_tokens, dtype=torch.long, device=device)
-    with timed_attention(implementation, sink):
-        _sync(device)
-        t0 = time.perf_counter()
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        tokens[:, 0] = logits[:, -1].argmax(-1)
-        _sync(device)
-        ttft = time.perf_counter() - t0
-        prefill_attention = sink[0]
-        for i in range(1, new_tokens):
-            sink[0] = 0.0
-            t0 = time.perf_counter()
-            logits = model(
-                input_ids=tokens[:, i - 1 : i], past_key_values=cache, use_cache=True, logits_to_keep=1
-            ).logits
-            tokens[:, i] = logits[:, -1].argmax(-1)
-            _sync(device)
-            itl.append(time.perf_counter() - t0)
-            attention.append(sink[0])
-    return ttft, itl, attention, prefill_attention, tokens
+    implementations = {STOCK_PATHS[p.name][0] if p.stock else _backend_implementation() for p in paths}
+    try:
+        with contextlib.ExitStack() as timers:
+            for impl in sorted(implementations):
+                timers.enter_context(timed_attention(impl, sink))
+            for path in paths:
+                session = _Session(model, path, batch=batch, max_seq_len=prompt_len + new_tokens)
+                try:
+                    summary = None
+                    if not path.stock and gate is not None:
+                        summary = gate(session.backend_cache.backend, dict(session.backend_cache.kv.config))
+                except Exception as err:  # the gate's refusal: reported, never timed
+                    session.close()
+                    failed.append((path, err))
+                    continue
+                warm = _Running(session, session.new_cache(), new_tokens=2, gate=None)
+                _prefill(model, warm, prompt[:, : min(warmup_tokens, prompt_len)], sink)
+                _decode_step(model, warm, sink)
+                del warm
+                gc.collect()
+                run = _Running(session, session.new_cache(), new_tokens=new_tokens, gate=summary)
+                _prefill(model, run, prompt, sink)
+                running.append((path, run))
+                if not interleave:
+                    while not run.done:
+                        _decode_step(model, run, sink)
+            for step in range(new_tokens - 1):
+                k = step % len(running) if running else 0
+                for _path, run in running[k:] + running[:k]:
+                    if not run.done:
+                        _decode_step(model, run, sink)
+        return [_record(run, path, model, prompt) for path, run in running], failed
+    finally:
+        for _path, run in running:
+            run.cache = None
+            run.session.close()
+        gc.collect()
+
+
+def _backend_implementation() -> str:
+    from attnbench.integrations.transformers import ATTENTION_IMPLEMENTATION, _register
+
+    _register()  # the attention function exists before its timer wraps it
+    return ATTENTION_IMPLEMENTATION
 
 
 def run_path(
@@ -324,49 +454,13 @@ def run_path(
     gate: Callable[[Any, dict[str, Any]], str] | None = None,
     warmup_tokens: int = 16,
 ) -> PathRun:
-    """Generate ``new_tokens`` greedy tokens after ``prompt [B, T]`` through ``path``, timed.
-
-    ``gate(backend, config)`` runs before a backend path is timed and returns the gate's summary, or
-    raises when the backend fails it. A warm-up generation (``warmup_tokens`` of the prompt, 2 new
-    tokens) runs first, untimed.
-    """
-    if new_tokens < 2:
-        raise ValueError(f"new_tokens = {new_tokens} must be ≥ 2 (one prefill token, then decode steps)")
-    batch, prompt_len = prompt.shape
-    session = _Session(model, path, batch=batch, max_seq_len=prompt_len + new_tokens)
-    try:
-        gate_summary = None
-        if not path.stock and gate is not None:
-            gate_summary = gate(session.backend_cache.backend, dict(session.backend_cache.kv.config))
-        warm = prompt[:, : min(warmup_tokens, prompt_len)]
-        _generate(model, session.new_cache(), warm, 2, implementation=session.implementation)
-        gc.collect()
-        cache = session.new_cache()
-        ttft, itl, attention, prefill_attention, tokens = _generate(
-            model, cache, prompt, new_tokens, implementation=session.implementation
-        )
-        del cache
-        config = dict(session.backend_cache.kv.config) if not path.stock else {}
-        return PathRun(
-            path=path.name,
-            stock=path.stock,
-            backend=path.backend,
-            config=config,
-            implementation=session.describe,
-            batch=batch,
-            prompt_len=prompt_len,
-            new_tokens=new_tokens,
-            dtype=str(model.dtype).removeprefix("torch."),
-            ttft_s=ttft,
-            itl_s=itl,
-            attention_s=attention,
-            prefill_attention_s=prefill_attention,
-            tokens=tokens.tolist(),
-            gate=gate_summary,
-        )
-    finally:
-        session.close()
-        gc.collect()
+    """One path alone (:func:`run_paths`); the gate's refusal is raised."""
+    runs, failed = run_paths(
+        model, [path], prompt=prompt, new_tokens=new_tokens, gate=gate, warmup_tokens=warmup_tokens
+    )
+    if failed:
+        raise failed[0][1]
+    return runs[0]
 
 
 def compare_tokens(run: PathRun, reference: PathRun) -> None:

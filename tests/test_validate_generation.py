@@ -1,0 +1,58 @@
+"""scripts/validate_generation.py: a fresh calibration predicts the rows of an e2e report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from attnbench.cli import main
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "validate_generation.py"
+
+
+def _script():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("validate_generation", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_predicts_every_row_of_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save = tmp_path / "run"
+    argv = ["e2e", "--model", "tiny-qwen2", "--prompt", "24", "--new-tokens", "4", "--dtype", "fp32",
+            "--threads", "1", "--paths", "sdpa,cpu_decode", "--save", str(save)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(save.with_suffix(".json").read_text())
+    assert report["calibration"]["format"] == 1  # what the run's own predictions came from
+    capsys.readouterr()
+    out = tmp_path / "check"
+    assert (
+        _script().main(["--runs", str(save.with_suffix(".json")), "--out", str(out), "--max-seconds", "2"])
+        == 0
+    )
+    rec = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["path"], r["prompt_len"]) for r in rec["rows"]] == [("sdpa", 24), ("cpu_decode", 24)]
+    for r in rec["rows"]:
+        assert r["ttft_pred_s"] > 0 and r["itl_pred_s"] > 0
+        assert r["itl_err"] == pytest.approx(r["itl_pred_s"] / r["itl_p50_s"] - 1)
+    s = rec["summary"]
+    assert s["figures"] == 4 and s["within"] == sum(
+        abs(r[k]) <= 0.15 for r in rec["rows"] for k in ("ttft_err", "itl_err")
+    )
+    assert "Within ±15%" in out.with_suffix(".md").read_text()
+
+
+def test_refuses_a_file_that_is_not_a_report(tmp_path: Path) -> None:
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match="is not an `attnbench e2e` report"):
+        _script().main(["--runs", str(bad), "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="does not exist; accepted"):
+        _script().main(["--runs", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")])
