@@ -318,3 +318,44 @@ def test_a_map_with_one_grid_line_on_an_axis_answers_beyond_it_flat():
         assert got.extrapolated == (context != 512)
     beyond, at = m.lookup(2, 4096), m.lookup(2, 512)
     assert beyond.predicted[DEFAULT].median_ms == pytest.approx(at.predicted[DEFAULT].median_ms)
+
+
+def test_the_per_call_deciders_give_the_verdict_of_every_interval() -> None:
+    """select()'s per-call shortcut (intervals only for the fastest, the default and the one
+    challenger decide() would pick) gives decide()'s verdict over every candidate's interval, over
+    random cells whose candidates beat, tie with or lose to the default."""
+    from attnbench.tuning.lookup import _deciders, _deciders_in, interval, weights
+
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(3000):
+        n = rng.randint(1, 18)
+        rows = []
+        for k in range(n):
+            base = rng.uniform(-1.0, 3.0)
+            meds = tuple(base + rng.uniform(-0.3, 0.3) for _ in range(4))
+            down = tuple(rng.uniform(0.0, 0.2) for _ in range(4))
+            wide = rng.choice([0.2, 0.2, 1.5])  # some candidates noisy: the fastest may not beat the default
+            up = tuple(rng.uniform(-0.02, wide) for _ in range(4))  # a high end may dip below its median
+            rows.append((f"c{k}", meds, down, up, rng.randint(3, 20), min(up) >= 0))
+        if rng.random() < 0.3 and n > 2:  # equal medians: the row order breaks ties
+            rows[1] = (rows[1][0], rows[0][1], *rows[1][2:])
+        places = {r[0]: i for i, r in enumerate(rows)}
+        default = rng.choice([None, *places])
+        w = weights(rng.uniform(-0.5, 1.5), rng.uniform(-0.5, 1.5))
+        margin = rng.choice([0.0, 0.03, 0.1])
+        every = {r[0]: interval(r, w) for r in rows}
+        few = _deciders_in(tuple(rows), places, w, default, margin)
+        assert set(few) <= set(every) and all(few[k] == every[k] for k in few)
+        assert decide(few, default=default, margin=margin) == decide(every, default=default, margin=margin)
+        checked += len(few) < len(every)
+        # the edge form: a map's edge cell and its cell, each row at its own weights
+        w2 = weights(rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0))
+        ws = [w if rng.random() < 0.5 else w2 for _ in rows]
+        medians = {r[0]: (interval(r, wr).median_ms, r, wr) for r, wr in zip(rows, ws, strict=True)}
+        every = {k: interval(r, wr) for k, (_, r, wr) in medians.items()}
+        few = _deciders(medians, default, margin)
+        assert list(few) == [k for k in every if k in few] and all(few[k] == every[k] for k in few)
+        assert decide(few, default=default, margin=margin) == decide(every, default=default, margin=margin)
+        checked += len(few) < len(every)
+    assert checked > 1000  # the shortcut left candidates out in many of the cases

@@ -143,9 +143,11 @@ def _medians(cells: Sequence[tuple[tuple[Row, ...] | None, float, float]]) -> di
 def _deciders_in(
     rows: tuple[Row, ...], places: dict[str, int], w: Weights, default: str | None, margin: float
 ) -> dict[str, Interval]:
-    """:func:`_deciders` for the rows of one cell at weights ``w``, in one pass over them that makes
-    no object per row (``select()`` runs it per call): the medians are computed as :func:`interval`
-    computes them, so the two agree to the bit."""
+    """The intervals :func:`~attnbench.tuning.margin.decide` needs for the rows of one cell at
+    weights ``w`` (``select()`` runs it per call): the fastest, the default, and of the candidates
+    that beat the default by the margin only the one ``decide`` would pick — its verdict from these
+    is the verdict from every row's interval. The medians are computed as :func:`interval` computes
+    them, so the two agree to the bit."""
     exp = math.exp
     w0, w1, w2, w3 = w
     at = places[default] if default is not None else -1  # the default's row
@@ -154,38 +156,41 @@ def _deciders_in(
     if d is not None:
         reach = d.lo_ms / (1 + margin) * (1 + 1e-9) if margin > -1 else math.inf
     fastest, best = -1, math.inf
-    maybe: list[int] = []  # rows whose median does not rule out beating the default
+    maybe: list[tuple[float, int]] = []  # rows whose median does not rule out beating the default
     for i, row in enumerate(rows):
         m0, m1, m2, m3 = row[1]
         med = exp(w0 * m0 + w1 * m1 + w2 * m2 + w3 * m3)
         if med < best or fastest < 0:
             fastest, best = i, med
-        if med <= reach or not row[5]:
-            maybe.append(i)
+        if i != at and (med <= reach or not row[5]):
+            maybe.append((med, i))
     if fastest < 0:
         return {}
     if d is None:
         return {rows[fastest][0]: interval(rows[fastest], w)}
+    # decide() takes, of the candidates that beat the default, the lowest median (the first in row
+    # order among equal ones): scanning them by (median, row), the first that beats it is that one and
+    # the rest cannot change the verdict — no interval is made for them
     scale = 1 + margin
-    out: dict[str, Interval] = {}
-    for i in sorted({fastest, at, *maybe}):
-        label = rows[i][0]
-        if i == at:
-            out[label] = d
-            continue
+    made: dict[int, Interval] = {}
+    maybe.sort()
+    for _, i in maybe:
         t = interval(rows[i], w)
-        if i == fastest or d.lo_ms >= scale * t.hi_ms:
-            out[label] = t
-    return out
+        if d.lo_ms >= scale * t.hi_ms:
+            made[i] = t
+            break
+    if fastest != at and fastest not in made:
+        made[fastest] = interval(rows[fastest], w)
+    return {rows[i][0]: d if i == at else made[i] for i in sorted({at, *made})}
 
 
 def _deciders(medians: dict[str, Median], default: str | None, margin: float) -> dict[str, Interval]:
     """The intervals :func:`~attnbench.tuning.margin.decide` needs, in ``medians``' order: the fastest
-    (the first of the lowest medians), the default and every candidate that beats it by the margin
-    (``default.lo ≥ (1 + margin) · challenger.hi``). ``decide`` of these gives the verdict ``decide``
-    of every candidate gives, since the others are neither the fastest nor beat the default; a
-    candidate whose median alone rules it out (a high end is never below its median) gets no
-    interval made."""
+    (the first of the lowest medians), the default, and of the candidates that beat it by the margin
+    (``default.lo ≥ (1 + margin) · challenger.hi``) the one ``decide`` picks (the lowest median, the
+    first in order among equal ones). ``decide`` of these gives the verdict ``decide`` of every
+    candidate gives; a candidate whose median alone rules it out (a high end is never below its
+    median) gets no interval made."""
     fastest: str | None = None
     best = math.inf
     for k, (med, _, _) in medians.items():
@@ -198,15 +203,21 @@ def _deciders(medians: dict[str, Median], default: str | None, margin: float) ->
     d = interval(*medians[default][1:])
     scale = 1 + margin
     reach = d.lo_ms / scale * (1 + 1e-9) if scale > 0 else math.inf  # see _deciders_in
-    out: dict[str, Interval] = {}
-    for k, (med, row, w) in medians.items():
-        if k == default:
-            out[k] = d
-        elif k == fastest or med <= reach or not row[5]:
-            t = interval(row, w)
-            if k == fastest or d.lo_ms >= scale * t.hi_ms:
-                out[k] = t
-    return out
+    order = {k: pos for pos, k in enumerate(medians)}
+    maybe = sorted(
+        (med, order[k], k)
+        for k, (med, row, _) in medians.items()
+        if k != default and (med <= reach or not row[5])
+    )
+    made: dict[str, Interval] = {}
+    for _, _, k in maybe:  # the lowest median that beats the default (see _deciders_in)
+        t = interval(*medians[k][1:])
+        if d.lo_ms >= scale * t.hi_ms:
+            made[k] = t
+            break
+    if fastest != default and fastest not in made:
+        made[fastest] = interval(*medians[fastest][1:])
+    return {k: d if k == default else made[k] for k in medians if k == default or k in made}
 
 
 def make_cell(
