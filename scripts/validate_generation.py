@@ -46,7 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-seconds", type=float, default=90, help="bound on the calibration's timed repeats (default 90)"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads {args.threads} must be ≥ 1")
+    if not args.max_seconds > 0:
+        p.error(f"--max-seconds {args.max_seconds} must be > 0")
+    return args
 
 
 def _load(path: str) -> dict[str, Any]:

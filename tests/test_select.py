@@ -18,6 +18,27 @@ def _table(tmp_path, rows: list[tuple[str, dict]], profile: DeviceProfile | None
     return save_table(tmp_path, dict(rows), profile=profile or stated_profile())
 
 
+def _forbid_cached_work(monkeypatch, *more):  # type: ignore[no-untyped-def]
+    """Make every call that select()'s first call caches (the registry, the shape, the fingerprint,
+    the profile, each backend's resolve) — and ``more`` ``(owner, name)`` pairs — raise."""
+    import importlib
+
+    sel = importlib.import_module("attnbench.select")  # the module (attnbench.select is the function)
+
+    def forbidden(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("select() did work its first call should have cached")
+
+    for owner, name in (
+        (sel, "load_registry"),
+        (sel, "load_shape"),
+        (sel, "fingerprint"),
+        (sel, "load_profile"),
+        (sel, "ask"),
+        *more,
+    ):
+        monkeypatch.setattr(owner, name, forbidden)
+
+
 def test_select_uses_the_nearest_tuned_bucket(tmp_path):
     p = stated_profile()
     _table(
@@ -159,7 +180,6 @@ def test_later_calls_read_no_file_rebuild_nothing_and_allocate_no_cache(tmp_path
     from attnbench.backend import Backend
     from attnbench.select import Selector
 
-    sel = importlib.import_module("attnbench.select")  # the module (attnbench.select is the function)
     files = importlib.import_module("attnbench.select_tuned")  # reads the tuned files
     p = stated_profile()
     w = Workload.uniform("tiny-gqa", batch=1, context=1024)
@@ -168,20 +188,9 @@ def test_later_calls_read_no_file_rebuild_nothing_and_allocate_no_cache(tmp_path
     first = selector.select(model="tiny-gqa", batch=1, context=1000, dtype="bf16", results_dir=tmp_path)
     assert first.source == "tuned" and first.backend == "flash"
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("select() did work its first call should have cached")
-
-    for module, name in (
-        (sel, "load_registry"),
-        (sel, "load_shape"),
-        (sel, "fingerprint"),
-        (files, "load_maps"),
-        (sel, "load_profile"),
-        (sel, "ask"),
-    ):
-        monkeypatch.setattr(module, name, forbidden)
-    monkeypatch.setattr(files.ResultsTable, "load", forbidden)
-    monkeypatch.setattr(Backend, "create_cache", forbidden)
+    _forbid_cached_work(
+        monkeypatch, (files, "load_maps"), (files.ResultsTable, "load"), (Backend, "create_cache")
+    )
     # values not seen before, in the bucket seen (a new bucket asks each backend's resolve() once)
     for batch, context in ((1, 999), (1, 1100), (1, 800), (1, 1400)):
         again = selector.select(
@@ -475,22 +484,14 @@ def test_later_calls_from_a_map_read_nothing_and_explain_only_when_asked(tmp_pat
     for b, c in ((4, 256), (1, 1024), (8, 1024)):  # the other batch × context buckets used below
         _from_map(tmp_path, b, c, selector)
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("select() did work its first call should have cached")
-
-    for module, name in (
-        (sel, "load_registry"),
-        (sel, "load_shape"),
-        (sel, "fingerprint"),
+    _forbid_cached_work(
+        monkeypatch,
         (tuned, "load_maps"),
-        (sel, "load_profile"),
-        (sel, "ask"),
         (sel, "calibration_path"),
         (tuned.ResultsTable, "load"),
         (Calibration, "load"),
         (DispatchMap, "from_dict"),
-    ):
-        monkeypatch.setattr(module, name, forbidden)
+    )
     explained = []
     slower = tuned.slower_in_map
     monkeypatch.setattr(tuned, "slower_in_map", lambda m, look: explained.append(1) or slower(m, look))

@@ -49,10 +49,16 @@ def test_predicts_every_row_of_a_report(tmp_path: Path, capsys: pytest.CaptureFi
     assert "Within ±15%" in out.with_suffix(".md").read_text()
 
 
-def test_refuses_a_file_that_is_not_a_report(tmp_path: Path) -> None:
+def test_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "x.json"
     bad.write_text("{}")
     with pytest.raises(SystemExit, match="is not an `attnbench e2e` report"):
         _script().main(["--runs", str(bad), "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit, match="does not exist; accepted"):
         _script().main(["--runs", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit):
+        _script().main(["--runs", str(bad), "--out", str(tmp_path / "o"), "--threads", "0"])
+    assert "--threads 0 must be ≥ 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _script().main(["--runs", str(bad), "--out", str(tmp_path / "o"), "--max-seconds", "0"])
+    assert "--max-seconds 0.0 must be > 0" in capsys.readouterr().err

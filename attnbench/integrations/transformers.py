@@ -72,6 +72,7 @@ __all__ = [
     "bind_cache",
     "cache_kwarg",
     "greedy_reference",
+    "register_attention",
     "shape_of",
     "use_backend",
 ]
@@ -100,7 +101,7 @@ def _attention(call: AttentionCall) -> torch.Tensor:
 _REGISTERED: list[bool] = []
 
 
-def _register() -> None:
+def register_attention() -> None:
     """Register the ``"attnbench"`` attention and mask functions with transformers, once (a timer
     that wraps the registered function, as ``attnbench e2e`` installs, stays in place)."""
     if _REGISTERED:
@@ -363,7 +364,7 @@ def bind_cache(model: Any, cache: BackendCache) -> None:
     """Route ``model``'s attention through ``cache`` again (what :func:`use_backend` does once the cache
     is made): after ``model.set_attn_implementation("sdpa")``, or to alternate between two backends'
     caches on one model (``attnbench e2e`` interleaves the decode steps of its paths)."""
-    _register()
+    register_attention()
     for module in model.modules():
         if getattr(module, "layer_idx", None) is not None and hasattr(module, "config"):
             setattr(module, _BINDING, cache)

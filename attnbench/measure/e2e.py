@@ -439,9 +439,9 @@ def run_paths(
 
 
 def _backend_implementation() -> str:
-    from attnbench.integrations.transformers import ATTENTION_IMPLEMENTATION, _register
+    from attnbench.integrations.transformers import ATTENTION_IMPLEMENTATION, register_attention
 
-    _register()  # the attention function exists before its timer wraps it
+    register_attention()  # the attention function exists before its timer wraps it
     return ATTENTION_IMPLEMENTATION
 
 
