@@ -21,6 +21,7 @@ BUILTIN = (
     "fp8:FP8Backend",
     "triton_paged:TritonPagedBackend",
     "cpu_decode:CpuDecodeBackend",
+    "cpu_decode_fp8:CpuDecodeFp8Backend",
 )
 
 

@@ -46,7 +46,7 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
 #define TILE 16
 #define MAX_G 64
 
-int cpu_decode_abi(void) { return 4; }
+int cpu_decode_abi(void) { return 5; }
 
 /* the best variant the running CPU (and OS) supports */
 int cpu_decode_isa(void) {
@@ -63,6 +63,16 @@ int cpu_decode_isa(void) {
     if (f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
 #endif
     return ISA_SCALAR;
+}
+
+/* 1 where the c-avx512bf16 variant can also read fp8 caches (its byte lookups need AVX512_VBMI) */
+int cpu_decode_fp8_fast(void) {
+#ifdef CPU_DECODE_AVX512
+    __builtin_cpu_init();
+    return cpu_decode_isa() == ISA_AVX512BF16 && __builtin_cpu_supports("avx512vbmi");
+#else
+    return 0;
+#endif
 }
 
 /* ---- scalar conversions ------------------------------------------------------------------------ */
@@ -138,12 +148,107 @@ typedef struct {
     float scale;
     float *m, *l, *acc; /* [G], [G], [G, D] out: running max, sum, unnormalised p·v */
     float *lv;          /* [G, 16] the running sum per lane (bf16 items; reduced into l at the end) */
+    const float *ks, *vs; /* fp8 caches: the layer's per token-head scales [pages, Hkv, ps]; else NULL */
 } item_t;
 
 /* the offset of the tile holding token t (a multiple of 16) from kc for its K, from vc for its V */
 static inline size_t tile_offset(const item_t *it, int t) {
     int page = it->bt[t / it->ps], slot = t % it->ps;
     return 2 * (((size_t)page * it->Hkv + it->h) * it->ps * it->D + (size_t)slot * it->D);
+}
+
+/* ---- fp8 e4m3 K/V (cpu_decode_fp8) ---------------------------------------------------------------
+ * Bytes in the bf16 tile order (K [D/2, 16, 2], V [8, D, 2]), except that within each aligned
+ * 64-byte block the two 32-byte halves are interleaved 8 bytes at a time (fp8_phys): one 64-byte load,
+ * two byte lookups and the in-lane unpacks of AVX-512 then give the two halves as bf16 rows in order.
+ * A per token-head float32 scale multiplies the score (K) and the probability (V), never the values. */
+static inline size_t fp8_phys(size_t L) {
+    return (L & ~(size_t)63) | (((L & 31) >> 3) << 4) | (((L >> 5) & 1) << 3) | (L & 7);
+}
+
+/* the scale index of token t (its page's slot) in [pages, Hkv, ps] */
+static inline size_t scale_offset(const item_t *it, int t) {
+    int page = it->bt[t / it->ps], slot = t % it->ps;
+    return ((size_t)page * it->Hkv + it->h) * it->ps + slot;
+}
+
+static inline float e4m3_to_f32(uint8_t b) {
+    int e = (b >> 3) & 15, m = b & 7;
+    float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m, -9);
+    return (b & 0x80) ? -v : v;
+}
+
+/* |x| ≤ 448 (finite) to e4m3 with round-to-nearest-even, subnormals included (torch's conversion) */
+static inline uint8_t f32_to_e4m3(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80u), mag;
+    float a = fabsf(x);
+    if (a < 0.015625f) {
+        mag = (uint8_t)nearbyintf(a * 512.0f); /* m · 2^-9; 8 is the smallest normal's encoding */
+    } else {
+        uint32_t ua = u & 0x7fffffffu;
+        ua += 0x7ffffu + ((ua >> 20) & 1u);
+        mag = (uint8_t)((ua >> 20) - (120u << 3));
+    }
+    return sign | mag;
+}
+
+/* bf16 bits of every e4m3 magnitude (0..127), low and high bytes: the tables of the byte lookups */
+static uint8_t FP8_LO[128] __attribute__((aligned(64))), FP8_HI[128] __attribute__((aligned(64)));
+
+__attribute__((constructor)) static void fp8_tables(void) {
+    for (int m = 0; m < 128; m++) {
+        uint16_t h = f32_to_bf16(e4m3_to_f32((uint8_t)m));
+        FP8_LO[m] = (uint8_t)(h & 0xff);
+        FP8_HI[m] = (uint8_t)(h >> 8);
+    }
+}
+
+static void item_scalar_fp8(const item_t *it) {
+    const int G = it->G, D = it->D, dt = it->dt;
+    const uint8_t *kc = (const uint8_t *)it->kc, *vc = (const uint8_t *)it->vc;
+    float s[TILE], ksc[TILE], vsc[TILE];
+    float *qv = (float *)malloc(sizeof(float) * ((size_t)G + 1) * D), *tmp = qv + (size_t)G * D;
+    for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, dt);
+    for (int g = 0; g < G; g++) {
+        it->m[g] = -INFINITY;
+        it->l[g] = 0.0f;
+    }
+    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
+    for (int t = it->t0; t < it->t1; t += TILE) {
+        int n = it->t1 - t < TILE ? it->t1 - t : TILE;
+        size_t base = tile_offset(it, t), so = scale_offset(it, t);
+        for (int j = 0; j < n; j++) {
+            ksc[j] = it->ks[so + j];
+            vsc[j] = it->vs[so + j];
+        }
+        for (int g = 0; g < G; g++) {
+            const float *qg = qv + (size_t)g * D;
+            float mt = -INFINITY;
+            for (int j = 0; j < n; j++) {
+                float a = 0.0f;
+                for (int d = 0; d < D; d++)
+                    a += qg[d] * e4m3_to_f32(kc[base + fp8_phys(((size_t)(d / 2) * TILE + j) * 2 + d % 2)]);
+                s[j] = a * ksc[j] * it->scale;
+                if (s[j] > mt) mt = s[j];
+            }
+            float mn = mt > it->m[g] ? mt : it->m[g];
+            float alpha = expf(it->m[g] - mn), sum = 0.0f;
+            float *acc = it->acc + (size_t)g * D;
+            for (int d = 0; d < D; d++) tmp[d] = 0.0f;
+            for (int j = 0; j < n; j++) {
+                float p = expf(s[j] - mn), w = p * vsc[j];
+                sum += p;
+                for (int d = 0; d < D; d++)
+                    tmp[d] += w * e4m3_to_f32(vc[base + fp8_phys(((size_t)(j / 2) * D + d) * 2 + j % 2)]);
+            }
+            for (int d = 0; d < D; d++) acc[d] = acc[d] * alpha + tmp[d];
+            it->l[g] = it->l[g] * alpha + sum;
+            it->m[g] = mn;
+        }
+    }
+    free(qv);
 }
 
 static void item_scalar(const item_t *it) {
@@ -822,9 +927,172 @@ TGT static void item_avx512(const item_t *it) {
 #undef F32_TILE
     free(qv);
 }
+
+/* -- fp8 e4m3 K/V into the bf16 dot products ----------------------------------------------------- */
+#define TGT_FP8 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi")))
+
+/* 64 fp8 bytes (fp8_phys order) → two rows of 32 bf16: two byte lookups (vpermt2b) give each value's
+ * low and high bf16 byte, the sign is or-ed into the high one, and the in-lane unpacks interleave
+ * them; the layout's 8-byte interleave makes the unpacks' lane order the rows' order. Exact for
+ * every e4m3 value, subnormals included (they are normal numbers in bf16). tab: FP8_LO, FP8_HI */
+TGT_FP8 INLINE void fp8x64(const uint8_t *p, const __m512i *tab, __m512i *r0, __m512i *r1) {
+    __m512i x = _mm512_loadu_si512((const void *)p);
+    __m512i lo = _mm512_permutex2var_epi8(tab[0], x, tab[1]);
+    __m512i hi = _mm512_permutex2var_epi8(tab[2], x, tab[3]);
+    hi = _mm512_ternarylogic_epi32(hi, x, _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (x & 0x80) */
+    *r0 = _mm512_unpacklo_epi8(lo, hi);
+    *r1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* pv_bf16 over fp8 V (NU even: one 64-byte load is two 16-dim chunks) */
+TGT_FP8 INLINE void pv_fp8(int gn, int nu, int np, const uint8_t *vt, const __m512i *pr, const __m512 *alpha,
+                           float *acc, int D, int c, const __m512i *tab) {
+    __m512 a[4][4];
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < nu; u++) a[g][u] = _mm512_setzero_ps();
+    for (int jp = 0; jp < np; jp++) {
+        __m512i b[4], idx = _mm512_set1_epi32(jp);
+        for (int g = 0; g < gn; g++) b[g] = _mm512_permutexvar_epi32(idx, pr[g]);
+        const uint8_t *vp = vt + (size_t)(jp >> 3) * 2 * TILE * D + (size_t)(jp & 7) * 2 * D;
+        for (int u = 0; u < nu; u += 2) {
+            __m512i v0, v1;
+            fp8x64(vp + 2 * (c + 16 * u), tab, &v0, &v1);
+            for (int g = 0; g < gn; g++) {
+                a[g][u] = _mm512_dpbf16_ps(a[g][u], (__m512bh)v0, (__m512bh)b[g]);
+                a[g][u + 1] = _mm512_dpbf16_ps(a[g][u + 1], (__m512bh)v1, (__m512bh)b[g]);
+            }
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < nu; u++) {
+            float *o = acc + (size_t)g * D + c + 16 * u;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), alpha[g], a[g][u]));
+        }
+}
+
+/* tile_bf16 over fp8 K/V: kst, vst the first tile's 16 scales (a second tile's follow them) */
+TGT_FP8 INLINE void tile_fp8(int gn, int nt, const item_t *it, int g0, const uint8_t *kt, const uint8_t *vt,
+                             const float *kst, const float *vst, const __mmask16 *valid, const __m512i *tab) {
+    const int D = it->D, D2 = D / 2, npart = 4 / nt;
+    const uint32_t *qp = (const uint32_t *)it->q + (size_t)g0 * D2;
+    __m512 a[4][4];
+    for (int g = 0; g < gn; g++)
+        for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();
+    for (int dp = 0; dp < D2; dp += npart) {
+        for (int u = 0; u < npart; u += 2) {
+            for (int t = 0; t < nt; t++) {
+                __m512i k0, k1;
+                fp8x64(kt + (size_t)t * 2 * TILE * D + (size_t)(dp + u) * 32, tab, &k0, &k1);
+                for (int g = 0; g < gn; g++) {
+                    a[g][t * npart + u] = dp_bcast(a[g][t * npart + u], k0, qp + g * D2 + dp + u);
+                    a[g][t * npart + u + 1] = dp_bcast(a[g][t * npart + u + 1], k1, qp + g * D2 + dp + u + 1);
+                }
+            }
+        }
+    }
+    const __m512 scale = _mm512_set1_ps(it->scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 alpha[4], ex[12], mx[4], mo[4], mn[4], ksv[2];
+    __m512i pr[4];
+    const int ns = gn * nt;
+    for (int t = 0; t < nt; t++) ksv[t] = _mm512_mul_ps(_mm512_loadu_ps(kst + 16 * t), scale);
+    for (int g = 0; g < gn; g++) {
+        mx[g] = ninf;
+        for (int t = 0; t < nt; t++) {
+            __m512 x = a[g][t * npart];
+            for (int u = 1; u < npart; u++) x = _mm512_add_ps(x, a[g][t * npart + u]);
+            ex[g * nt + t] = _mm512_mul_ps(x, ksv[t]);
+            mx[g] = _mm512_max_ps(mx[g], _mm512_mask_mov_ps(ninf, valid[t], ex[g * nt + t]));
+        }
+    }
+    for (int g = 0; g < gn; g++) mx[g] = _mm512_max_ps(mx[g], _mm512_shuffle_f32x4(mx[g], mx[g], 0x4e));
+    for (int g = 0; g < gn; g++) mx[g] = _mm512_max_ps(mx[g], _mm512_shuffle_f32x4(mx[g], mx[g], 0xb1));
+    for (int g = 0; g < gn; g++) mx[g] = _mm512_max_ps(mx[g], _mm512_permute_ps(mx[g], 0x4e));
+    for (int g = 0; g < gn; g++) mx[g] = _mm512_max_ps(mx[g], _mm512_permute_ps(mx[g], 0xb1));
+    for (int g = 0; g < gn; g++) {
+        mo[g] = _mm512_set1_ps(it->m[g0 + g]);
+        mn[g] = _mm512_max_ps(mx[g], mo[g]);
+        _mm_store_ss(it->m + g0 + g, _mm512_castps512_ps128(mn[g]));
+        for (int t = 0; t < nt; t++) ex[g * nt + t] = _mm512_sub_ps(ex[g * nt + t], mn[g]);
+        ex[ns + g] = _mm512_sub_ps(mo[g], mn[g]);
+    }
+    for (int i = 0; i < ns + gn; i += 6) exp512n(ns + gn - i < 6 ? ns + gn - i : 6, ex + i);
+    for (int g = 0; g < gn; g++) {
+        alpha[g] = ex[ns + g];
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < nt; t++) {
+            __m512 p = _mm512_maskz_mov_ps(valid[t], ex[g * nt + t]);
+            sum = _mm512_add_ps(sum, p);
+            /* the weight of value j is p_j · v_scale_j, rounded to bf16 for the dot product */
+            __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vst + 16 * t)));
+            pr[g] = t ? _mm512_inserti64x4(pr[g], pb, 1) : _mm512_castsi256_si512(pb);
+        }
+        float *lv = it->lv + (size_t)(g0 + g) * 16;
+        _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), alpha[g], sum));
+    }
+    float *acc = it->acc + (size_t)g0 * D;
+    const int np = nt * TILE / 2;
+    int c = 0;
+    for (; c + 64 <= D; c += 64) pv_fp8(gn, 4, np, vt, pr, alpha, acc, D, c, tab);
+    if (c < D) pv_fp8(gn, 2, np, vt, pr, alpha, acc, D, c, tab); /* D % 32 == 0: 32 dims left */
+}
+
+TGT_FP8 static void item_fp8_avx512(const item_t *it) {
+    const int G = it->G, D = it->D, pf = it->prefetch;
+    const uint8_t *kc = (const uint8_t *)it->kc, *vc = (const uint8_t *)it->vc;
+    const size_t tile_bytes = (size_t)2 * TILE * D; /* a tile's K and V */
+    float lv[MAX_G * 16] __attribute__((aligned(64)));
+    const __m512i tab[4] = {_mm512_load_si512(FP8_LO), _mm512_load_si512(FP8_LO + 64), _mm512_load_si512(FP8_HI),
+                            _mm512_load_si512(FP8_HI + 64)};
+    item_t own = *it;
+    own.lv = lv;
+    it = &own;
+    for (int g = 0; g < G; g++) {
+        it->m[g] = -INFINITY;
+        it->l[g] = 0.0f;
+    }
+    memset(lv, 0, sizeof(float) * 16 * (size_t)G);
+    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
+    for (int t = it->t0; t < it->t1;) {
+        int nt = it->ps >= 2 * TILE && t % (2 * TILE) == 0 && t + TILE < it->t1 ? 2 : 1;
+        __mmask16 valid[2] = {tile_mask(it->t1 - t), tile_mask(it->t1 - t - TILE)};
+        for (int j = 0; j < nt; j++) { /* the tiles pf ahead, whole (K, V and their scales) */
+            int f = t + (pf + j) * TILE;
+            if (pf > 0 && f < it->t1) {
+                prefetch_tile((const char *)kc + tile_offset(it, f), tile_bytes);
+                prefetch_tile((const char *)(it->ks + scale_offset(it, f)), 64);
+                prefetch_tile((const char *)(it->vs + scale_offset(it, f)), 64);
+            }
+        }
+        const size_t base = tile_offset(it, t), so = scale_offset(it, t);
+        for (int g0 = 0; g0 < G; g0 += 4) {
+#define FP8_TILE(gn)                                                                                          \
+    (nt == 2 ? tile_fp8(gn, 2, it, g0, kc + base, vc + base, it->ks + so, it->vs + so, valid, tab)         \
+             : tile_fp8(gn, 1, it, g0, kc + base, vc + base, it->ks + so, it->vs + so, valid, tab))
+            switch (G - g0 < 4 ? G - g0 : 4) {
+                case 4: FP8_TILE(4); break;
+                case 3: FP8_TILE(3); break;
+                case 2: FP8_TILE(2); break;
+                default: FP8_TILE(1); break;
+            }
+#undef FP8_TILE
+        }
+        t += nt * TILE;
+    }
+    for (int g = 0; g < G; g++) it->l[g] = _mm512_reduce_add_ps(_mm512_load_ps(lv + 16 * g));
+}
 #endif
 
 static void run_item(const item_t *it, int isa) {
+    if (it->ks) { /* an fp8 cache: the AVX-512 BF16 lookup variant (bf16 q), else plain C */
+#ifdef CPU_DECODE_AVX512
+        if (isa == ISA_AVX512BF16) {
+            item_fp8_avx512(it);
+            return;
+        }
+#endif
+        item_scalar_fp8(it);
+        return;
+    }
 #ifdef CPU_DECODE_X86
     if (isa == ISA_AVX2) {
         if (it->dt == DT_BF16)
@@ -851,13 +1119,12 @@ static void run_item(const item_t *it, int isa) {
 
 /* ---- entry points ------------------------------------------------------------------------------ */
 
-/* Decode attention of one layer. q [B, Hq, D] and out [B, Hq, D] in dtype dt; block_table [B, maxp]
- * int32; seq_lens [B] int32; ws: fp32 workspace of B · Hkv · splits · G · (D + 2) floats (used only
- * when splits > 1). Returns 0, or a negative code for arguments it refuses. */
-int cpu_decode_attend(const void *q, const void *kc, const void *vc, const int32_t *block_table, const int32_t *seq_lens,
-                      void *out, float *ws, int B, int Hq, int Hkv, int D, int ps, int maxp, int splits, int dt,
-                      int isa, int threads, int prefetch, float scale) {
+/* the attention of one layer over a bf16/fp16/fp32 cache (ks = vs = NULL) or an fp8 one */
+static int attend(const void *q, const void *kc, const void *vc, const float *ks, const float *vs,
+                  const int32_t *block_table, const int32_t *seq_lens, void *out, float *ws, int B, int Hq, int Hkv,
+                  int D, int ps, int maxp, int splits, int dt, int isa, int threads, int prefetch, float scale) {
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || ps % TILE || splits < 1) return -1;
+    if (ks && (D % 32 || (isa != ISA_SCALAR && isa != ISA_AVX512BF16))) return -1;
     if (isa == ISA_AVX512BF16 && dt != DT_BF16) return -2;
     if (isa == ISA_AVX512 && dt == DT_BF16) return -2;
     const int G = Hq / Hkv, P = dt == DT_BF16 ? 2 : 1;
@@ -879,7 +1146,7 @@ int cpu_decode_attend(const void *q, const void *kc, const void *vc, const int32
                 .kc = kc, .vc = vc, .bt = block_table + (size_t)b * maxp, .t0 = t0, .t1 = t1,
                 .G = G, .D = D, .ps = ps, .P = P, .Hkv = Hkv, .h = h, .dt = dt, .prefetch = prefetch,
                 .scale = scale,
-                .m = buf, .l = buf + G, .acc = buf + 2 * G,
+                .m = buf, .l = buf + G, .acc = buf + 2 * G, .ks = ks, .vs = vs,
             };
             if (t0 < t1) {
                 run_item(&it, isa);
@@ -927,6 +1194,27 @@ int cpu_decode_attend(const void *q, const void *kc, const void *vc, const int32
     return 0;
 }
 
+/* Decode attention of one layer. q [B, Hq, D] and out [B, Hq, D] in dtype dt; block_table [B, maxp]
+ * int32; seq_lens [B] int32; ws: fp32 workspace of B · Hkv · splits · G · (D + 2) floats (used only
+ * when splits > 1). Returns 0, or a negative code for arguments it refuses. */
+int cpu_decode_attend(const void *q, const void *kc, const void *vc, const int32_t *block_table, const int32_t *seq_lens,
+                      void *out, float *ws, int B, int Hq, int Hkv, int D, int ps, int maxp, int splits, int dt,
+                      int isa, int threads, int prefetch, float scale) {
+    return attend(q, kc, vc, NULL, NULL, block_table, seq_lens, out, ws, B, Hq, Hkv, D, ps, maxp, splits, dt, isa,
+                  threads, prefetch, scale);
+}
+
+/* The same over an fp8 cache: kc, vc its bytes (fp8_phys order), ks, vs the layer's float32 scales
+ * [pages, Hkv, ps]; q and out in dt (bf16 for the AVX-512 variant); D a multiple of 32. */
+int cpu_decode_attend_fp8(const void *q, const void *kc, const void *vc, const float *ks, const float *vs,
+                          const int32_t *block_table, const int32_t *seq_lens, void *out, float *ws, int B, int Hq,
+                          int Hkv, int D, int ps, int maxp, int splits, int dt, int isa, int threads, int prefetch,
+                          float scale) {
+    if (!ks || !vs) return -1;
+    return attend(q, kc, vc, ks, vs, block_table, seq_lens, out, ws, B, Hq, Hkv, D, ps, maxp, splits, dt, isa,
+                  threads, prefetch, scale);
+}
+
 /* Write new tokens: k, v [B, T, Hkv, D] (right-padded; row j of sequence b is real for j < num_new[b])
  * at positions[b] + j, into the layer's pages (layout above; kc and vc as the kernel takes them).
  * esize: bytes per element (2 or 4). */
@@ -955,4 +1243,50 @@ int cpu_decode_write(void *kc, void *vc, const void *k, const void *v, const int
         }
     }
     return 0;
+}
+
+/* Quantise and write new tokens into an fp8 cache: k, v [B, T, Hkv, D] in dt (right-padded, as for
+ * cpu_decode_write), each row stored as e4m3 bytes of row / scale with scale = amax(|row|) / 448 (the
+ * smallest normal float where that is 0), exactly as attnbench.fp8.quantize does; kc, vc as
+ * cpu_decode_attend_fp8 takes them, ksc, vsc the layer's scales. A row holding NaN or inf is stored
+ * as zeros. Returns the number of such rows (0: all finite), or a negative code for bad arguments. */
+int cpu_decode_write_fp8(uint8_t *kc, uint8_t *vc, float *ksc, float *vsc, const void *k, const void *v,
+                         const int32_t *block_table, const int32_t *positions, const int32_t *num_new, int B, int T,
+                         int Hkv, int D, int ps, int maxp, int dt) {
+    if (D % 32 || ps % TILE || dt < DT_F32 || dt > DT_BF16) return -1;
+    const float tiny = 1.17549435e-38f;
+    int bad = 0;
+    float *row = (float *)malloc(sizeof(float) * (size_t)D);
+    for (int b = 0; b < B; b++) {
+        for (int j = 0; j < num_new[b]; j++) {
+            int t = positions[b] + j, page = block_table[(size_t)b * maxp + t / ps], slot = t % ps;
+            for (int h = 0; h < Hkv; h++) {
+                size_t src = (((size_t)b * T + j) * Hkv + h) * D;
+                size_t tile = 2 * (((size_t)page * Hkv + h) * ps * D + (size_t)(slot / TILE) * TILE * D);
+                size_t j16 = (size_t)(slot % TILE), so = ((size_t)page * Hkv + h) * ps + slot;
+                for (int kv = 0; kv < 2; kv++) {
+                    float amax = 0.0f;
+                    for (int d = 0; d < D; d++) {
+                        row[d] = load_elem(kv ? v : k, src + d, dt);
+                        float a = fabsf(row[d]);
+                        amax = a > amax || a != a ? a : amax; /* NaN propagates, as torch's amax */
+                    }
+                    int finite = isfinite(amax);
+                    float s = finite ? amax / 448.0f : 0.0f;
+                    if (!(s >= tiny)) s = tiny;
+                    bad += !finite;
+                    uint8_t *dst = kv ? vc : kc;
+                    (kv ? vsc : ksc)[so] = s;
+                    for (int d = 0; d < D; d++) {
+                        float x = finite ? row[d] / s : 0.0f;
+                        x = x > 448.0f ? 448.0f : x < -448.0f ? -448.0f : x;
+                        size_t L = kv ? ((j16 / 2) * D + (size_t)d) * 2 + j16 % 2 : ((size_t)(d / 2) * TILE + j16) * 2 + d % 2;
+                        dst[tile + fp8_phys(L)] = f32_to_e4m3(x);
+                    }
+                }
+            }
+        }
+    }
+    free(row);
+    return bad;
 }

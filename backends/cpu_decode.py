@@ -78,7 +78,7 @@ _ISA_NAMES = {0: "c-scalar", 1: "c-avx2", 2: "c-avx512", 3: "c-avx512bf16"}
 _ISA_CODES = {v: k for k, v in _ISA_NAMES.items()}
 #: the dtypes a variant takes where it does not take all three
 _ISA_DTYPES = {"c-avx512": (torch.float32, torch.float16), "c-avx512bf16": (torch.bfloat16,)}
-_ABI = 4
+_ABI = 5
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,8 @@ class Kernel:
     lib: ctypes.CDLL
     isa: int
     path: Path
+    #: the AVX-512 BF16 variant also reads fp8 caches (its byte lookups need AVX512_VBMI)
+    fp8_fast: bool = False
 
 
 def _compiler() -> str | None:
@@ -142,7 +144,11 @@ def load_kernel() -> Kernel | str:
     lib.cpu_decode_attend.restype = i
     lib.cpu_decode_write.argtypes = [p] * 7 + [i] * 8
     lib.cpu_decode_write.restype = i
-    return Kernel(lib=lib, isa=int(lib.cpu_decode_isa()), path=path)
+    lib.cpu_decode_attend_fp8.argtypes = [p] * 9 + [i] * 11 + [f]
+    lib.cpu_decode_attend_fp8.restype = i
+    lib.cpu_decode_write_fp8.argtypes = [p] * 9 + [i] * 7
+    lib.cpu_decode_write_fp8.restype = i
+    return Kernel(lib=lib, isa=int(lib.cpu_decode_isa()), path=path, fp8_fast=bool(lib.cpu_decode_fp8_fast()))
 
 
 @dataclass
@@ -162,6 +168,11 @@ class CpuDecodePlan(StepPlan):
 class CpuDecodeCache(KVCache):
     """Pages in the kernel's layout (module docstring), a block table, a workspace and step buffers."""
 
+    #: the element type of the pages (the compute dtype here; ``uint8`` for the fp8 sibling's)
+    @property
+    def page_dtype(self) -> torch.dtype:
+        return self.dtype
+
     def __init__(
         self, *, isa: str, page_size: int, kv_splits: str | int, prefetch: int, seed: int = 0, **kwargs: Any
     ) -> None:
@@ -177,7 +188,7 @@ class CpuDecodeCache(KVCache):
         d = g.qk_head_dim
         # zeros: rows past a sequence's length are masked, but must never be NaN (0 · NaN)
         self.pages = torch.zeros(
-            self.num_layers, self.num_pages, g.num_kv_heads, page_size // 16, 2, 16 * d, dtype=self.dtype
+            self.num_layers, self.num_pages, g.num_kv_heads, page_size // 16, 2, 16 * d, dtype=self.page_dtype
         )
         gen = torch.Generator().manual_seed(seed)
         order = torch.randperm(self.num_pages, generator=gen, dtype=torch.int64).to(torch.int32)

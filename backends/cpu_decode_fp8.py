@@ -1,0 +1,250 @@
+"""``cpu_decode_fp8`` — ``cpu_decode`` over an fp8 (e4m3) K/V cache: half the bytes per step (lossy).
+
+The same kernel file as :mod:`attnbench.backends.cpu_decode` (``cpu_decode.c``), with one byte per K/V
+value and a float32 scale per token and KV head — the values the ``fp8`` backend stores
+(``scale = amax(|row|) / 448``, ``row / scale`` rounded to nearest-even into ``float8_e4m3fn``; the
+kernel's writer quantises in C and a test checks it byte for byte against
+:func:`attnbench.fp8.quantize`), so the gate's stored-K/V reference applies unchanged:
+
+    pages:    [L, pages, Hkv, page_size / 16, 2, 16 · D]  uint8   # the bf16 tile order (K [D/2, 16, 2],
+                                                                  # V [8, D, 2]), 8-byte interleaved
+                                                                  # within each 64-byte block
+    k_scales, v_scales: [L, pages, Hkv, page_size]         float32
+
+For head_dim 128 a token of one KV head takes 2 · 128 + 8 = 264 bytes against bf16's 512 (0.52×).
+
+Variants: ``c-avx512bf16`` (a CPU with AVX512_BF16 and AVX512_VBMI, bf16 compute): each 64-byte load of
+fp8 bytes becomes two rows of bf16 by two byte lookups (``vpermt2b``, exact for every e4m3 value,
+subnormals included) and two unpacks, then the same ``vdpbf16ps`` dot products as the bf16 kernel;
+the K scale multiplies the 16 scores of a tile, the V scale the probabilities before they are rounded
+to bf16 for p·v (the denominator sums the unrounded ones). ``c-scalar`` (plain C, any compute dtype)
+runs the same arithmetic in fp32 where the CPU lacks those (``force_isa``; tests run it everywhere).
+
+Lossy, so it competes only when the user allows it (``--allow-lossy``, ``select(allow_lossy=True)``).
+Prefill attends over the prompt's unquantised K/V and stores them quantised (as ``fp8``); a prompt
+after a cached prefix reads the prefix back dequantised (:meth:`CpuDecodeFp8Cache.read`). K/V holding
+NaN or inf are stored as zeros and refused with :class:`attnbench.fp8.NonFiniteKVError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from attnbench.backend import KVCache, StepPlan, Tolerance
+from attnbench.backends.cpu_decode import (
+    _DTYPE_CODES,
+    _ISA_CODES,
+    _ISA_NAMES,
+    CpuDecodeBackend,
+    CpuDecodeCache,
+    CpuDecodePlan,
+    load_kernel,
+)
+from attnbench.backends.fp8 import EXACT_TOLERANCE, STORED_TOLERANCE
+from attnbench.fp8 import NonFiniteKVError, dequantize, quantize
+from attnbench.workload import Workload
+
+#: the variants that read an fp8 cache: the AVX-512 BF16 one (bf16 only) and plain C (any dtype)
+_FP8_DTYPES = {"c-avx512bf16": (torch.bfloat16,), "c-scalar": tuple(_DTYPE_CODES)}
+
+
+def fp8_phys(n: int) -> torch.Tensor:
+    """Byte position of logical element ``L`` (bf16 tile order) for ``L < n``: ``cpu_decode.c``'s fp8_phys."""
+    L = torch.arange(n)
+    return (L & ~63) | (((L & 31) >> 3) << 4) | (((L >> 5) & 1) << 3) | (L & 7)
+
+
+class CpuDecodeFp8Cache(CpuDecodeCache):
+    """``CpuDecodeCache`` with fp8 bytes for pages and float32 scales per token and KV head."""
+
+    @property
+    def page_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pair = 2  # the bf16 tile order, in every compute dtype
+        shape = (self.num_layers, self.num_pages, self.geometry.num_kv_heads, self.page_size)
+        self.k_scales = torch.zeros(shape, dtype=torch.float32)
+        self.v_scales = torch.zeros(shape, dtype=torch.float32)
+        self._perm = fp8_phys(16 * self.geometry.qk_head_dim)
+
+    def bytes_per_token(self) -> int:
+        g = self.geometry
+        return (g.num_kv_heads * (g.qk_head_dim + g.v_head_dim) + 2 * g.num_kv_heads * 4) * self.num_layers
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.k_scales.nbytes + self.v_scales.nbytes
+
+    def dequantized(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 ``k``/``v`` ``[length, Hkv, D]`` of sequence ``seq`` as stored (bytes × scales)."""
+        g, d = self.geometry, self.geometry.qk_head_dim
+        n_pages = -(-length // self.page_size)
+        pages = self.block_table[seq, :n_pages].long()
+        tiles = self.pages[layer].index_select(0, pages)[..., self._perm]  # logical order
+        tiles = tiles.view(torch.float8_e4m3fn).double()
+        tpp = self.page_size // 16
+        k = tiles[:, :, :, 0].reshape(n_pages, g.num_kv_heads, tpp, d // 2, 16, 2)
+        k = k.permute(0, 2, 4, 1, 3, 5).reshape(-1, g.num_kv_heads, d)
+        v = tiles[:, :, :, 1].reshape(n_pages, g.num_kv_heads, tpp, 8, d, 2)
+        v = v.permute(0, 2, 3, 5, 1, 4).reshape(-1, g.num_kv_heads, d)
+        ks = self.k_scales[layer].index_select(0, pages).transpose(1, 2).reshape(-1, g.num_kv_heads)
+        vs = self.v_scales[layer].index_select(0, pages).transpose(1, 2).reshape(-1, g.num_kv_heads)
+        return (k * ks.double()[..., None])[:length], (v * vs.double()[..., None])[:length]
+
+    def read(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.dequantized(layer, seq, length)
+        return k.to(self.dtype), v.to(self.dtype)
+
+
+class CpuDecodeFp8Backend(CpuDecodeBackend):
+    name = "cpu_decode_fp8"
+    description = (
+        "cpu_decode over an fp8 (e4m3) K/V cache with per-token scales (C, AVX-512 BF16 + VBMI / scalar)"
+    )
+    lossy = "fp8 e4m3 K/V"
+    #: run this variant instead of the best the CPU has ("c-scalar": plain C, any dtype); None: the best
+    force_isa: ClassVar[str | None] = None
+
+    def supports(self, workload: Workload) -> list[str]:
+        reasons = []
+        g = workload.geometry(self.kv_form)
+        if torch.device(workload.device).type != "cpu":
+            reasons.append(f"device {workload.device}: the cpu_decode kernel runs on the cpu only")
+        if workload.dtype not in _DTYPE_CODES:
+            reasons.append(f"dtype {workload.dtype_name} not in (fp32, fp16, bf16)")
+        if g.qk_head_dim != g.v_head_dim:
+            reasons.append(f"key and value head dims differ ({g.qk_head_dim} vs {g.v_head_dim})")
+        elif g.qk_head_dim % 32 or g.qk_head_dim > 1024:
+            reasons.append(f"head_dim {g.qk_head_dim} must be a multiple of 32 up to 1024 (fp8 K/V)")
+        if g.group_size > 64:
+            reasons.append(f"GQA group of {g.group_size} query heads per KV head > 64")
+        if reasons:
+            return reasons
+        kernel = load_kernel()
+        if isinstance(kernel, str):
+            return [kernel]
+        isa = self._isa(workload.dtype, kernel)
+        if isa is None:
+            return [
+                "the fp8 kernel needs AVX512_BF16 and AVX512_VBMI and bf16 compute "
+                f"(this CPU runs {_ISA_NAMES[kernel.isa]}, dtype {workload.dtype_name})"
+            ]
+        if workload.dtype not in _FP8_DTYPES[isa]:
+            return [f"variant {isa} with fp8 K/V does not take dtype {workload.dtype_name}"]
+        return []
+
+    def _isa(self, dtype: torch.dtype, kernel: Any) -> str | None:  # type: ignore[override]
+        """The forced variant, else the AVX-512 BF16 one where it reads fp8 (bf16 only), else none."""
+        if self.force_isa is not None:
+            return self.force_isa
+        if kernel.fp8_fast and dtype == torch.bfloat16:
+            return "c-avx512bf16"
+        return None
+
+    def implementation(self, workload: Workload) -> str:
+        reasons = self.supports(workload)
+        if reasons:
+            return "unavailable: " + "; ".join(reasons)
+        return f"cpu_decode.c[{self._isa(workload.dtype, load_kernel())}, fp8 e4m3 K/V]"
+
+    def kv_bytes_per_token(self, workload: Workload, *, config: Mapping[str, Any]) -> int:
+        """One byte per K/V value plus two float32 scales per KV head, over every layer."""
+        g = workload.geometry(self.kv_form)
+        per_layer = g.num_kv_heads * (g.qk_head_dim + g.v_head_dim) + 2 * g.num_kv_heads * 4
+        return per_layer * workload.shape.num_layers
+
+    # -- accuracy (the fp8 backend's bounds: the same stored values) -------------------------------
+    def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
+        """Against the K/V as stored: the default, 2 (bf16 rounds p · v_scale to bf16 for the dot
+        product, as the bf16 kernel rounds p; the scalar variant stays in fp32)."""
+        return super().error_multiple(dtype, config=config)
+
+    def tolerance(self, dtype: torch.dtype) -> Tolerance:
+        return EXACT_TOLERANCE
+
+    def stored_tolerance(self, dtype: torch.dtype) -> Tolerance:
+        return STORED_TOLERANCE[dtype]
+
+    def reference_kv(self, k: torch.Tensor, v: torch.Tensor, *, config: Mapping[str, Any]) -> tuple:
+        """``k``/``v`` quantised exactly as the cache stores them (per token-head scales), in float64."""
+        (kq, ks, _), (vq, vs, _) = quantize(k), quantize(v)
+        return dequantize(kq, ks), dequantize(vq, vs)
+
+    # -- the cache and the step --------------------------------------------------------------------
+    def create_cache(
+        self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
+    ) -> CpuDecodeFp8Cache:
+        cfg = self.resolve_config(config)
+        reasons = self.supports(workload)
+        if reasons:
+            raise ValueError(f"backend {self.name!r} cannot run {workload.describe()}: {'; '.join(reasons)}")
+        isa = self._isa(workload.dtype, load_kernel())
+        assert isa is not None
+        return CpuDecodeFp8Cache(
+            isa=isa,
+            page_size=int(cfg["page_size"]),
+            kv_splits=cfg["kv_splits"],
+            prefetch=int(cfg["prefetch"]),
+            workload=workload,
+            geometry=workload.geometry(self.kv_form),
+            config=cfg,
+            num_layers=num_layers,
+            max_seq_len=max_seq_len,
+        )
+
+    def _write(  # type: ignore[override]
+        self, cache: CpuDecodeFp8Cache, plan: CpuDecodePlan, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Quantise ``k``/``v`` ``[B, T, Hkv, D]`` (right-padded) into ``layer``'s pages and scales."""
+        if k.dtype != cache.dtype or v.dtype != cache.dtype:
+            raise TypeError(
+                f"backend {self.name!r}: k/v dtype {k.dtype}/{v.dtype}; the cache computes in {cache.dtype}"
+            )
+        k, v = k.contiguous(), v.contiguous()
+        g = cache.geometry
+        kernel = load_kernel()
+        assert not isinstance(kernel, str) and plan.positions32 is not None and plan.num_new32 is not None
+        kp, vp = cache.layer_ptrs[layer]
+        rc = kernel.lib.cpu_decode_write_fp8(
+            kp, vp, cache.k_scales[layer].data_ptr(), cache.v_scales[layer].data_ptr(), k.data_ptr(),
+            v.data_ptr(), cache.block_table.data_ptr(), plan.positions32.data_ptr(), plan.num_new32.data_ptr(),
+            cache.batch, k.shape[1], g.num_kv_heads, g.qk_head_dim, cache.page_size, cache.pages_per_seq,
+            _DTYPE_CODES[cache.dtype],
+        )  # fmt: skip
+        if rc < 0:
+            raise RuntimeError(
+                f"backend {self.name!r}: the kernel's writer refused its arguments (code {rc})"
+            )
+        if rc > 0:
+            raise NonFiniteKVError(
+                f"backend {self.name!r}, layer {layer}: {rc} K/V rows hold NaN or inf (stored as zeros); "
+                "an fp8 cache accepts finite values only"
+            )
+
+    def decode(
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """``q [B, Hq, D]``, ``k``/``v`` ``[B, Hkv, D]`` → ``[B, Hq, D]``; no host work besides the calls."""
+        assert isinstance(cache, CpuDecodeFp8Cache) and isinstance(plan, CpuDecodePlan)
+        self._write(cache, plan, layer, k[:, None], v[:, None])
+        g = cache.geometry
+        q = q.contiguous()
+        if q.dtype != cache.dtype:
+            raise TypeError(f"backend {self.name!r}: q dtype {q.dtype}; the cache computes in {cache.dtype}")
+        out = torch.empty_like(q)
+        kernel = load_kernel()
+        assert not isinstance(kernel, str) and plan.seq_lens32 is not None
+        kp, vp = cache.layer_ptrs[layer]
+        rc = kernel.lib.cpu_decode_attend_fp8(
+            q.data_ptr(), kp, vp, cache.k_scales[layer].data_ptr(), cache.v_scales[layer].data_ptr(),
+            cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(), out.data_ptr(), cache.workspace.data_ptr(),
+            cache.batch, g.num_q_heads, g.num_kv_heads, g.qk_head_dim, cache.page_size, cache.pages_per_seq,
+            plan.splits, _DTYPE_CODES[cache.dtype], _ISA_CODES[cache.isa], plan.threads, cache.prefetch, g.scale,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"backend {self.name!r}: the kernel refused its arguments (code {rc})")
+        return out

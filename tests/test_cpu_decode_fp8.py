@@ -1,0 +1,150 @@
+"""``cpu_decode_fp8``: the conformance suite on each variant, the writer against ``quantize``, the variants
+against each other, and non-finite K/V.
+
+The AVX-512 variant runs where the CPU has AVX512_BF16 and AVX512_VBMI (elsewhere its cases skip with
+that reason); the plain-C variant is forced and runs on every CPU, so CI checks the fp8 arithmetic and
+layout wherever it runs. Under ``ATTNBENCH_REQUIRE_CPU_DECODE=1`` a kernel that does not build fails.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from attnbench.backends.cpu_decode import load_kernel
+from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend, CpuDecodeFp8Cache
+from attnbench.fp8 import NonFiniteKVError, dequantize, quantize
+from attnbench.shapes import ModelShape
+from attnbench.testing import CASES, BackendConformance
+from attnbench.workload import Workload
+
+
+def _kernel() -> Any:
+    kernel = load_kernel()
+    if isinstance(kernel, str):
+        if os.environ.get("ATTNBENCH_REQUIRE_CPU_DECODE") == "1":
+            pytest.fail(kernel)
+        pytest.skip(kernel)
+    return kernel
+
+
+class TestCpuDecodeFp8(BackendConformance):
+    """The variant the CPU runs (c-avx512bf16 on an AVX-512 BF16 + VBMI CPU; bf16 only)."""
+
+    backend = CpuDecodeFp8Backend
+    dtypes = ("bf16",)
+    configs: ClassVar[list[dict[str, Any]]] = [
+        CpuDecodeFp8Backend.default_config(),
+        {"page_size": 16, "kv_splits": 4},
+        {"page_size": 32, "kv_splits": 1, "prefetch": 0},
+    ]
+
+
+class ScalarCpuDecodeFp8(CpuDecodeFp8Backend):
+    name = "cpu_decode_fp8_scalar"
+    force_isa = "c-scalar"
+
+
+class TestCpuDecodeFp8Scalar(BackendConformance):
+    """The plain-C variant, forced: what runs the fp8 layout on any CPU."""
+
+    backend = ScalarCpuDecodeFp8
+    dtypes = ("bf16", "fp32")
+    configs: ClassVar[list[dict[str, Any]]] = [{"page_size": 16, "kv_splits": 4}]
+    cases = CASES[:3]
+    long_cases = ()
+
+
+GQA = ModelShape.attention_only("gqa-14-2", num_heads=14, num_kv_heads=2, head_dim=64)  # 4 + 3 heads
+
+
+def _filled(
+    backend: CpuDecodeFp8Backend, dtype: torch.dtype, lens: tuple[int, ...], page_size: int, gen: Any
+):
+    w = Workload(GQA, lens, dtype, "cpu")
+    cache = backend.create_cache(w, config={"page_size": page_size}, num_layers=1, max_seq_len=max(lens) + 8)
+    b, t = len(lens), max(lens)
+    # rows of very different magnitudes, a few values in e4m3's subnormal range, and an all-zero row
+    k = torch.randn(b, t, 2, 64, generator=gen) * torch.rand(b, t, 2, 1, generator=gen) * 8
+    k[0, 3, 1, :5] = torch.tensor([1e-3, -2e-3, 3e-4, 0.0, 7.0])
+    k[0, 4] = 0.0
+    v = torch.randn(b, t, 2, 64, generator=gen)
+    k, v = k.to(dtype), v.to(dtype)
+    backend.append(cache, backend.plan(cache, num_new=lens), layer=0, k=k, v=v)
+    cache.commit(backend.plan(cache, num_new=(0,) * b))
+    cache.seq_lens = lens
+    return cache, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_writer_stores_what_quantize_stores(dtype: torch.dtype) -> None:
+    """Byte for byte (as values): the C writer's scales and e4m3 rounding are attnbench.fp8.quantize's."""
+    _kernel()
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    lens = (301, 17, 64)
+    cache, k, v = _filled(ScalarCpuDecodeFp8(), dtype, lens, 32, gen)
+    assert isinstance(cache, CpuDecodeFp8Cache)
+    for b, n in enumerate(lens):
+        got_k, got_v = cache.dequantized(0, b, n)
+        (kq, ks, _), (vq, vs, _) = quantize(k[b, :n]), quantize(v[b, :n])
+        assert torch.equal(got_k, dequantize(kq, ks)) and torch.equal(got_v, dequantize(vq, vs))
+    assert cache.bytes_per_token() == 2 * (2 * 64 + 8)
+    per_token = ScalarCpuDecodeFp8().kv_bytes_per_token(Workload(GQA, lens, dtype, "cpu"), config={})
+    assert per_token == GQA.num_layers * cache.bytes_per_token()  # one layer in this cache
+
+
+@pytest.mark.parametrize(("page_size", "splits"), [(16, 4), (64, 1), (128, 2)])
+def test_the_variants_agree_on_one_cache(page_size: int, splits: int) -> None:
+    """c-avx512bf16 and c-scalar decode the same fp8 pages alike (ragged lengths, 1- and 2-tile steps)."""
+    kernel = _kernel()
+    if not kernel.fp8_fast:
+        pytest.skip("this CPU lacks AVX512_BF16 + AVX512_VBMI: only the plain-C variant reads fp8 here")
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    lens = (301, 17, 64)
+    backend = CpuDecodeFp8Backend()
+    cache, _, _ = _filled(backend, torch.bfloat16, lens, page_size, gen)
+    q = torch.randn(3, 14, 64, generator=gen).to(torch.bfloat16)
+    nk = torch.randn(3, 2, 64, generator=gen).to(torch.bfloat16)
+    outs = {}
+    for isa in ("c-avx512bf16", "c-scalar"):
+        cache.isa = isa
+        plan = backend.plan(cache, num_new=[1, 1, 1])
+        plan.splits = splits
+        outs[isa] = backend.decode(cache, plan, layer=0, q=q, k=nk, v=nk).float()
+    # the AVX-512 variant rounds p · v_scale to bf16 for the dot product; both round the output
+    torch.testing.assert_close(outs["c-avx512bf16"], outs["c-scalar"], atol=2e-2, rtol=2e-2)
+
+
+def test_non_finite_kv_are_refused_by_name_and_stored_as_zeros() -> None:
+    _kernel()
+    backend = ScalarCpuDecodeFp8()
+    w = Workload(GQA, (5,), torch.float32, "cpu")
+    cache = backend.create_cache(w, config={"page_size": 16}, num_layers=1, max_seq_len=16)
+    k = torch.randn(1, 5, 2, 64)
+    v = torch.randn(1, 5, 2, 64)
+    k[0, 2, 1, 7] = float("nan")
+    v[0, 4, 0, 0] = float("inf")
+    with pytest.raises(NonFiniteKVError, match=r"cpu_decode_fp8_scalar.*layer 0: 2 K/V rows hold NaN or inf"):
+        backend.append(cache, backend.plan(cache, num_new=(5,)), layer=0, k=k, v=v)
+    got_k, got_v = cache.dequantized(0, 0, 5)
+    assert torch.equal(got_k[2, 1], torch.zeros(64, dtype=torch.float64))
+    assert torch.equal(got_v[4, 0], torch.zeros(64, dtype=torch.float64))
+    assert torch.isfinite(got_k).all() and torch.isfinite(got_v).all()
+
+
+def test_unsupported_shapes_and_devices_say_why() -> None:
+    _kernel()
+    odd = ModelShape.attention_only("d80", num_heads=4, num_kv_heads=1, head_dim=80)
+    reasons = CpuDecodeFp8Backend().supports(Workload(odd, (8,), torch.bfloat16, "cpu"))
+    assert any("head_dim 80 must be a multiple of 32" in r for r in reasons), reasons
+    reasons = CpuDecodeFp8Backend().supports(Workload(GQA, (8,), torch.bfloat16, "meta"))
+    assert any("runs on the cpu only" in r for r in reasons), reasons
+    if not load_kernel().fp8_fast:  # type: ignore[union-attr]
+        reasons = CpuDecodeFp8Backend().supports(Workload(GQA, (8,), torch.bfloat16, "cpu"))
+        assert reasons and "AVX512_BF16 and AVX512_VBMI" in reasons[0], reasons
+    fp32 = CpuDecodeFp8Backend().supports(Workload(GQA, (8,), torch.float32, "cpu"))
+    assert fp32, "the AVX-512 fp8 variant computes in bf16 only"
+    assert CpuDecodeFp8Backend.lossy == "fp8 e4m3 K/V"
