@@ -37,12 +37,17 @@
 #define INLINE static inline __attribute__((always_inline))
 #if !defined(CPU_DECODE_NO_AVX512)
 #define CPU_DECODE_AVX512 1
+#if defined(__clang__) ? (__clang_major__ >= 12) : (__GNUC__ >= 11) /* AMX intrinsics */
+#define CPU_DECODE_AMX 1
+#endif
 #endif
 #endif
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 /* ordered: a CPU that runs one variant runs every variant below it (for the dtypes each takes) */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
+/* fp8 caches only: AMX tile multiplies (with ISA_AVX512BF16's conversions), GQA groups up to 16 */
+enum { ISA_AMX = 4 };
 #define TILE 16
 #define MAX_G 64
 
@@ -65,11 +70,19 @@ int cpu_decode_isa(void) {
     return ISA_SCALAR;
 }
 
-/* 1 where the c-avx512bf16 variant can also read fp8 caches (its byte lookups need AVX512_VBMI) */
+#ifdef CPU_DECODE_AMX
+static int amx_request(void);
+#else
+static int amx_request(void) { return 0; }
+#endif
+
+/* The best variant for fp8 caches: 2 (c-amx: AMX tiles, granted by the OS here), 1 (c-avx512bf16: its
+ * byte lookups need AVX512_VBMI), 0 (plain C only) */
 int cpu_decode_fp8_fast(void) {
 #ifdef CPU_DECODE_AVX512
     __builtin_cpu_init();
-    return cpu_decode_isa() == ISA_AVX512BF16 && __builtin_cpu_supports("avx512vbmi");
+    if (cpu_decode_isa() != ISA_AVX512BF16 || !__builtin_cpu_supports("avx512vbmi")) return 0;
+    return amx_request() ? 2 : 1;
 #else
     return 0;
 #endif
@@ -1080,10 +1093,198 @@ TGT_FP8 static void item_fp8_avx512(const item_t *it) {
     }
     for (int g = 0; g < G; g++) it->l[g] = _mm512_reduce_add_ps(_mm512_load_ps(lv + 16 * g));
 }
+
+
+#ifdef CPU_DECODE_AMX
+/* -- fp8 e4m3 K/V on AMX: the byte lookups above convert a step's tiles to bf16 in a scratch buffer
+ * (exactly the bf16 kernel's tile layout), and AMX tile multiplies (tdpbf16ps) compute the GN ≤ 16
+ * heads' scores (q [GN, 32 dims] × K [32 dims, 16 keys] per 32 dims) and p·v (P [GN, 32 keys] × V
+ * [32 keys, 16 dims] per 16 dims); the online softmax stays in AVX-512, in fp32. One step covers the
+ * rest of a page (up to 128 keys), so that the multiplies of a step are many and independent. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,amx-tile,amx-bf16")))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tilecfg_t;
+
+static int amx_granted = 0;
+
+/* AMX-TILE and AMX-BF16 in CPUID, and the kernel's permission to use the tile data (once per process) */
+static int amx_request(void) {
+    unsigned a, b, c, d;
+    if (amx_granted) return 1;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1u) || !((d >> 24) & 1u)) return 0;
+    amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx_granted;
+}
+
+TGT_AMX static void item_fp8_amx(const item_t *it) {
+    const int G = it->G, D = it->D, pf = it->prefetch;
+    const uint8_t *kc = (const uint8_t *)it->kc, *vc = (const uint8_t *)it->vc;
+    const size_t tile_bytes = (size_t)2 * TILE * D;
+    const __m512i tab[4] = {_mm512_load_si512(FP8_LO), _mm512_load_si512(FP8_LO + 64), _mm512_load_si512(FP8_HI),
+                            _mm512_load_si512(FP8_HI + 64)};
+    /* scratch for a step of up to 8 tiles (a 128-token page): K as bf16 [8][D/2][16][2], V [64 key
+     * pairs][D][2], scores [8][G][16] fp32, P [G][128] bf16, the step's p·v [G][D] fp32 */
+    const size_t kvb = (size_t)256 * D;
+    char *buf = (char *)aligned_alloc(64, 2 * kvb + 8192 + 4096 + (size_t)64 * D);
+    char *kb = buf, *vb = buf + kvb;
+    float *sbuf = (float *)(buf + 2 * kvb), *obuf = (float *)(buf + 2 * kvb + 12288);
+    uint16_t *pbuf = (uint16_t *)(buf + 2 * kvb + 8192);
+    memset(vb, 0, kvb); /* an odd tile count's last key pairs meet P = 0: zeros, never NaN */
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t >= 5 ? 16 : (uint8_t)G; /* 0-3: C (scores, p·v), 4: A (q, P), 5-7: B (K, V) */
+    }
+    _tile_loadconfig(&cfg);
+    for (int g = 0; g < G; g++) {
+        it->m[g] = -INFINITY;
+        it->l[g] = 0.0f;
+    }
+    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
+    const __m512 scale = _mm512_set1_ps(it->scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int t = it->t0; t < it->t1;) {
+        /* the step: the tiles from t to the end of its page or of the range */
+        int page_end = (t / it->ps + 1) * it->ps, stop = page_end < it->t1 ? page_end : it->t1;
+        const int nt = (stop - t + TILE - 1) / TILE, nc = (nt + 1) / 2; /* tiles, 32-key chunks */
+        if (pf > 0) { /* the next page's first tiles */
+            for (int j = 0; j < pf; j++) {
+                int f = stop + j * TILE;
+                if (f >= it->t1) break;
+                prefetch_tile((const char *)kc + tile_offset(it, f), tile_bytes);
+                if (j == 0) {
+                    prefetch_tile((const char *)(it->ks + scale_offset(it, f)), 4 * (size_t)it->ps);
+                    prefetch_tile((const char *)(it->vs + scale_offset(it, f)), 4 * (size_t)it->ps);
+                }
+            }
+        }
+        const size_t base = tile_offset(it, t), so = scale_offset(it, t);
+        for (int u = 0; u < nt; u++) { /* fp8 → bf16, K and V of each tile */
+            const uint8_t *sk = kc + base + u * tile_bytes, *sv = vc + base + u * tile_bytes;
+            char *dk = kb + (size_t)u * 32 * D, *dv = vb + (size_t)u * 32 * D;
+            for (int i = 0; i < 16 * D; i += 64) {
+                __m512i r0, r1;
+                fp8x64(sk + i, tab, &r0, &r1);
+                _mm512_store_si512((void *)(dk + 2 * i), r0);
+                _mm512_store_si512((void *)(dk + 2 * i + 64), r1);
+                fp8x64(sv + i, tab, &r0, &r1);
+                _mm512_store_si512((void *)(dv + 2 * i), r0);
+                _mm512_store_si512((void *)(dv + 2 * i + 64), r1);
+            }
+        }
+        for (int c = 0; c < nt; c += 4) { /* scores of up to 4 tiles at a time, 32 dims per multiply */
+            const int n4 = nt - c < 4 ? nt - c : 4;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int k = 0; k < D / 32; k++) {
+                _tile_loadd(4, (const char *)it->q + k * 64, D * 2);
+                const char *kk = kb + (size_t)c * 32 * D + k * 1024;
+                _tile_loadd(5, kk, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (n4 > 1) {
+                    _tile_loadd(6, kk + (size_t)32 * D, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
+                if (n4 > 2) {
+                    _tile_loadd(7, kk + (size_t)64 * D, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+                if (n4 > 3) {
+                    _tile_loadd(5, kk + (size_t)96 * D, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            float *sc = sbuf + (size_t)c * 16 * G;
+            _tile_stored(0, sc, 64);
+            if (n4 > 1) _tile_stored(1, sc + 16 * G, 64);
+            if (n4 > 2) _tile_stored(2, sc + 32 * G, 64);
+            if (n4 > 3) _tile_stored(3, sc + 48 * G, 64);
+        }
+        float alpha[16];
+        for (int g = 0; g < G; g++) { /* the online softmax of head g over the step's keys */
+            __m512 x[9], mx = ninf;
+            for (int u = 0; u < nt; u++) {
+                __m512 ks = _mm512_mul_ps(_mm512_loadu_ps(it->ks + so + 16 * u), scale);
+                x[u] = _mm512_mul_ps(_mm512_loadu_ps(sbuf + (size_t)(u * G + g) * 16), ks);
+                mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(ninf, tile_mask(stop - t - 16 * u), x[u]));
+            }
+            float mt = _mm512_reduce_max_ps(mx), mo = it->m[g], mn = mt > mo ? mt : mo;
+            const __m512 mv = _mm512_set1_ps(mn);
+            for (int u = 0; u < nt; u++) x[u] = _mm512_sub_ps(x[u], mv);
+            x[nt] = _mm512_set1_ps(mo - mn);
+            for (int i = 0; i <= nt; i += 6) exp512n(nt + 1 - i < 6 ? nt + 1 - i : 6, x + i);
+            alpha[g] = _mm512_cvtss_f32(x[nt]);
+            __m512 sum = _mm512_setzero_ps();
+            for (int u = 0; u < 2 * nc; u++) {
+                __m512 pu = u < nt ? _mm512_maskz_mov_ps(tile_mask(stop - t - 16 * u), x[u]) : _mm512_setzero_ps();
+                sum = _mm512_add_ps(sum, pu);
+                __m512 w = u < nt ? _mm512_mul_ps(pu, _mm512_loadu_ps(it->vs + so + 16 * u)) : pu;
+                _mm256_store_si256((__m256i *)(pbuf + 128 * g + 16 * u), (__m256i)_mm512_cvtneps_pbh(w));
+            }
+            it->l[g] = it->l[g] * alpha[g] + _mm512_reduce_add_ps(sum);
+            it->m[g] = mn;
+        }
+        for (int db = 0; db < D / 16; db += 4) { /* p·v: 4 × 16 dims at a time, 32 keys per multiply */
+            const int n4 = D / 16 - db < 4 ? D / 16 - db : 4;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int ch = 0; ch < nc; ch++) {
+                _tile_loadd(4, (const char *)pbuf + ch * 64, 256);
+                const char *vv = vb + (size_t)ch * 64 * D + db * 64;
+                _tile_loadd(5, vv, D * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                if (n4 > 1) {
+                    _tile_loadd(6, vv + 64, D * 4);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
+                if (n4 > 2) {
+                    _tile_loadd(7, vv + 128, D * 4);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+                if (n4 > 3) {
+                    _tile_loadd(5, vv + 192, D * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, obuf + db * 16, D * 4);
+            if (n4 > 1) _tile_stored(1, obuf + db * 16 + 16, D * 4);
+            if (n4 > 2) _tile_stored(2, obuf + db * 16 + 32, D * 4);
+            if (n4 > 3) _tile_stored(3, obuf + db * 16 + 48, D * 4);
+        }
+        for (int g = 0; g < G; g++) {
+            float *acc = it->acc + (size_t)g * D;
+            const float *o = obuf + (size_t)g * D;
+            const __m512 a = _mm512_set1_ps(alpha[g]);
+            for (int d = 0; d < D; d += 16)
+                _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), a, _mm512_loadu_ps(o + d)));
+        }
+        t = stop;
+    }
+    _tile_release();
+    free(buf);
+}
+#endif
 #endif
 
 static void run_item(const item_t *it, int isa) {
-    if (it->ks) { /* an fp8 cache: the AVX-512 BF16 lookup variant (bf16 q), else plain C */
+    if (it->ks) { /* an fp8 cache: AMX, the AVX-512 BF16 lookup variant (bf16 q), else plain C */
+#ifdef CPU_DECODE_AMX
+        if (isa == ISA_AMX) {
+            item_fp8_amx(it);
+            return;
+        }
+#endif
 #ifdef CPU_DECODE_AVX512
         if (isa == ISA_AVX512BF16) {
             item_fp8_avx512(it);
@@ -1124,7 +1325,8 @@ static int attend(const void *q, const void *kc, const void *vc, const float *ks
                   const int32_t *block_table, const int32_t *seq_lens, void *out, float *ws, int B, int Hq, int Hkv,
                   int D, int ps, int maxp, int splits, int dt, int isa, int threads, int prefetch, float scale) {
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || ps % TILE || splits < 1) return -1;
-    if (ks && (D % 32 || (isa != ISA_SCALAR && isa != ISA_AVX512BF16))) return -1;
+    if (ks && (D % 32 || (isa != ISA_SCALAR && isa != ISA_AVX512BF16 && isa != ISA_AMX))) return -1;
+    if (isa == ISA_AMX && (!ks || !amx_request() || Hq / Hkv > 16 || dt != DT_BF16)) return -3;
     if (isa == ISA_AVX512BF16 && dt != DT_BF16) return -2;
     if (isa == ISA_AVX512 && dt == DT_BF16) return -2;
     const int G = Hq / Hkv, P = dt == DT_BF16 ? 2 : 1;

@@ -74,7 +74,7 @@ PAGE_SIZES = (16, 32, 64, 128)
 MAX_SPLITS = 16
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: the kernel's variants, ordered: a CPU that runs one runs every one before it (cpu_decode_isa())
-_ISA_NAMES = {0: "c-scalar", 1: "c-avx2", 2: "c-avx512", 3: "c-avx512bf16"}
+_ISA_NAMES = {0: "c-scalar", 1: "c-avx2", 2: "c-avx512", 3: "c-avx512bf16", 4: "c-amx"}  # 4: fp8 caches only
 _ISA_CODES = {v: k for k, v in _ISA_NAMES.items()}
 #: the dtypes a variant takes where it does not take all three
 _ISA_DTYPES = {"c-avx512": (torch.float32, torch.float16), "c-avx512bf16": (torch.bfloat16,)}
@@ -88,8 +88,8 @@ class Kernel:
     lib: ctypes.CDLL
     isa: int
     path: Path
-    #: the AVX-512 BF16 variant also reads fp8 caches (its byte lookups need AVX512_VBMI)
-    fp8_fast: bool = False
+    #: the best variant for fp8 caches: 2 AMX (granted by the OS), 1 AVX-512 BF16 + VBMI, 0 plain C
+    fp8_level: int = 0
 
 
 def _compiler() -> str | None:
@@ -148,7 +148,7 @@ def load_kernel() -> Kernel | str:
     lib.cpu_decode_attend_fp8.restype = i
     lib.cpu_decode_write_fp8.argtypes = [p] * 9 + [i] * 7
     lib.cpu_decode_write_fp8.restype = i
-    return Kernel(lib=lib, isa=int(lib.cpu_decode_isa()), path=path, fp8_fast=bool(lib.cpu_decode_fp8_fast()))
+    return Kernel(lib=lib, isa=int(lib.cpu_decode_isa()), path=path, fp8_level=int(lib.cpu_decode_fp8_fast()))
 
 
 @dataclass

@@ -13,12 +13,15 @@ kernel's writer quantises in C and a test checks it byte for byte against
 
 For head_dim 128 a token of one KV head takes 2 · 128 + 8 = 264 bytes against bf16's 512 (0.52×).
 
-Variants: ``c-avx512bf16`` (a CPU with AVX512_BF16 and AVX512_VBMI, bf16 compute): each 64-byte load of
-fp8 bytes becomes two rows of bf16 by two byte lookups (``vpermt2b``, exact for every e4m3 value,
-subnormals included) and two unpacks, then the same ``vdpbf16ps`` dot products as the bf16 kernel;
-the K scale multiplies the 16 scores of a tile, the V scale the probabilities before they are rounded
-to bf16 for p·v (the denominator sums the unrounded ones). ``c-scalar`` (plain C, any compute dtype)
-runs the same arithmetic in fp32 where the CPU lacks those (``force_isa``; tests run it everywhere).
+Variants (bf16 compute unless plain C): ``c-avx512bf16`` (a CPU with AVX512_BF16 and AVX512_VBMI):
+each 64-byte load of fp8 bytes becomes two rows of bf16 by two byte lookups (``vpermt2b``, exact for
+every e4m3 value, subnormals included) and two unpacks, then the same ``vdpbf16ps`` dot products as
+the bf16 kernel; the K scale multiplies the 16 scores of a tile, the V scale the probabilities before
+they are rounded to bf16 for p·v (the denominator sums the unrounded ones). ``c-amx`` (where the CPU
+has AMX-BF16 and the OS grants the tile data; GQA groups up to 16): the same lookups convert a page's
+tiles into a bf16 scratch buffer and AMX tile multiplies compute the scores and p·v of up to 128 keys
+a step; the softmax stays in AVX-512, fp32. ``c-scalar`` (plain C, any compute dtype) runs the same
+arithmetic in fp32 where the CPU lacks those (``force_isa``; tests run it everywhere).
 
 Lossy, so it competes only when the user allows it (``--allow-lossy``, ``select(allow_lossy=True)``).
 Prefill attends over the prompt's unquantised K/V and stores them quantised (as ``fp8``); a prompt
@@ -48,7 +51,7 @@ from attnbench.fp8 import NonFiniteKVError, dequantize, quantize
 from attnbench.workload import Workload
 
 #: the variants that read an fp8 cache: the AVX-512 BF16 one (bf16 only) and plain C (any dtype)
-_FP8_DTYPES = {"c-avx512bf16": (torch.bfloat16,), "c-scalar": tuple(_DTYPE_CODES)}
+_FP8_DTYPES = {"c-amx": (torch.bfloat16,), "c-avx512bf16": (torch.bfloat16,), "c-scalar": tuple(_DTYPE_CODES)}
 
 
 def fp8_phys(n: int) -> torch.Tensor:
@@ -127,7 +130,7 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
         kernel = load_kernel()
         if isinstance(kernel, str):
             return [kernel]
-        isa = self._isa(workload.dtype, kernel)
+        isa = self._isa(workload.dtype, kernel, g.group_size)
         if isa is None:
             return [
                 "the fp8 kernel needs AVX512_BF16 and AVX512_VBMI and bf16 compute "
@@ -137,19 +140,20 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
             return [f"variant {isa} with fp8 K/V does not take dtype {workload.dtype_name}"]
         return []
 
-    def _isa(self, dtype: torch.dtype, kernel: Any) -> str | None:  # type: ignore[override]
-        """The forced variant, else the AVX-512 BF16 one where it reads fp8 (bf16 only), else none."""
+    def _isa(self, dtype: torch.dtype, kernel: Any, group: int = 1) -> str | None:  # type: ignore[override]
+        """The forced variant, else AMX (GQA groups up to 16) or AVX-512 BF16 where they read fp8
+        (bf16 only), else none."""
         if self.force_isa is not None:
             return self.force_isa
-        if kernel.fp8_fast and dtype == torch.bfloat16:
-            return "c-avx512bf16"
-        return None
+        if dtype != torch.bfloat16 or kernel.fp8_level < 1:
+            return None
+        return "c-amx" if kernel.fp8_level >= 2 and group <= 16 else "c-avx512bf16"
 
     def implementation(self, workload: Workload) -> str:
         reasons = self.supports(workload)
         if reasons:
             return "unavailable: " + "; ".join(reasons)
-        return f"cpu_decode.c[{self._isa(workload.dtype, load_kernel())}, fp8 e4m3 K/V]"
+        return f"cpu_decode.c[{self._isa(workload.dtype, load_kernel(), workload.geometry().group_size)}, fp8 e4m3 K/V]"
 
     def kv_bytes_per_token(self, workload: Workload, *, config: Mapping[str, Any]) -> int:
         """One byte per K/V value plus two float32 scales per KV head, over every layer."""
@@ -182,7 +186,7 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
         reasons = self.supports(workload)
         if reasons:
             raise ValueError(f"backend {self.name!r} cannot run {workload.describe()}: {'; '.join(reasons)}")
-        isa = self._isa(workload.dtype, load_kernel())
+        isa = self._isa(workload.dtype, load_kernel(), workload.geometry(self.kv_form).group_size)
         assert isa is not None
         return CpuDecodeFp8Cache(
             isa=isa,

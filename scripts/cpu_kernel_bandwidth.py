@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from attnbench.backends.cpu_decode import CpuDecodeBackend
+from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
 from attnbench.backends.matmul_probe import MatmulProbeBackend
 from attnbench.bench import measure_decode
 from attnbench.device import DeviceProfile, ReadMeter, fingerprint, last_level_cache_bytes, measure_bandwidth
@@ -44,7 +45,7 @@ from attnbench.workload import Workload, parse_int_list, parse_tokens
 
 
 def _kernels(
-    page_sizes: list[int], prefetches: list[int], *, probe: bool
+    page_sizes: list[int], prefetches: list[int], *, probe: bool, fp8: bool = False
 ) -> list[tuple[str, Any, dict[str, Any]]]:
     default_pf = CpuDecodeBackend.default_config()["prefetch"]
     out: list[tuple[str, Any, dict[str, Any]]] = [
@@ -56,9 +57,15 @@ def _kernels(
         for ps in page_sizes
         for pf in prefetches
     ]
+    if fp8:  # the fp8 sibling at the same page sizes (its bytes: 1 per value + 8 per token and KV head)
+        out += [
+            (f"cpu_decode_fp8 page_size={ps}", CpuDecodeFp8Backend(), {"page_size": ps}) for ps in page_sizes
+        ]
     registry = load_registry()
     if "vllm_cpu" in registry.names():
         out.append(("vllm_cpu (vLLM's default config)", registry.get("vllm_cpu"), {}))
+    if fp8 and "vllm_cpu_fp8" in registry.names():
+        out.append(("vllm_cpu_fp8 (vLLM's default config)", registry.get("vllm_cpu_fp8"), {}))
     if probe:
         out.append(("matmul_probe", MatmulProbeBackend(), {}))
     return out
@@ -150,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-probe", action="store_true", help="leave out the matmul_probe row")
     ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="add cpu_decode_fp8 at each page size and vllm_cpu_fp8 where installed (lossy: checked "
+        "against the stored K/V; GB/s and the share count the fp8 bytes and scales they read)",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="smoke run: 1k context, batch 1, 2 layers, 3 repeats"
     )
     ap.add_argument("--out", default="results/cpu-kernel-bandwidth")
@@ -179,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         for context in contexts:
             workload = Workload.uniform(args.model, batch=batch, context=context, dtype=args.dtype)
-            for label, backend, config in _kernels(page_sizes, prefetches, probe=not args.no_probe):
+            for label, backend, config in _kernels(
+                page_sizes, prefetches, probe=not args.no_probe, fp8=args.fp8
+            ):
                 # the read bandwidth right before; bench's plausibility check uses it too
                 profile = replace(base, read_bandwidth=meter(), load_avg=os.getloadavg())
                 read_points.append(profile.read_bandwidth / 1e9)

@@ -27,7 +27,6 @@ import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run interpreted on a CPU (checked only)
 
-import torch
 
 from attnbench.cli.common import command_line, run_record, write_report
 from attnbench.gate import check, prepare_case
@@ -43,14 +42,18 @@ def _contexts(text: str) -> list[int]:
     return parse_int_list(text, field="contexts")
 
 
-def _candidates(form: str, *, interpreted_ok: bool) -> dict[str, tuple]:
-    """name -> (backend, config, planted?) for one cache form."""
+def _candidates(
+    form: str, *, interpreted_ok: bool, dtype: str, only: set[str] | None = None, planted: bool = True
+) -> dict[str, tuple]:
+    """name -> (backend, config, planted?) for one cache form and dtype (``only``: these built-ins)."""
     registry = load_registry(env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    probe = Workload(SMALL if form == "expanded" else load_shape("tiny-mla"), (64,), torch.float32, "cpu")
+    probe = Workload(SMALL if form == "expanded" else load_shape("tiny-mla"), (64,), dtype, "cpu")
     out: dict[str, tuple] = {}
     for entry in registry:
         b = entry.cls()
         if entry.source.kind != "builtin" or b.kv_form != form or b.supports(probe):
+            continue
+        if only is not None and b.name not in only:
             continue
         if b.name == "mla":
             out["mla[torch]"] = (b, {"kernel": "torch"}, False)
@@ -60,6 +63,8 @@ def _candidates(form: str, *, interpreted_ok: bool) -> dict[str, tuple]:
         if b.interpreted(probe) and not interpreted_ok:
             continue
         out[b.name] = (b, None, False)
+    if not planted:
+        return out
     base, bugs = (Precise, PLANTED) if form == "expanded" else (PreciseLatent, PLANTED_LATENT)
     out["precise (planted base)"] = (base(), None, False)
     for name, cls in bugs.items():
@@ -87,8 +92,15 @@ def main() -> int:
         "--interpreted-seeds", type=int, default=5, help="seeds for interpreted Triton backends (default 5)"
     )
     ap.add_argument("--full-geometry-max", default="8k", help="llama-3.1-8b geometry up to this context")
+    ap.add_argument(
+        "--backends", default="", help="comma-separated built-ins to run (default: every one that runs here)"
+    )
+    ap.add_argument(
+        "--no-planted", action="store_true", help="leave out the planted bugs and their precise base"
+    )
     ap.add_argument("--out", default="results/gate-matrix-cpu")
     args = ap.parse_args()
+    only = {n.strip() for n in args.backends.split(",") if n.strip()} or None
     if args.seeds < 1:
         ap.error(f"--seeds {args.seeds} must be ≥ 1")
     full_max = _contexts(args.full_geometry_max)[0]
@@ -103,7 +115,11 @@ def main() -> int:
                 else:
                     shape = load_shape("llama-3.1-8b") if ctx <= full_max else SMALL
                 workload = Workload(shape, (ctx,), dtype, "cpu")
-                cands = _candidates(form, interpreted_ok=ctx in interp)
+                cands = _candidates(
+                    form, interpreted_ok=ctx in interp, dtype=dtype, only=only, planted=not args.no_planted
+                )
+                if not cands:
+                    continue
                 stats = {
                     n: {"fails": 0, "worst_share": 0.0, "worst_rel_l2": 0.0, "worst_ratio": 0.0}
                     for n in cands

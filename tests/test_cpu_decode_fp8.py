@@ -32,7 +32,8 @@ def _kernel() -> Any:
 
 
 class TestCpuDecodeFp8(BackendConformance):
-    """The variant the CPU runs (c-avx512bf16 on an AVX-512 BF16 + VBMI CPU; bf16 only)."""
+    """The variant the CPU runs (c-amx where the OS grants AMX, else c-avx512bf16 on an AVX-512 BF16 +
+    VBMI CPU; bf16 only)."""
 
     backend = CpuDecodeFp8Backend
     dtypes = ("bf16",)
@@ -98,9 +99,9 @@ def test_the_writer_stores_what_quantize_stores(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(("page_size", "splits"), [(16, 4), (64, 1), (128, 2)])
 def test_the_variants_agree_on_one_cache(page_size: int, splits: int) -> None:
-    """c-avx512bf16 and c-scalar decode the same fp8 pages alike (ragged lengths, 1- and 2-tile steps)."""
+    """c-amx, c-avx512bf16 and c-scalar decode the same fp8 pages alike (ragged lengths, page ends)."""
     kernel = _kernel()
-    if not kernel.fp8_fast:
+    if kernel.fp8_level < 1:
         pytest.skip("this CPU lacks AVX512_BF16 + AVX512_VBMI: only the plain-C variant reads fp8 here")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     lens = (301, 17, 64)
@@ -109,13 +110,19 @@ def test_the_variants_agree_on_one_cache(page_size: int, splits: int) -> None:
     q = torch.randn(3, 14, 64, generator=gen).to(torch.bfloat16)
     nk = torch.randn(3, 2, 64, generator=gen).to(torch.bfloat16)
     outs = {}
-    for isa in ("c-avx512bf16", "c-scalar"):
+    variants = (
+        ("c-amx", "c-avx512bf16", "c-scalar") if kernel.fp8_level >= 2 else ("c-avx512bf16", "c-scalar")
+    )
+    for isa in variants:
         cache.isa = isa
         plan = backend.plan(cache, num_new=[1, 1, 1])
         plan.splits = splits
         outs[isa] = backend.decode(cache, plan, layer=0, q=q, k=nk, v=nk).float()
-    # the AVX-512 variant rounds p · v_scale to bf16 for the dot product; both round the output
-    torch.testing.assert_close(outs["c-avx512bf16"], outs["c-scalar"], atol=2e-2, rtol=2e-2)
+    # the AVX-512 and AMX variants round p · v_scale to bf16 for the dot product; all round the output
+    for isa in variants[:-1]:
+        torch.testing.assert_close(outs[isa], outs["c-scalar"], atol=2e-2, rtol=2e-2)
+    if len(variants) == 3:  # the same bf16 products, summed in another order
+        torch.testing.assert_close(outs["c-amx"], outs["c-avx512bf16"], atol=1e-2, rtol=1e-2)
 
 
 def test_non_finite_kv_are_refused_by_name_and_stored_as_zeros() -> None:
@@ -142,9 +149,29 @@ def test_unsupported_shapes_and_devices_say_why() -> None:
     assert any("head_dim 80 must be a multiple of 32" in r for r in reasons), reasons
     reasons = CpuDecodeFp8Backend().supports(Workload(GQA, (8,), torch.bfloat16, "meta"))
     assert any("runs on the cpu only" in r for r in reasons), reasons
-    if not load_kernel().fp8_fast:  # type: ignore[union-attr]
+    if load_kernel().fp8_level < 1:  # type: ignore[union-attr]
         reasons = CpuDecodeFp8Backend().supports(Workload(GQA, (8,), torch.bfloat16, "cpu"))
         assert reasons and "AVX512_BF16 and AVX512_VBMI" in reasons[0], reasons
     fp32 = CpuDecodeFp8Backend().supports(Workload(GQA, (8,), torch.float32, "cpu"))
     assert fp32, "the AVX-512 fp8 variant computes in bf16 only"
     assert CpuDecodeFp8Backend.lossy == "fp8 e4m3 K/V"
+
+
+class Avx512CpuDecodeFp8(CpuDecodeFp8Backend):
+    name = "cpu_decode_fp8_avx512"
+    force_isa = "c-avx512bf16"
+
+
+class TestCpuDecodeFp8Avx512(BackendConformance):
+    """The AVX-512 BF16 variant forced where AMX would run (it runs where AMX is not granted)."""
+
+    backend = Avx512CpuDecodeFp8
+    dtypes = ("bf16",)
+    configs: ClassVar[list[dict[str, Any]]] = [{"page_size": 32, "kv_splits": 4}]
+    cases = CASES[:3]
+
+    def _instance_for(self, case: Any, dtype: str, lens: tuple[int, ...]) -> Any:
+        kernel = _kernel()
+        if kernel.fp8_level < 1:
+            pytest.skip("this CPU lacks AVX512_BF16 + AVX512_VBMI")
+        return super()._instance_for(case, dtype, lens)
