@@ -22,6 +22,7 @@ BUILTIN = (
     "triton_paged:TritonPagedBackend",
     "cpu_decode:CpuDecodeBackend",
     "cpu_decode_fp8:CpuDecodeFp8Backend",
+    "cpu_decode_mla:CpuDecodeMLABackend",
 )
 
 

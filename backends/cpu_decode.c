@@ -1417,6 +1417,325 @@ int cpu_decode_attend_fp8(const void *q, const void *kc, const void *vc, const f
                   threads, prefetch, scale);
 }
 
+/* ---- MLA latent form (cpu_decode_mla) ------------------------------------------------------------
+ * The cache: per layer [pages, ps, Dk] rows (the absorbed form's [c | k_pe], one shared KV head; the
+ * value is the row's first Dv columns, stored once): the mla backend's LatentCache pages as they are.
+ * q [B, H, Dk] → out [B, H, Dv]. One item per (sequence, KV split) walks its tokens once for all H
+ * heads, so each latent row is read once per step whatever the head count. */
+
+/* the plain-C latent item: any dtype, fp32 arithmetic (ws part: m [H], l [H], acc [H, Dv]) */
+static void latent_item_scalar(const void *q, const void *kc, const int32_t *bt, int t0, int t1, int H, int Dk, int Dv,
+                               int ps, int dt, float scale, float *m, float *l, float *acc) {
+    float *qv = (float *)malloc(sizeof(float) * ((size_t)H * Dk + TILE));
+    float *s = qv + (size_t)H * Dk;
+    for (size_t i = 0; i < (size_t)H * Dk; i++) qv[i] = load_elem(q, i, dt);
+    for (int h = 0; h < H; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)H * Dv);
+    for (int t = t0; t < t1; t += TILE) {
+        int n = t1 - t < TILE ? t1 - t : TILE;
+        size_t row0 = ((size_t)bt[t / ps] * ps + t % ps) * Dk; /* a tile never crosses a page */
+        for (int h = 0; h < H; h++) {
+            const float *qh = qv + (size_t)h * Dk;
+            float mt = -INFINITY;
+            for (int j = 0; j < n; j++) {
+                float a = 0.0f;
+                for (int d = 0; d < Dk; d++) a += qh[d] * load_elem(kc, row0 + (size_t)j * Dk + d, dt);
+                s[j] = a * scale;
+                if (s[j] > mt) mt = s[j];
+            }
+            float mn = mt > m[h] ? mt : m[h], alpha = expf(m[h] - mn), sum = 0.0f;
+            float *o = acc + (size_t)h * Dv;
+            for (int d = 0; d < Dv; d++) o[d] *= alpha;
+            for (int j = 0; j < n; j++) {
+                float p = expf(s[j] - mn);
+                sum += p;
+                for (int d = 0; d < Dv; d++) o[d] += p * load_elem(kc, row0 + (size_t)j * Dk + d, dt);
+            }
+            l[h] = l[h] * alpha + sum;
+            m[h] = mn;
+        }
+    }
+    free(qv);
+}
+
+#ifdef CPU_DECODE_AMX
+/* 16 × 16 dwords transposed in place: four block-swap stages (distance 8, 4, 2, 1) of vpermt2d */
+TGT_AMX INLINE void transpose16(__m512i *r) {
+    for (int s = 8; s >= 1; s >>= 1) {
+        int lo[16], hi[16];
+        for (int e = 0; e < 16; e++) {
+            lo[e] = (e & s) ? 16 + e - s : e;
+            hi[e] = (e & s) ? 16 + e : e + s;
+        }
+        const __m512i il = _mm512_loadu_si512(lo), ih = _mm512_loadu_si512(hi);
+        for (int k = 0; k < 16; k++) {
+            if (k & s) continue;
+            __m512i a = r[k], b = r[k + s];
+            r[k] = _mm512_permutex2var_epi32(a, il, b);
+            r[k + s] = _mm512_permutex2var_epi32(a, ih, b);
+        }
+    }
+}
+
+/* The AMX latent item (bf16; Dk % 32 == 0, Dv % 16 == 0). A step is the rest of a page (≤ 128 keys):
+ * scores transposed, S^T [keys, heads] = rows [keys, Dk] · Q^T (the page's rows are the A tiles as
+ * stored; Q^T in pairs is built once per item), so the online softmax runs with 16 heads in a vector
+ * and no horizontal reduction; P (bf16, transposed back 16 × 16 dwords at a time) · V [key pairs, Dv,
+ * 2] (the step's rows interleaved in pairs into a scratch buffer) accumulates into O [H, Dv] fp32 in
+ * memory, loaded into the tiles and stored back once per step and 64 dims. The running max is
+ * rescaled lazily: O and l are rescaled only when a head's max grows by more than 8 (e^8 ≈ 3000, so
+ * the probabilities stay ≤ 3000, exact enough in bf16 and far from fp32's range), so most steps
+ * never touch O outside the tiles. */
+#define LAZY 8.0f
+TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const int32_t *bt, int t0, int t1, int H,
+                                    int Dk, int Dv, int ps, float scale, float *m, float *l, float *acc) {
+    const int Hp = (H + 15) / 16 * 16, nb = Hp / 16, nk = Dk / 32;
+    /* scratch: Q^T pair tiles [nb][nk][16 rows][16], S^T [128][Hp] fp32, P tiles [nb][4][16][16]
+     * dwords, V pairs [64][Dv] dwords, O [Hp][Dv] fp32, m and l [Hp] */
+    const size_t qt_n = (size_t)nb * nk * 256, s_n = (size_t)128 * Hp, p_n = (size_t)nb * 4 * 256,
+                 v_n = (size_t)64 * Dv, o_n = (size_t)Hp * Dv;
+    uint32_t *qt = (uint32_t *)aligned_alloc(64, 4 * (qt_n + s_n + p_n + v_n + o_n + 2 * (size_t)Hp));
+    float *sb = (float *)(qt + qt_n);
+    uint32_t *pb = (uint32_t *)(sb + s_n), *vb = pb + p_n;
+    float *ob = (float *)(vb + v_n), *mr = ob + o_n, *lr = mr + Hp;
+    for (int hb = 0; hb < nb; hb++) /* Q^T: row i of tile (hb, kk) = dims 2(16kk + i), +1 of heads hb·16.. */
+        for (int kk = 0; kk < nk; kk++)
+            for (int i = 0; i < 16; i++)
+                for (int e = 0; e < 16; e++) {
+                    int h = hb * 16 + e, r = kk * 16 + i;
+                    uint32_t v = 0;
+                    if (h < H) v = q[(size_t)h * Dk + 2 * r] | (uint32_t)q[(size_t)h * Dk + 2 * r + 1] << 16;
+                    qt[(((size_t)hb * nk + kk) * 16 + i) * 16 + e] = v;
+                }
+    memset(ob, 0, sizeof(float) * o_n);
+    for (int h = 0; h < Hp; h++) {
+        mr[h] = -INFINITY;
+        lr[h] = 0.0f;
+    }
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY), lazy = _mm512_set1_ps(LAZY);
+    __m512i ilo, ihi; /* interleave 16 bf16 of two rows: a0 b0 a1 b1 … */
+    {
+        int16_t lo[32], hi[32];
+        for (int e = 0; e < 32; e++) {
+            lo[e] = (int16_t)((e & 1 ? 32 : 0) + e / 2);
+            hi[e] = (int16_t)((e & 1 ? 32 : 0) + 16 + e / 2);
+        }
+        ilo = _mm512_loadu_si512(lo);
+        ihi = _mm512_loadu_si512(hi);
+    }
+    for (int t = t0; t < t1;) {
+        const int page_end = (t / ps + 1) * ps, stop = page_end < t1 ? page_end : t1, n = stop - t;
+        const int nt = (n + 15) / 16, nc = (nt + 1) / 2; /* 16-key tiles, 32-key chunks */
+        const uint16_t *rows = kc + ((size_t)bt[t / ps] * ps + t % ps) * Dk;
+        const int avail = page_end - t; /* rows that exist in this page from t */
+        /* 1. S^T for 16 keys × 32 heads at a time: A = 16 rows, B = Q^T of two head blocks */
+        for (int u = 0; u < nt; u++)
+            for (int hb = 0; hb < nb; hb += 2) {
+                const int two = hb + 1 < nb;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int kk = 0; kk < nk; kk++) {
+                    _tile_loadd(4, rows + (size_t)u * 16 * Dk + kk * 32, Dk * 2);
+                    _tile_loadd(6, qt + ((size_t)hb * nk + kk) * 256, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two) {
+                        _tile_loadd(7, qt + ((size_t)(hb + 1) * nk + kk) * 256, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                }
+                _tile_stored(0, sb + (size_t)u * 16 * Hp + hb * 16, Hp * 4);
+                if (two) _tile_stored(1, sb + (size_t)u * 16 * Hp + (hb + 1) * 16, Hp * 4);
+            }
+        /* 2. the online softmax, 16 heads a vector; P in key pairs, transposed into A tiles */
+        for (int hb = 0; hb < nb; hb++) {
+            __m512 mx = ninf;
+            for (int j = 0; j < n; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sb + (size_t)j * Hp + hb * 16));
+            mx = _mm512_mul_ps(mx, sc);
+            __m512 mo = _mm512_loadu_ps(mr + hb * 16);
+            __mmask16 grow = _mm512_cmp_ps_mask(mx, _mm512_add_ps(mo, lazy), _CMP_GT_OQ);
+            if (grow) { /* a new reference max for these heads: rescale their O rows and sums */
+                __m512 mn = _mm512_mask_mov_ps(mo, grow, mx), al = _mm512_sub_ps(mo, mn);
+                exp512n(1, &al);
+                float a16[16];
+                _mm512_storeu_ps(a16, al);
+                for (int e = 0; e < 16; e++) {
+                    if (!((grow >> e) & 1)) continue;
+                    float *o = ob + (size_t)(hb * 16 + e) * Dv;
+                    const __m512 a = _mm512_set1_ps(a16[e]);
+                    for (int d = 0; d < Dv; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
+                }
+                _mm512_storeu_ps(lr + hb * 16, _mm512_mul_ps(_mm512_loadu_ps(lr + hb * 16), al));
+                _mm512_storeu_ps(mr + hb * 16, mn);
+                mo = mn;
+            }
+            __m512 sum = _mm512_loadu_ps(lr + hb * 16);
+            for (int c = 0; c < nc; c++) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++) { /* key pair c·16 + i */
+                    __m512 x[2];
+                    for (int k = 0; k < 2; k++) {
+                        int j = c * 32 + 2 * i + k;
+                        x[k] = j < n ? _mm512_fmsub_ps(_mm512_loadu_ps(sb + (size_t)j * Hp + hb * 16), sc, mo) : ninf;
+                    }
+                    exp512n(2, x);
+                    for (int k = 0; k < 2; k++) /* past the step's keys: 0, not e^-87 */
+                        if (c * 32 + 2 * i + k >= n) x[k] = _mm512_setzero_ps();
+                    __m256i b0 = (__m256i)_mm512_cvtneps_pbh(x[0]), b1 = (__m256i)_mm512_cvtneps_pbh(x[1]);
+                    __m512i w0 = _mm512_cvtepu16_epi32(b0), w1 = _mm512_cvtepu16_epi32(b1);
+                    /* the sum takes p as rounded for p·v, so the weights sum to one */
+                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)));
+                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)));
+                    r[i] = _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16));
+                }
+                transpose16(r); /* [key pair][head] → [head][key pair]: the A tile's rows */
+                for (int i = 0; i < 16; i++) _mm512_store_si512(pb + ((size_t)hb * 4 + c) * 256 + i * 16, r[i]);
+            }
+            _mm512_storeu_ps(lr + hb * 16, sum);
+        }
+        /* 3. V in key pairs [kp][Dv][2] from the step's rows (zeros past the page) */
+        for (int kp = 0; kp < nc * 16; kp++) {
+            const int j0 = 2 * kp, j1 = 2 * kp + 1;
+            for (int d = 0; d < Dv; d += 32) {
+                const __mmask32 cols = Dv - d < 32 ? 0xffffu : 0xffffffffu; /* Dv % 32 == 16: 16 left */
+                __m512i a = j0 < avail ? _mm512_maskz_loadu_epi16(cols, rows + (size_t)j0 * Dk + d) : _mm512_setzero_si512();
+                __m512i b = j1 < avail ? _mm512_maskz_loadu_epi16(cols, rows + (size_t)j1 * Dk + d) : _mm512_setzero_si512();
+                if (Dv - d < 32) {
+                    _mm512_store_si512(vb + (size_t)kp * Dv + d, _mm512_permutex2var_epi16(a, ilo, b));
+                } else {
+                    _mm512_store_si512(vb + (size_t)kp * Dv + d, _mm512_permutex2var_epi16(a, ilo, b));
+                    _mm512_store_si512(vb + (size_t)kp * Dv + d + 16, _mm512_permutex2var_epi16(a, ihi, b));
+                }
+            }
+        }
+        /* 4. O [16 heads, 64 dims] += P · V, through the tiles once per step */
+        for (int hb = 0; hb < nb; hb++)
+            for (int db = 0; db < Dv / 16; db += 4) {
+                const int n4 = Dv / 16 - db < 4 ? Dv / 16 - db : 4;
+                float *o = ob + (size_t)hb * 16 * Dv + db * 16;
+                _tile_loadd(0, o, Dv * 4);
+                if (n4 > 1) _tile_loadd(1, o + 16, Dv * 4);
+                if (n4 > 2) _tile_loadd(2, o + 32, Dv * 4);
+                if (n4 > 3) _tile_loadd(3, o + 48, Dv * 4);
+                for (int c = 0; c < nc; c++) {
+                    const uint32_t *vv = vb + (size_t)c * 16 * Dv + db * 16;
+                    _tile_loadd(4, pb + ((size_t)hb * 4 + c) * 256, 64);
+                    _tile_loadd(5, vv, Dv * 4);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (n4 > 1) {
+                        _tile_loadd(6, vv + 16, Dv * 4);
+                        _tile_dpbf16ps(1, 4, 6);
+                    }
+                    if (n4 > 2) {
+                        _tile_loadd(7, vv + 32, Dv * 4);
+                        _tile_dpbf16ps(2, 4, 7);
+                    }
+                    if (n4 > 3) {
+                        _tile_loadd(5, vv + 48, Dv * 4);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, o, Dv * 4);
+                if (n4 > 1) _tile_stored(1, o + 16, Dv * 4);
+                if (n4 > 2) _tile_stored(2, o + 32, Dv * 4);
+                if (n4 > 3) _tile_stored(3, o + 48, Dv * 4);
+            }
+        t = stop;
+    }
+    _tile_release();
+    for (int h = 0; h < H; h++) {
+        m[h] = mr[h];
+        l[h] = lr[h];
+        memcpy(acc + (size_t)h * Dv, ob + (size_t)h * Dv, sizeof(float) * Dv);
+    }
+    free(qt);
+}
+#endif
+
+/* Decode attention of one layer in the MLA latent form: q [B, H, Dk] and out [B, H, Dv] in dtype dt;
+ * kc: the layer's rows [pages, ps, Dk]; block_table [B, maxp] int32; seq_lens [B] int32; ws: fp32
+ * workspace of B · splits · H · (Dv + 2) floats (used only when splits > 1). isa: ISA_AMX (bf16,
+ * Dk % 32 == 0, Dv % 16 == 0) or ISA_SCALAR. Returns 0, or a negative code for arguments it refuses. */
+int cpu_decode_attend_latent(const void *q, const void *kc, const int32_t *block_table, const int32_t *seq_lens,
+                             void *out, float *ws, int B, int H, int Dk, int Dv, int ps, int maxp, int splits, int dt,
+                             int isa, int threads, float scale) {
+    if (H < 1 || Dv > Dk || ps % TILE || splits < 1 || (isa != ISA_SCALAR && isa != ISA_AMX)) return -1;
+    if (isa == ISA_AMX && (dt != DT_BF16 || Dk % 32 || Dv % 16 || !amx_request())) return -3;
+    const long items = (long)B * splits;
+    const size_t part = (size_t)H * (Dv + 2);
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    {
+        float *own = splits == 1 ? (float *)malloc(sizeof(float) * part) : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (long w = 0; w < items; w++) {
+            int b = (int)(w / splits), s = (int)(w % splits);
+            int len = seq_lens[b], ntiles = (len + TILE - 1) / TILE, per = (ntiles + splits - 1) / splits;
+            int t0 = s * per * TILE, t1 = (s + 1) * per * TILE;
+            if (t1 > len) t1 = len;
+            float *buf = splits == 1 ? own : ws + (size_t)w * part, *m = buf, *l = buf + H, *acc = buf + 2 * H;
+            const char *qb = (const char *)q + (size_t)b * H * Dk * (dt == DT_F32 ? 4 : 2);
+            if (t0 >= t1) {
+                for (int h = 0; h < H; h++) {
+                    m[h] = -INFINITY;
+                    l[h] = 0.0f;
+                }
+                memset(acc, 0, sizeof(float) * (size_t)H * Dv);
+            }
+#ifdef CPU_DECODE_AMX
+            else if (isa == ISA_AMX)
+                latent_item_amx((const uint16_t *)qb, (const uint16_t *)kc, block_table + (size_t)b * maxp, t0, t1, H,
+                                Dk, Dv, ps, scale, m, l, acc);
+#endif
+            else
+                latent_item_scalar(qb, kc, block_table + (size_t)b * maxp, t0, t1, H, Dk, Dv, ps, dt, scale, m, l, acc);
+            if (splits == 1) {
+                size_t o = (size_t)b * H * Dv;
+                for (int h = 0; h < H; h++) {
+                    float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+                    for (int d = 0; d < Dv; d++) store_elem(out, o + (size_t)h * Dv + d, dt, acc[(size_t)h * Dv + d] * inv);
+                }
+            }
+        }
+        free(own);
+        if (splits > 1) {
+#pragma omp for schedule(static)
+            for (long b = 0; b < B; b++) {
+                const float *p0 = ws + (size_t)b * splits * part;
+                size_t o = (size_t)b * H * Dv;
+                for (int h = 0; h < H; h++) {
+                    float mx = -INFINITY, l = 0.0f;
+                    for (int s = 0; s < splits; s++) mx = fmaxf(mx, p0[s * part + h]);
+                    for (int s = 0; s < splits; s++) {
+                        const float *ps_ = p0 + s * part;
+                        if (ps_[H + h] > 0.0f) l += ps_[H + h] * expf(ps_[h] - mx);
+                    }
+                    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                    for (int d = 0; d < Dv; d++) {
+                        float a = 0.0f;
+                        for (int s = 0; s < splits; s++) {
+                            const float *ps_ = p0 + s * part;
+                            if (ps_[H + h] > 0.0f) a += ps_[2 * H + (size_t)h * Dv + d] * expf(ps_[h] - mx);
+                        }
+                        store_elem(out, o + (size_t)h * Dv + d, dt, a * inv);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* Write new tokens: k, v [B, T, Hkv, D] (right-padded; row j of sequence b is real for j < num_new[b])
  * at positions[b] + j, into the layer's pages (layout above; kc and vc as the kernel takes them).
  * esize: bytes per element (2 or 4). */

@@ -148,6 +148,8 @@ def load_kernel() -> Kernel | str:
     lib.cpu_decode_attend_fp8.restype = i
     lib.cpu_decode_write_fp8.argtypes = [p] * 9 + [i] * 7
     lib.cpu_decode_write_fp8.restype = i
+    lib.cpu_decode_attend_latent.argtypes = [p] * 6 + [i] * 10 + [f]
+    lib.cpu_decode_attend_latent.restype = i
     return Kernel(lib=lib, isa=int(lib.cpu_decode_isa()), path=path, fp8_level=int(lib.cpu_decode_fp8_fast()))
 
 

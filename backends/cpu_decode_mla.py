@@ -1,0 +1,197 @@
+"""``cpu_decode_mla`` — the MLA latent form (DeepSeek-V2/V3, Kimi) in ``cpu_decode``'s kernel file.
+
+The cache is the ``mla`` backend's :class:`attnbench.backends.mla.LatentCache` as it is: per token and
+layer one row ``[c | k_pe]`` of ``kv_lora_rank + qk_rope_head_dim`` values (576 for DeepSeek-V3), the
+value being the row's first ``kv_lora_rank`` columns, stored once, in randomly placed pages. Decode
+takes the absorbed query ``q [B, H, rank + rope]`` and returns the latent output ``[B, H, rank]``,
+exactly as ``mla`` does, so the conformance suite, the gate and DeepSeek's hand-written decoder run it
+unchanged.
+
+One work item per (sequence, KV split) walks its tokens once for all H heads: each latent row is read
+once per step whatever the head count (128 query heads share it in DeepSeek-V3). On a CPU that form is
+compute-bound (~2 · H · (576 + 512) FLOPs per 1,152 bytes read: ≈ 240 FLOPs per byte), so the kernel
+runs on the CPU's matrix units:
+
+- ``c-amx`` (a CPU with AMX-BF16, the OS granting the tile data; bf16; ``rank + rope`` a multiple of 32,
+  ``rank`` of 16): a step is the rest of a page (≤ 128 keys). Scores are computed transposed, ``S^T
+  [keys, heads] = rows · Q^T``, with the page's rows loaded as AMX tiles as stored; the online softmax
+  then runs 16 heads to a vector in fp32 with no horizontal reduction; ``P`` (rounded to bf16, as
+  FlashAttention rounds it) is transposed back and ``P · V`` (the step's rows interleaved in key pairs)
+  accumulates into an fp32 ``O`` that passes through the tiles once per step. The running max is
+  rescaled lazily (only when a head's max grows by more than 8), so most steps never touch ``O``
+  outside the tiles.
+- ``c-scalar`` (plain C, any dtype, fp32 arithmetic) where those do not apply (``force_isa``; the
+  tests run it on every CPU).
+
+Which call may allocate: ``create_cache`` (pages, workspace, step buffers); ``plan`` (host work);
+``decode`` allocates only its output. Prefill is the base class's (causal attention on the latent
+rows, then one write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from attnbench.backend import (
+    DEFAULT_TOLERANCES,
+    KVCache,
+    Resolution,
+    ResolvingBackend,
+    StepPlan,
+    Tolerance,
+    Tunable,
+)
+from attnbench.backends.cpu_decode import _DTYPE_CODES, _ISA_CODES, MAX_SPLITS, _splits, load_kernel
+from attnbench.backends.mla import LatentCache
+from attnbench.paged import PagedStepPlan
+from attnbench.workload import Workload
+
+
+@dataclass
+class CpuDecodeMLAPlan(PagedStepPlan):
+    """The paged plan plus the kernel's step metadata (``seq_lens32``: a view of the cache's buffer)."""
+
+    seq_lens32: torch.Tensor | None = None
+    splits: int = 1
+    threads: int = 1
+
+
+class CpuDecodeMLACache(LatentCache):
+    """``LatentCache`` (``share_v``: one row per token) plus the kernel's workspace and step buffers."""
+
+    isa: str
+    kv_splits: str | int
+    workspace: torch.Tensor
+    seq_lens32: torch.Tensor
+
+
+class CpuDecodeMLABackend(ResolvingBackend):
+    name = "cpu_decode_mla"
+    description = (
+        "MLA latent decode in attnbench's CPU kernel (C: AMX tiles for bf16 / scalar), all heads per row read"
+    )
+    kv_form = "latent"
+    tunables = (
+        Tunable("page_size", (16, 32, 64, 128), 64, "tokens per cache page (a step reads up to one page)"),
+        Tunable(
+            "kv_splits", ("auto", 1, 2, 4, 8), "auto", "KV splits per sequence (auto: only when B < threads)"
+        ),
+    )
+    #: run this variant instead of the best the CPU has ("c-scalar" in tests); None: the best
+    force_isa: ClassVar[str | None] = None
+
+    def _variant(self, workload: Workload) -> tuple[str | None, list[str]]:
+        """The variant that runs ``workload`` here, or None with the reasons."""
+        kernel = load_kernel()
+        if isinstance(kernel, str):
+            return None, [kernel]
+        if self.force_isa is not None:
+            return self.force_isa, []
+        g = workload.geometry("latent")
+        if workload.dtype != torch.bfloat16:
+            return None, [f"the latent kernel computes in bf16 (AMX); dtype {workload.dtype_name}"]
+        if kernel.fp8_level < 2:
+            return None, ["the latent kernel needs AMX-BF16 (granted by the OS) and AVX-512 BF16 + VBMI"]
+        if g.qk_head_dim % 32 or g.v_head_dim % 16:
+            return None, [
+                f"latent row {g.qk_head_dim} must be a multiple of 32 and rank {g.v_head_dim} of 16 (AMX tiles)"
+            ]
+        return "c-amx", []
+
+    def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution:
+        reasons: list[str] = []
+        if not workload.shape.is_mla:
+            reasons.append(
+                f"model {workload.shape.name!r} is not MLA (no kv_lora_rank); the latent kernel needs it"
+            )
+        if torch.device(workload.device).type != "cpu":
+            reasons.append(f"device {workload.device}: the cpu_decode kernel runs on the cpu only")
+        if workload.dtype not in _DTYPE_CODES:
+            reasons.append(f"dtype {workload.dtype_name} not in (fp32, fp16, bf16)")
+        variant = None
+        if not reasons:
+            g = workload.geometry("latent")
+            if g.v_head_dim > g.qk_head_dim:
+                reasons.append(f"rank {g.v_head_dim} > latent row {g.qk_head_dim}")
+            variant, why = self._variant(workload)
+            reasons += why
+        tunables = tuple(t for t in self.tunables if t.name != "kv_splits" or torch.get_num_threads() > 1)
+        return self.resolution(
+            workload,
+            config,
+            reasons=reasons,
+            implementation=f"cpu_decode.c[{variant}, MLA latent]",
+            tunables=tunables,
+        )
+
+    def tolerance(self, dtype: torch.dtype) -> Tolerance:
+        return DEFAULT_TOLERANCES[dtype]
+
+    def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
+        """The default, 2: P is rounded to bf16 for P·V (as the bf16 cpu_decode kernel rounds it), the
+        scores and the softmax stay in fp32; the scalar variant is fp32 throughout."""
+        return super().error_multiple(dtype, config=config)
+
+    # -- the cache and the step --------------------------------------------------------------------
+    def create_cache(
+        self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
+    ) -> CpuDecodeMLACache:
+        res = self.resolve(workload, config).require()
+        cfg = dict(res.config)
+        g = workload.geometry("latent")
+        cache = CpuDecodeMLACache(
+            workload=workload,
+            geometry=g,
+            config=cfg,
+            num_layers=num_layers,
+            max_seq_len=max_seq_len,
+            page_size=cfg["page_size"],
+            page_order="random",
+            share_v=True,
+        )
+        variant, _ = self._variant(workload)
+        assert variant is not None
+        cache.implementation = "cpu"
+        cache.isa = variant
+        cache.kv_splits = cfg["kv_splits"]
+        cache.workspace = torch.empty(cache.batch * MAX_SPLITS * g.num_q_heads * (g.v_head_dim + 2))
+        cache.seq_lens32 = torch.zeros(cache.batch, dtype=torch.int32)
+        return cache
+
+    def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> CpuDecodeMLAPlan:
+        assert isinstance(cache, CpuDecodeMLACache)
+        base = cache.plan_step(num_new)
+        cache.seq_lens32.copy_(torch.tensor(base.seq_lens_after, dtype=torch.int32))
+        threads = torch.get_num_threads()
+        splits = _splits(cache.kv_splits, work=cache.batch, threads=threads, max_len=max(base.seq_lens_after))
+        return base.extend(CpuDecodeMLAPlan, seq_lens32=cache.seq_lens32, splits=splits, threads=threads)
+
+    def decode(
+        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """``q [B, H, rank + rope]`` (absorbed), ``k [B, 1, rank + rope]`` → latent output ``[B, H, rank]``."""
+        assert isinstance(cache, CpuDecodeMLACache) and isinstance(plan, CpuDecodeMLAPlan)
+        cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
+        g = cache.geometry
+        q = q.contiguous()
+        if q.dtype != cache.dtype:
+            raise TypeError(f"backend {self.name!r}: q dtype {q.dtype}; the cache holds {cache.dtype}")
+        out = torch.empty(q.shape[0], g.num_q_heads, g.v_head_dim, dtype=q.dtype)
+        kernel = load_kernel()
+        assert not isinstance(kernel, str) and plan.seq_lens32 is not None
+        rc = kernel.lib.cpu_decode_attend_latent(
+            q.data_ptr(), cache.k_pages[layer].data_ptr(), cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(),
+            out.data_ptr(), cache.workspace.data_ptr(), cache.batch, g.num_q_heads, g.qk_head_dim, g.v_head_dim,
+            cache.page_size, cache.pages_per_seq, plan.splits, _DTYPE_CODES[cache.dtype], _ISA_CODES[cache.isa],
+            plan.threads, g.scale,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"backend {self.name!r}: the kernel refused its arguments (code {rc})")
+        return out
+
+
+__all__ = ["CpuDecodeMLABackend", "CpuDecodeMLACache", "CpuDecodeMLAPlan"]

@@ -1,0 +1,125 @@
+"""``cpu_decode_mla``: the conformance suite on each variant (MLA shapes whose latent rows fit AMX tiles),
+the variants against each other and the ``mla`` torch path, and DeepSeek-V3's hand-written decoder.
+
+The AMX variant runs where the CPU has AMX-BF16 and the OS grants it (elsewhere its cases skip with that
+reason); the plain-C variant is forced and runs on every CPU. Under ``ATTNBENCH_REQUIRE_CPU_DECODE=1``
+a kernel that does not build fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from attnbench.backends.cpu_decode import load_kernel
+from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
+from attnbench.backends.mla import MLABackend
+from attnbench.shapes import load_shape
+from attnbench.testing import CASES, BackendConformance, ConformanceCase
+from attnbench.workload import Workload
+
+#: tiny-mla with a latent row of 96 (rank 64 + rope 32: AMX tiles) and 20 heads (a partial head block)
+MLA96 = dataclasses.replace(
+    load_shape("tiny-mla"),
+    name="tiny-mla-96",
+    num_heads=20,
+    kv_lora_rank=64,
+    qk_rope_head_dim=32,
+    head_dim=48,
+)
+#: a latent row of 64 with rank 48 (Dv % 32 == 16: the last V chunk is half a vector) and 16 heads
+MLA64 = dataclasses.replace(
+    load_shape("tiny-mla"),
+    name="tiny-mla-64",
+    num_heads=16,
+    kv_lora_rank=48,
+    qk_rope_head_dim=16,
+    head_dim=32,
+)
+AMX_CASES = (
+    *(c for c in CASES if c.shape.is_mla),
+    ConformanceCase("mla-96", MLA96, (9, 21, 2), (64, 131)),
+    ConformanceCase("mla-64", MLA64, (33, 1), (130, 7)),
+)
+AMX_LONG = (ConformanceCase("long-mla-96", MLA96, (), (5003, 777), decode_steps=2),)
+
+
+def _kernel() -> Any:
+    kernel = load_kernel()
+    if isinstance(kernel, str):
+        if os.environ.get("ATTNBENCH_REQUIRE_CPU_DECODE") == "1":
+            pytest.fail(kernel)
+        pytest.skip(kernel)
+    return kernel
+
+
+class TestCpuDecodeMLA(BackendConformance):
+    """The variant the CPU runs: c-amx (bf16) where AMX is granted; elsewhere every case says why."""
+
+    backend = CpuDecodeMLABackend
+    dtypes = ("bf16",)
+    cases = AMX_CASES
+    long_cases = AMX_LONG
+    configs: ClassVar[list[dict[str, Any]]] = [
+        CpuDecodeMLABackend.default_config(),
+        {"page_size": 16, "kv_splits": 4},
+        {"page_size": 128, "kv_splits": 1},
+    ]
+
+
+class ScalarCpuDecodeMLA(CpuDecodeMLABackend):
+    name = "cpu_decode_mla_scalar"
+    force_isa = "c-scalar"
+
+
+class TestCpuDecodeMLAScalar(BackendConformance):
+    """The plain-C latent variant, forced: every CPU, every dtype."""
+
+    backend = ScalarCpuDecodeMLA
+    dtypes = ("fp32", "bf16")
+    cases = AMX_CASES[:2]
+    long_cases = ()
+    configs: ClassVar[list[dict[str, Any]]] = [{"page_size": 16, "kv_splits": 2}]
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_amx_agrees_with_scalar_and_the_mla_torch_path(page_size: int) -> None:
+    """Three implementations of the same latent attention over one ragged batch."""
+    kernel = _kernel()
+    if kernel.fp8_level < 2:
+        pytest.skip("AMX-BF16 is not available (or not granted) on this CPU")
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    lens = (300, 17, 129)
+    w = Workload(MLA96, lens, torch.bfloat16, "cpu")
+    g = w.geometry("latent")
+    rows = torch.randn(3, max(lens), 1, g.qk_head_dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(3, g.num_q_heads, g.qk_head_dim, generator=gen).to(torch.bfloat16)
+    new = torch.randn(3, 1, g.qk_head_dim, generator=gen).to(torch.bfloat16)
+    outs = {}
+    for name, backend, config in (
+        ("amx", CpuDecodeMLABackend(), {"page_size": page_size}),
+        ("scalar", ScalarCpuDecodeMLA(), {"page_size": page_size}),
+        ("torch", MLABackend(), {"page_size": page_size, "kernel": "torch"}),
+    ):
+        cache = backend.create_cache(w, config=config, num_layers=1, max_seq_len=max(lens) + 4)
+        backend.append(cache, backend.plan(cache, num_new=lens), layer=0, k=rows, v=rows[..., : g.v_head_dim])
+        cache.commit(backend.plan(cache, num_new=(0, 0, 0)))
+        cache.seq_lens = lens
+        plan = backend.plan(cache, num_new=[1, 1, 1])
+        outs[name] = backend.decode(cache, plan, layer=0, q=q, k=new, v=new[..., : g.v_head_dim]).float()
+    for other in ("scalar", "torch"):
+        torch.testing.assert_close(outs["amx"], outs[other], atol=3e-2, rtol=3e-2)
+
+
+def test_unsupported_workloads_say_why() -> None:
+    _kernel()
+    llama = Workload.uniform("llama-3.1-8b", batch=1, context=64, dtype="bf16")
+    assert "not MLA" in "; ".join(CpuDecodeMLABackend().resolve(llama).reasons)
+    fp32 = Workload(MLA96, (8,), torch.float32, "cpu")
+    reasons = CpuDecodeMLABackend().resolve(fp32).reasons
+    assert reasons and ("bf16" in reasons[0] or "AMX" in reasons[0]), reasons
+    assert not ScalarCpuDecodeMLA().resolve(fp32).reasons
