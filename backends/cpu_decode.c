@@ -1539,24 +1539,40 @@ TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const
         const int nt = (n + 15) / 16, nc = (nt + 1) / 2; /* 16-key tiles, 32-key chunks */
         const uint16_t *rows = kc + ((size_t)bt[t / ps] * ps + t % ps) * Dk;
         const int avail = page_end - t; /* rows that exist in this page from t */
-        /* 1. S^T for 16 keys × 32 heads at a time: A = 16 rows, B = Q^T of two head blocks */
-        for (int u = 0; u < nt; u++)
-            for (int hb = 0; hb < nb; hb += 2) {
-                const int two = hb + 1 < nb;
+        /* 1. S^T for up to 64 keys × 16 heads at a time: each Q^T tile (B, from L2) is loaded once for
+         * four 16-row A tiles (the page's rows, from L1) */
+        for (int u0 = 0; u0 < nt; u0 += 4) {
+            const int n4 = nt - u0 < 4 ? nt - u0 : 4;
+            for (int hb = 0; hb < nb; hb++) {
                 _tile_zero(0);
                 _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
                 for (int kk = 0; kk < nk; kk++) {
-                    _tile_loadd(4, rows + (size_t)u * 16 * Dk + kk * 32, Dk * 2);
+                    const uint16_t *a = rows + (size_t)u0 * 16 * Dk + kk * 32;
                     _tile_loadd(6, qt + ((size_t)hb * nk + kk) * 256, 64);
+                    _tile_loadd(4, a, Dk * 2);
                     _tile_dpbf16ps(0, 4, 6);
-                    if (two) {
-                        _tile_loadd(7, qt + ((size_t)(hb + 1) * nk + kk) * 256, 64);
-                        _tile_dpbf16ps(1, 4, 7);
+                    if (n4 > 1) {
+                        _tile_loadd(5, a + (size_t)16 * Dk, Dk * 2);
+                        _tile_dpbf16ps(1, 5, 6);
+                    }
+                    if (n4 > 2) {
+                        _tile_loadd(7, a + (size_t)32 * Dk, Dk * 2);
+                        _tile_dpbf16ps(2, 7, 6);
+                    }
+                    if (n4 > 3) {
+                        _tile_loadd(4, a + (size_t)48 * Dk, Dk * 2);
+                        _tile_dpbf16ps(3, 4, 6);
                     }
                 }
-                _tile_stored(0, sb + (size_t)u * 16 * Hp + hb * 16, Hp * 4);
-                if (two) _tile_stored(1, sb + (size_t)u * 16 * Hp + (hb + 1) * 16, Hp * 4);
+                float *st = sb + (size_t)u0 * 16 * Hp + hb * 16;
+                _tile_stored(0, st, Hp * 4);
+                if (n4 > 1) _tile_stored(1, st + (size_t)16 * Hp, Hp * 4);
+                if (n4 > 2) _tile_stored(2, st + (size_t)32 * Hp, Hp * 4);
+                if (n4 > 3) _tile_stored(3, st + (size_t)48 * Hp, Hp * 4);
             }
+        }
         /* 2. the online softmax, 16 heads a vector; P in key pairs, transposed into A tiles */
         for (int hb = 0; hb < nb; hb++) {
             __m512 mx = ninf;
@@ -1618,37 +1634,38 @@ TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const
                 }
             }
         }
-        /* 4. O [16 heads, 64 dims] += P · V, through the tiles once per step */
-        for (int hb = 0; hb < nb; hb++)
-            for (int db = 0; db < Dv / 16; db += 4) {
-                const int n4 = Dv / 16 - db < 4 ? Dv / 16 - db : 4;
-                float *o = ob + (size_t)hb * 16 * Dv + db * 16;
+        /* 4. O [64 heads, 16 dims] += P · V through the tiles once per step: each V tile (B, from L2)
+         * is loaded once for four head blocks' P tiles (A, from L1) */
+        for (int db = 0; db < Dv / 16; db++)
+            for (int h0 = 0; h0 < nb; h0 += 4) {
+                const int n4 = nb - h0 < 4 ? nb - h0 : 4;
+                float *o = ob + (size_t)h0 * 16 * Dv + db * 16;
                 _tile_loadd(0, o, Dv * 4);
-                if (n4 > 1) _tile_loadd(1, o + 16, Dv * 4);
-                if (n4 > 2) _tile_loadd(2, o + 32, Dv * 4);
-                if (n4 > 3) _tile_loadd(3, o + 48, Dv * 4);
+                if (n4 > 1) _tile_loadd(1, o + (size_t)16 * Dv, Dv * 4);
+                if (n4 > 2) _tile_loadd(2, o + (size_t)32 * Dv, Dv * 4);
+                if (n4 > 3) _tile_loadd(3, o + (size_t)48 * Dv, Dv * 4);
                 for (int c = 0; c < nc; c++) {
-                    const uint32_t *vv = vb + (size_t)c * 16 * Dv + db * 16;
-                    _tile_loadd(4, pb + ((size_t)hb * 4 + c) * 256, 64);
-                    _tile_loadd(5, vv, Dv * 4);
-                    _tile_dpbf16ps(0, 4, 5);
+                    const uint32_t *pp = pb + ((size_t)h0 * 4 + c) * 256; /* head block h0 + j: + j · 1024 */
+                    _tile_loadd(6, vb + (size_t)c * 16 * Dv + db * 16, Dv * 4);
+                    _tile_loadd(4, pp, 64);
+                    _tile_dpbf16ps(0, 4, 6);
                     if (n4 > 1) {
-                        _tile_loadd(6, vv + 16, Dv * 4);
-                        _tile_dpbf16ps(1, 4, 6);
+                        _tile_loadd(5, pp + 1024, 64);
+                        _tile_dpbf16ps(1, 5, 6);
                     }
                     if (n4 > 2) {
-                        _tile_loadd(7, vv + 32, Dv * 4);
-                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_loadd(7, pp + 2048, 64);
+                        _tile_dpbf16ps(2, 7, 6);
                     }
                     if (n4 > 3) {
-                        _tile_loadd(5, vv + 48, Dv * 4);
-                        _tile_dpbf16ps(3, 4, 5);
+                        _tile_loadd(4, pp + 3072, 64);
+                        _tile_dpbf16ps(3, 4, 6);
                     }
                 }
                 _tile_stored(0, o, Dv * 4);
-                if (n4 > 1) _tile_stored(1, o + 16, Dv * 4);
-                if (n4 > 2) _tile_stored(2, o + 32, Dv * 4);
-                if (n4 > 3) _tile_stored(3, o + 48, Dv * 4);
+                if (n4 > 1) _tile_stored(1, o + (size_t)16 * Dv, Dv * 4);
+                if (n4 > 2) _tile_stored(2, o + (size_t)32 * Dv, Dv * 4);
+                if (n4 > 3) _tile_stored(3, o + (size_t)48 * Dv, Dv * 4);
             }
         t = stop;
     }

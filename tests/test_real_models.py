@@ -24,6 +24,8 @@ from tiny_hf import seeded, tiny_deepseek
 
 import attnbench
 from attnbench.backend import Backend, Tolerance
+from attnbench.backends.cpu_decode import load_kernel
+from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
 from attnbench.backends.naive import NaiveBackend
 from attnbench.decode import DecodeModel, generate
 from attnbench.gate import within
@@ -44,9 +46,18 @@ class LatentNaiveBackend(NaiveBackend):
     kv_form = "latent"
 
 
+class LatentScalarCpuDecode(CpuDecodeMLABackend):
+    """Test-only: cpu_decode_mla's plain-C variant, forced (its AMX variant takes bf16 only; these
+    models run in fp32, and the AMX variant's bf16 run is test_cpu_decode_mla_amx_in_bf16 below)."""
+
+    name = "test_cpu_decode_mla_scalar"
+    force_isa = "c-scalar"
+
+
 def _backends() -> dict[str, type[Backend]]:
     found = {entry.name: entry.cls for entry in attnbench.load_registry() if entry.cls.kv_form == "latent"}
     found.setdefault(LatentNaiveBackend.name, LatentNaiveBackend)
+    found.setdefault(LatentScalarCpuDecode.name, LatentScalarCpuDecode)
     return found
 
 
@@ -407,3 +418,38 @@ def test_logits_tolerance_scales_only_max_abs() -> None:
     tol = Tolerance(max_abs=1e-5, rel_l2=1e-5, min_cosine=0.99)
     assert logits_tolerance(tol, torch.tensor([0.5])) == tol
     assert math.isclose(logits_tolerance(tol, torch.tensor([-8.0])).max_abs, 8e-5)
+
+
+def _forced_logits(model: DecodeModel, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, N, V]`` of ``model`` fed transformers' own greedy ``tokens`` (teacher forcing: the
+    runs compared never diverge on a rounding-close argmax)."""
+    model.setup(prompt.shape[1], tokens.shape[1])
+    out = [model.prefill(prompt, lengths=[prompt.shape[1]] * prompt.shape[0])]
+    for i in range(tokens.shape[1] - 1):
+        out.append(model.decode_step(tokens[:, i]))
+    return torch.stack(out, dim=1).cpu().double()
+
+
+def test_cpu_decode_mla_amx_in_bf16() -> None:
+    """cpu_decode_mla's AMX variant drives the hand-written DeepSeek-V3 decoder in bf16 (a latent row
+    of 96 = rank 64 + rope 32, which AMX tiles take). Fed transformers' fp32 greedy tokens, its logits
+    are no further from transformers' fp32 logits than those of the same bf16 decoder with naive
+    attention (scores, softmax and P·V in bf16 torch ops), and within bf16's tolerance of them."""
+    kernel = load_kernel()
+    if isinstance(kernel, str) or kernel.fp8_level < 2:
+        pytest.skip("AMX-BF16 is not available (or not granted) on this CPU")
+    hf = seeded(lambda: tiny_deepseek(kv_lora_rank=64, qk_rope_head_dim=32))
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, hf.config.vocab_size, (BATCH, PROMPT_LEN), generator=gen)
+    tokens, ref = greedy_reference(hf, prompt, new_tokens=NEW_TOKENS)
+    ref = ref.double()
+    stats = {}
+    for name, backend in (("amx", CpuDecodeMLABackend()), ("naive", LatentNaiveBackend())):
+        model = load_model(hf, backend=backend, dtype=torch.bfloat16, batch=BATCH)
+        assert not model.unsupported(max_seq_len=PROMPT_LEN + NEW_TOKENS)
+        stats[name] = compare(_forced_logits(model, prompt, tokens), ref)
+        if name == "amx":
+            assert model.cache is not None and getattr(model.cache, "isa", None) == "c-amx"
+    assert stats["amx"].rel_l2 <= 1.5 * stats["naive"].rel_l2, stats
+    tol = logits_tolerance(Tolerance(max_abs=6e-2, rel_l2=3e-2, min_cosine=0.999), ref)
+    assert not within(stats["amx"], tol), (stats, tol)
