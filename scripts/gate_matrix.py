@@ -43,11 +43,17 @@ def _contexts(text: str) -> list[int]:
 
 
 def _candidates(
-    form: str, *, interpreted_ok: bool, dtype: str, only: set[str] | None = None, planted: bool = True
+    form: str,
+    *,
+    interpreted_ok: bool,
+    dtype: str,
+    only: set[str] | None = None,
+    planted: bool = True,
+    latent: str = "tiny-mla",
 ) -> dict[str, tuple]:
     """name -> (backend, config, planted?) for one cache form and dtype (``only``: these built-ins)."""
     registry = load_registry(env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    probe = Workload(SMALL if form == "expanded" else load_shape("tiny-mla"), (64,), dtype, "cpu")
+    probe = Workload(SMALL if form == "expanded" else load_shape(latent), (64,), dtype, "cpu")
     out: dict[str, tuple] = {}
     for entry in registry:
         b = entry.cls()
@@ -98,6 +104,12 @@ def main() -> int:
     ap.add_argument(
         "--no-planted", action="store_true", help="leave out the planted bugs and their precise base"
     )
+    ap.add_argument(
+        "--latent-model",
+        default="tiny-mla",
+        help="the latent (MLA) form's geometry: a preset or shape YAML (default tiny-mla; deepseek-v3 "
+        "for kernels whose tiles need a 576-wide row)",
+    )
     ap.add_argument("--out", default="results/gate-matrix-cpu")
     args = ap.parse_args()
     only = {n.strip() for n in args.backends.split(",") if n.strip()} or None
@@ -111,12 +123,17 @@ def main() -> int:
         for ctx in _contexts(args.contexts):
             for form in ("expanded", "latent"):
                 if form == "latent":
-                    shape = load_shape("tiny-mla")
+                    shape = load_shape(args.latent_model)
                 else:
                     shape = load_shape("llama-3.1-8b") if ctx <= full_max else SMALL
                 workload = Workload(shape, (ctx,), dtype, "cpu")
                 cands = _candidates(
-                    form, interpreted_ok=ctx in interp, dtype=dtype, only=only, planted=not args.no_planted
+                    form,
+                    interpreted_ok=ctx in interp,
+                    dtype=dtype,
+                    only=only,
+                    planted=not args.no_planted,
+                    latent=args.latent_model,
                 )
                 if not cands:
                     continue
