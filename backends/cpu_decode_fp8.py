@@ -163,8 +163,15 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
 
     # -- accuracy (the fp8 backend's bounds: the same stored values) -------------------------------
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
-        """Against the K/V as stored: the default, 2 (bf16 rounds p · v_scale to bf16 for the dot
-        product, as the bf16 kernel rounds p; the scalar variant stays in fp32)."""
+        """Against the K/V as stored: 3 in bf16, the default 2 otherwise. The bf16 variants round each
+        weight p · v_scale to bf16 for the dot product while the denominator sums the unrounded p, so
+        the weights do not sum to one exactly (the bf16 kernel's do): over 30 seeds per context
+        (results/gate/gate-matrix-cpu-fp8-mla-bf16.md, llama-3.1-8b's geometry at 1k and 8k, the gate's
+        small one at 32k and 128k) none failed at 2, but the worst error reached 0.82 of that bound at
+        128k (2.0× the calibration reference in rel_l2 at 1k), past the 0.8 headroom every declared
+        multiple keeps; 3 leaves it at ~0.55. The scalar variant stays in fp32."""
+        if dtype == torch.bfloat16:
+            return 3.0
         return super().error_multiple(dtype, config=config)
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
