@@ -353,13 +353,22 @@ class BackendConformance:
             configs = cls._configs()
             metafunc.parametrize("config", configs, ids=[_config_id(c) for c in configs])
 
-    def _instance_for(self, case: ConformanceCase, dtype: str, lens: tuple[int, ...]) -> Backend:
+    def _instance_for(
+        self,
+        case: ConformanceCase,
+        dtype: str,
+        lens: tuple[int, ...],
+        config: Mapping[str, Any] | None = None,
+    ) -> Backend:
+        """A fresh backend; the test is skipped, with the backend's own reasons, where its resolution
+        for this case, dtype and config refuses (e.g. a kernel variant that runs bf16 only)."""
         import pytest
 
         backend = self.backend()
-        reasons = backend.resolve(Workload(case.shape, lens, parse_dtype(dtype), self.device)).reasons
+        reasons = backend.resolve(Workload(case.shape, lens, parse_dtype(dtype), self.device), config).reasons
         if reasons:
-            pytest.skip(f"{backend.name} does not support {case.id}/{dtype}: {'; '.join(reasons)}")
+            with_cfg = f" with {_config_id(config)}" if config else ""
+            pytest.skip(f"{backend.name} does not support {case.id}/{dtype}{with_cfg}: {'; '.join(reasons)}")
         return backend
 
     # -- contract --------------------------------------------------------------------------------
@@ -415,7 +424,7 @@ class BackendConformance:
 
     # -- numerics --------------------------------------------------------------------------------
     def test_prefill_then_decode(self, case: ConformanceCase, dtype: str, config: dict[str, Any]) -> None:
-        backend = self._instance_for(case, dtype, case.prompt_lens)
+        backend = self._instance_for(case, dtype, case.prompt_lens, config)
         run_case(backend, case, dtype=dtype, config=config, device=self.device)
 
     def test_prefill_in_two_turns(self, case: ConformanceCase, dtype: str, chunked: bool) -> None:
@@ -427,7 +436,7 @@ class BackendConformance:
         )
 
     def test_gate_at_ragged_context(self, case: ConformanceCase, dtype: str, config: dict[str, Any]) -> None:
-        backend = self._instance_for(case, dtype, case.gate_lens)
+        backend = self._instance_for(case, dtype, case.gate_lens, config)
         workload = Workload(case.shape, case.gate_lens, parse_dtype(dtype), self.device)
         result = check(backend, workload, config=config)
         assert result.passed, (

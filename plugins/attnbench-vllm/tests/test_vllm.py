@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from attnbench import Workload, check
+from attnbench.backend import Tunable
 from attnbench.testing import CASES, BackendConformance
 
 _REQUIRED = os.environ.get("ATTNBENCH_REQUIRE_VLLM") == "1"
@@ -70,11 +71,49 @@ class TestVllmCpu(BackendConformance):
 _FP8_MISSING = _MISSING or isa_mod.fp8_kernel_error("vec", 64, torch.bfloat16)
 
 
+class VllmCpuFP8Vec(VllmCpuFP8Backend):
+    """vllm_cpu_fp8 with its vector variant as the default: the fp8 variant that passes the gate on an
+    AMX CPU, where vLLM's own pick (``amx``) does not (see ``test_amx_fp8_fails_the_gate``)."""
+
+    name = "vllm_cpu_fp8_vec"
+    tunables = (
+        Tunable("isa", ("vec",), "vec", "vLLM's vector variant"),
+        *VllmCpuFP8Backend.tunables[1:],
+    )
+
+
+#: what the fp8 conformance suite runs: vLLM's own pick, except on an AMX CPU (there it fails the
+#: gate, asserted by test_amx_fp8_fails_the_gate) where it is the vector variant
+_FP8_BACKEND = VllmCpuFP8Vec if isa_mod.amx_granted() else VllmCpuFP8Backend
+
+
 @pytest.mark.skipif(_FP8_MISSING is not None, reason=f"vllm_cpu_fp8 cannot run here: {_FP8_MISSING}")
 class TestVllmCpuFP8(BackendConformance):
-    backend = VllmCpuFP8Backend
+    backend = _FP8_BACKEND
     dtypes = ("bf16",)
-    configs: ClassVar[list[dict[str, Any]]] = _configs(VllmCpuFP8Backend, fp8=True)
+    configs: ClassVar[list[dict[str, Any]]] = [
+        c
+        for c in _configs(VllmCpuFP8Backend, fp8=True)
+        if _FP8_BACKEND is VllmCpuFP8Backend or c["isa"] == "vec"
+    ]
+
+
+@pytest.mark.skipif(
+    _FP8_MISSING is not None or not isa_mod.amx_granted(),
+    reason="vLLM runs its vector variant over an fp8 cache on a CPU without AMX (covered by TestVllmCpuFP8)",
+)
+def test_amx_fp8_fails_the_gate() -> None:
+    """vLLM 0.32.0's AMX variant over its fp8 cache is refused by the gate on an AMX CPU: on the same
+    workload its output is far from attention over the K/V the cache stores (the storage itself is the
+    truncating quantiser, asserted below), while the vector variant passes. If a vLLM release fixes
+    the AMX path this test fails: then the plugin's docs and this test change."""
+    w = Workload(CASES[1].shape, (300, 41), torch.bfloat16)  # GQA, head_dim 64
+    amx = check(VllmCpuFP8Backend(), w, config={"isa": "amx", "block_size": 32})
+    vec = check(VllmCpuFP8Backend(), w, config={"isa": "vec", "block_size": 32})
+    assert vec.passed, vec.summary()
+    assert not amx.passed and "vs stored K/V" in amx.summary(), amx.summary()
+    assert amx.stored_error is not None and vec.stored_error is not None
+    assert amx.stored_error.rel_l2 > 3 * vec.stored_error.rel_l2, (amx.summary(), vec.summary())
 
 
 def test_vllm_is_importable() -> None:
@@ -92,7 +131,7 @@ def test_isa_follows_the_cpu_flags() -> None:
     assert f"[auto: {want} (" in impl, impl
     assert "[auto: vec (" in VllmCpuBackend().implementation(fp32)  # amx is bf16-only
     library = "AVX-512" if "avx512f" in FLAGS else "AVX2"
-    assert library in impl, impl
+    assert library in VllmCpuBackend().implementation(fp32)  # the vector path names its library
     # what a cache actually runs with
     cache = VllmCpuBackend().create_cache(bf16, config={}, num_layers=1, max_seq_len=64)
     assert cache.isa == want
@@ -126,6 +165,11 @@ def test_unsupported_shapes_say_why() -> None:
     assert any("head dims differ" in r for r in VllmCpuBackend().supports(mla))
     fp16_vec16 = isa_mod.isa_reasons("vec16", dtype=torch.bfloat16, head_dim=64, fp8=True)
     assert fp16_vec16 and "fp8" in fp16_vec16[0]
+    fp32 = Workload(CASES[1].shape, (8,), torch.float32)
+    refused = VllmCpuBackend().resolve(fp32, {"isa": "amx"})  # the config's variant, not just the default
+    assert not refused.runnable and any("isa 'amx'" in r for r in refused.reasons), refused
+    assert refused.implementation.startswith("unavailable: ")
+    assert VllmCpuBackend().resolve(fp32, {"isa": "vec"}).runnable
     meta = Workload(CASES[1].shape, (8,), torch.bfloat16, "meta")
     assert VllmCpuBackend().implementation(meta).startswith("unavailable: ")
 
@@ -135,7 +179,7 @@ def test_fp8_reference_matches_what_the_cache_stores() -> None:
     """The stored reference is vLLM's truncating quantiser: the kernel is within bf16 arithmetic of it,
     and far from round-to-nearest fp8 (so the check can tell the two apart)."""
     w = Workload(CASES[1].shape, (300, 41), torch.bfloat16)  # GQA, head_dim 64
-    result = check(VllmCpuFP8Backend(), w, config={"block_size": 32})
+    result = check(VllmCpuFP8Backend(), w, config={"isa": "vec", "block_size": 32})
     assert result.passed, result.summary()
     x = torch.randn(4096)
     nearest = x.to(torch.float8_e4m3fn).double()

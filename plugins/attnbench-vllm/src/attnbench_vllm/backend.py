@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import Backend, KVCache, StepPlan, Tolerance, Tunable, base_plan
+from attnbench.backend import Backend, KVCache, Resolution, StepPlan, Tolerance, Tunable, base_plan
 from attnbench.workload import Workload
 from attnbench_vllm import isa as isa_mod
 from attnbench_vllm.quant import FP8_EXACT_TOLERANCE, FP8_STORED_TOLERANCE, stored_fp8
@@ -158,6 +158,19 @@ class VllmCpuBackend(Backend):
         isa = self._isa(workload, self.default_config())
         cache = "" if not self.fp8 else f", {self.kv_cache_dtype} cache"
         return f"vllm {isa_mod.vllm_version()} cpu_attention_with_kv_cache[auto: {isa_mod.describe_isa(isa)}{cache}]"
+
+    def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution:
+        """The base answer, refused where the config's explicit ``isa`` cannot run here (``amx`` on a
+        CPU without AMX tiles or in fp32, ``vec16`` with an fp8 cache, ...): the same reasons
+        :meth:`create_cache` would raise with."""
+        res = super().resolve(workload, config)
+        if not res.runnable:
+            return res
+        g = workload.geometry(self.kv_form)
+        reasons = isa_mod.isa_reasons(
+            self._isa(workload, res.config), dtype=workload.dtype, head_dim=g.qk_head_dim, fp8=self.fp8
+        )
+        return res.refused(*reasons, implementation="unavailable: " + "; ".join(reasons)) if reasons else res
 
     def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
         """``isa`` offers ``auto`` plus the variants this CPU has that ``auto`` does not already pick."""

@@ -12,7 +12,8 @@ attention kernels come in ISA variants named by a string passed to every call:
 
 ``"auto"`` is vLLM's own choice, the rule of ``vllm.v1.attention.backends.cpu_attn._get_attn_isa``
 for the block sizes offered here (all multiples of 32): ``vec16`` when ``head_dim`` is a multiple of
-16 but not of 32, else ``amx`` for bf16 on an AMX CPU, else ``vec``. The rule is restated rather than
+16 but not of 32, else ``amx`` for bf16 on an AMX CPU (whose tile data the OS grants the process),
+else ``vec``. The rule is restated rather than
 imported because importing that module loads vLLM's model executor (and torchvision with it).
 """
 
@@ -73,7 +74,19 @@ def kernel_library() -> str:
 
 
 def has_amx() -> bool:
+    """The CPU has AMX tiles (``amx_tile`` in its flags)."""
     return bool(torch.cpu._is_amx_tile_supported())
+
+
+@functools.cache
+def amx_granted() -> bool:
+    """This process may use the AMX tile data (asked of the OS once, as vLLM's CPU worker does).
+
+    Linux hands the AMX tile state to a process only after ``arch_prctl(ARCH_REQ_XCOMP_PERM)``;
+    without it vLLM's ``amx`` variant kills the process with SIGILL on its first tile load (seen on
+    prefill with vLLM 0.32.0). ``torch.cpu._init_amx`` makes that request.
+    """
+    return has_amx() and bool(torch.cpu._init_amx())
 
 
 @functools.cache
@@ -112,6 +125,8 @@ def isa_reasons(isa: str, *, dtype: torch.dtype, head_dim: int, fp8: bool) -> li
     if isa == "amx":
         if not has_amx():
             reasons.append("isa 'amx' needs AMX tiles, which this CPU lacks (no amx_tile in its flags)")
+        elif not amx_granted():
+            reasons.append("isa 'amx': the OS refused this process the AMX tile data (arch_prctl)")
         if dtype != torch.bfloat16:
             reasons.append(f"isa 'amx' runs bf16 only, not {str(dtype).removeprefix('torch.')}")
     elif isa == "vec":
@@ -137,7 +152,7 @@ def resolve_isa(isa: str, *, dtype: torch.dtype, head_dim: int) -> str:
         return isa
     if head_dim % 32 and head_dim % 16 == 0:
         return "vec16"
-    if has_amx() and dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and amx_granted():
         return "amx"
     return "vec"
 
