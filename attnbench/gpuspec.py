@@ -24,7 +24,7 @@ import yaml
 if TYPE_CHECKING:
     from attnbench.calibration import Calibration
 
-__all__ = ["GPUSpec", "list_gpus", "load_gpu", "measured_gpu"]
+__all__ = ["GPUSpec", "list_gpus", "load_gpu", "matmul_peak", "measured_gpu"]
 
 #: The dtype of the embedding and LM head, and of attention arithmetic.
 HIGH = "bf16"
@@ -115,7 +115,7 @@ def load_gpu(name: str | Path | GPUSpec, *, achievable: float | None = None) -> 
     )
 
 
-def _matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
     """Dense FLOP/s of square matmuls, the FLOP roofline of ``--gpu this`` and the ceiling
     ``bench`` holds a step's FLOP/s to.
 
@@ -137,7 +137,7 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def measured_flops(device: torch.device, *, profile_id: str, remeasure: bool = False) -> dict[str, float]:
-    """bf16 and fp32 matmul FLOP/s of ``device`` (:func:`_matmul_flops`), measured once per
+    """bf16 and fp32 matmul FLOP/s of ``device`` (:func:`matmul_peak`), measured once per
     fingerprint and cached."""
     from attnbench.device import cache_dir
 
@@ -150,8 +150,8 @@ def measured_flops(device: torch.device, *, profile_id: str, remeasure: bool = F
             flops = {}
     if HIGH not in flops:
         flops = {
-            "bf16": _matmul_flops(device, torch.bfloat16),
-            "fp32": _matmul_flops(device, torch.float32),
+            "bf16": matmul_peak(device, torch.bfloat16),
+            "fp32": matmul_peak(device, torch.float32),
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:

@@ -66,6 +66,9 @@ def _kernels(
         out.append(("vllm_cpu (vLLM's default config)", registry.get("vllm_cpu"), {}))
     if fp8 and "vllm_cpu_fp8" in registry.names():
         out.append(("vllm_cpu_fp8 (vLLM's default config)", registry.get("vllm_cpu_fp8"), {}))
+        # on an AMX CPU vLLM's default for fp8 is its amx path, which fails the gate (docs/engines.md):
+        # its vec path is the vLLM fp8 kernel that passes, and the one to compare with
+        out.append(("vllm_cpu_fp8 isa=vec", registry.get("vllm_cpu_fp8"), {"isa": "vec"}))
     if probe:
         out.append(("matmul_probe", MatmulProbeBackend(), {}))
     return out

@@ -26,6 +26,7 @@ from attnbench.backends.mla import MLABackend
 from attnbench.cli.common import command_line, run_record, write_report
 from attnbench.costmodel import attention_flops
 from attnbench.device import last_level_cache_bytes
+from attnbench.gpuspec import matmul_peak
 from attnbench.workload import Workload, parse_int_list, parse_tokens
 
 
@@ -37,6 +38,11 @@ def _setup(backend, config, w: Workload, layers: int, rows: torch.Tensor):
         backend.append(cache, plan, layer=layer, k=rows, v=rows[..., : g.v_head_dim])
     cache.commit(plan)
     return cache
+
+
+def _matmul_peak() -> float:
+    """bf16 matmul FLOP/s at the current threads, as bench's ceiling is measured (gpuspec.matmul_peak)."""
+    return matmul_peak(torch.device("cpu"), torch.bfloat16)
 
 
 def main() -> int:
@@ -52,6 +58,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     start, load_start = time.time(), os.getloadavg()
     rows_out = []
+    peaks = [_matmul_peak()]
     for batch in parse_int_list(args.batch, field="--batch"):
         for context in (parse_tokens(c) for c in args.context.split(",")):
             w = Workload.uniform("deepseek-v3", batch=batch, context=context, dtype="bf16")
@@ -86,6 +93,9 @@ def main() -> int:
                 med = statistics.median(ts)
                 row[name] = {"ms_per_layer": med * 1e3, "gflops": flops / med / 1e9}
             row["speedup"] = row["mla[torch]"]["ms_per_layer"] / row["cpu_decode_mla"]["ms_per_layer"]
+            peaks.append(_matmul_peak())  # the peak again after each point: the row's share is of the mean
+            row["matmul_peak_gflops"] = (peaks[-2] + peaks[-1]) / 2e9
+            row["share_of_peak"] = row["cpu_decode_mla"]["gflops"] / row["matmul_peak_gflops"]
             rows_out.append(row)
             print(
                 f"b={batch} ctx={context}: cpu_decode_mla {row['cpu_decode_mla']['ms_per_layer']:.2f} ms/layer "
@@ -94,7 +104,10 @@ def main() -> int:
                 flush=True,
             )
     command = command_line(args, parser=ap, prog="python scripts/mla_cpu_speedup.py")
-    report = run_record(command=command, load_start=load_start, started=start) | {"rows": rows_out}
+    report = run_record(command=command, load_start=load_start, started=start) | {
+        "rows": rows_out,
+        "matmul_peak_gflops_samples": [x / 1e9 for x in peaks],
+    }
     lines = [
         "# cpu_decode_mla against the mla torch path (deepseek-v3 latent geometry, bf16)",
         "",
@@ -102,16 +115,19 @@ def main() -> int:
         f"{report['load_avg_start'][0]:.2f} → {report['load_avg_end'][0]:.2f}, {args.threads} thread(s).",
         "",
         "Interleaved rounds, median; layer caches cycled past the last-level cache. The torch path fails "
-        "the correctness gate at this geometry (bf16 scores), so its time is a reference, not a gated result.",
+        "the correctness gate at this geometry (bf16 scores), so its time is a reference, not a gated result. "
+        "`peak`: bf16 torch.mm (1024² and 2048², each at its 10th-percentile time, the faster; "
+        "`attnbench.gpuspec.matmul_peak`) measured before and after each point at the same threads; `share` is "
+        "cpu_decode_mla's GFLOP/s over their mean.",
         "",
-        "| batch | context | cpu_decode_mla ms/layer | GFLOP/s | mla[torch] ms/layer | GFLOP/s | speedup |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| batch | context | cpu_decode_mla ms/layer | GFLOP/s | peak GFLOP/s | share | mla[torch] ms/layer | GFLOP/s | speedup |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows_out:
         a, b = r["cpu_decode_mla"], r["mla[torch]"]
         lines.append(
             f"| {r['batch']} | {r['context']} | {a['ms_per_layer']:.2f} | {a['gflops']:.0f} | "
-            f"{b['ms_per_layer']:.2f} | {b['gflops']:.0f} | {r['speedup']:.1f}× |"
+            f"{r['matmul_peak_gflops']:.0f} | {100 * r['share_of_peak']:.0f} % | {b['ms_per_layer']:.2f} | {b['gflops']:.0f} | {r['speedup']:.1f}× |"
         )
     write_report(args.out, report, "\n".join(lines) + "\n")
     return 0

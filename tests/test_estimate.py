@@ -190,7 +190,7 @@ def test_this_uses_the_measured_profile(monkeypatch: pytest.MonkeyPatch, tmp_pat
     fake = DeviceProfile({"name": "cpu-under-test"}, 5e9, 6e9, 1, "now")
     monkeypatch.setattr("attnbench.device.load_profile", lambda device=None, remeasure=False: fake)
     calls = []
-    monkeypatch.setattr("attnbench.gpuspec._matmul_flops", lambda dev, dt: calls.append(dt) or 1e11)
+    monkeypatch.setattr("attnbench.gpuspec.matmul_peak", lambda dev, dt: calls.append(dt) or 1e11)
     gpu = measured_gpu("cpu")
     assert gpu.memory_bandwidth == 5e9 and gpu.achievable == 1.0 and gpu.measured
     assert gpu.flops["bf16"] == 1e11
