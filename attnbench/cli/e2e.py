@@ -149,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
             f"--new-tokens {args.new_tokens!r} must be ≥ 2 (one from prefill, then decode steps)"
         )
     dtype = parse_dtype(args.dtype, field="--dtype")
+    if args.plot:  # refused before the runs, not after minutes of them
+        _plot_module()
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads = {args.threads} must be ≥ 1")
@@ -437,8 +439,8 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], out: Path) -> None:
-    """ITL p50 against context (prompt + half the new tokens), one line per path and batch."""
+def _plot_module() -> Any:
+    """``matplotlib.pyplot`` (Agg), or ``ValueError`` saying how to install it."""
     try:
         import matplotlib
 
@@ -446,6 +448,12 @@ def plot(report: dict[str, Any], out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise ValueError(f"--plot needs matplotlib (pip install -e '.[plot]'): {err}") from None
+    return plt
+
+
+def plot(report: dict[str, Any], out: Path) -> None:
+    """ITL p50 against context (prompt + half the new tokens), one line per path and batch."""
+    plt = _plot_module()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in report["rows"]:
