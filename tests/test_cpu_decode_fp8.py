@@ -170,8 +170,10 @@ class TestCpuDecodeFp8Avx512(BackendConformance):
     configs: ClassVar[list[dict[str, Any]]] = [{"page_size": 32, "kv_splits": 4}]
     cases = CASES[:3]
 
-    def _instance_for(self, case: Any, dtype: str, lens: tuple[int, ...]) -> Any:
+    def _instance_for(
+        self, case: Any, dtype: str, lens: tuple[int, ...], config: dict[str, Any] | None = None
+    ) -> Any:
         kernel = _kernel()
         if kernel.fp8_level < 1:
             pytest.skip("this CPU lacks AVX512_BF16 + AVX512_VBMI")
-        return super()._instance_for(case, dtype, lens)
+        return super()._instance_for(case, dtype, lens, config)
