@@ -78,13 +78,26 @@ FAKES = [
 ]
 
 
-@pytest.fixture
-def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """All fake plugins on ``sys.path`` (in-process); their modules are forgotten afterwards."""
-    site = tmp_path / "site"
-    site.mkdir()
+@pytest.fixture(scope="module")
+def _fake_site_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder of fake plugins for the module: the registry bounds each plugin's first import in a
+    child process and remembers the module file's size and mtime, so an unchanged folder is checked
+    once, not once per test (each check imports torch: about 2 s a plugin)."""
+    site = tmp_path_factory.mktemp("fake-plugins") / "site"
     for entry, dist, version, module, source in FAKES:
         write_fake_dist(site, entry=entry, dist=dist, version=version, module=module, source=source)
+    return site
+
+
+@pytest.fixture
+def fake_site(_fake_site_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """All fake plugins on ``sys.path`` (in-process), each module as :data:`FAKES` writes it (a test
+    that changed one gets it back); their modules are forgotten afterwards."""
+    site = _fake_site_dir
+    for *_, module, source in FAKES:
+        path = site / f"{module}.py"
+        if path.read_text() != textwrap.dedent(source):
+            path.write_text(textwrap.dedent(source))
     monkeypatch.syspath_prepend(str(site))
     yield site
     for *_, module, _ in FAKES:
