@@ -343,9 +343,9 @@ def find_calibration(
     fingerprint: Mapping[str, Any], *, results_dir: str | Path | None = None
 ) -> Calibration | None:
     """This device's calibration file in ``results_dir`` (default: the tuned tables'), if written."""
-    from attnbench.tuning.tuner import default_results_dir
+    from attnbench.locations import results_location
 
-    path = calibration_path(results_dir or default_results_dir(), fingerprint)
+    path = calibration_path(results_dir or results_location().path, fingerprint)
     return Calibration.load(path) if path.exists() else None
 
 
