@@ -2,8 +2,22 @@
 # The project's test command (README and .ci/run): start a private PostgreSQL for the fleet tests,
 # then run pytest with any arguments given. Where PostgreSQL cannot be had (no package, not root),
 # the fleet tests are skipped with that reason and everything else runs.
+#
+# The tests run in ATTNBENCH_TEST_WORKERS pytest-xdist processes (default 2; 1 runs them in this
+# process), a test file per process (--dist loadfile: a module's fixtures are made once). Much of the
+# suite waits on single-threaded work (the Triton interpreter, child processes importing torch), so
+# two processes finish it in about half the time on a 2-core machine. No test times a speed target
+# (benchmarks do, on a quiet machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+workers="${ATTNBENCH_TEST_WORKERS:-2}"
+case "$workers" in
+    '' | *[!0-9]* | 0)
+        echo "ATTNBENCH_TEST_WORKERS=$workers: expected a whole number of processes, 1 or more" >&2
+        exit 2
+        ;;
+esac
 
 if bash scripts/postgres.sh install; then
     pg_dir="$(mktemp -d -t attnbench-pg.XXXXXX)"
@@ -17,4 +31,8 @@ if bash scripts/postgres.sh install; then
 else
     export ATTNBENCH_TEST_POSTGRES_UNAVAILABLE="PostgreSQL is not installed and could not be installed here"
 fi
-python -m pytest "$@"
+if [ "$workers" -gt 1 ]; then
+    python -m pytest -n "$workers" --dist loadfile "$@"
+else
+    python -m pytest "$@"
+fi
