@@ -18,6 +18,11 @@ case "$workers" in
         exit 2
         ;;
 esac
+if [ "$workers" -gt 1 ] && ! python -c "import xdist" 2>/dev/null; then
+    echo "ATTNBENCH_TEST_WORKERS=$workers needs pytest-xdist, which this environment lacks:" \
+        "install the test extra again (pip install -e \".[test]\") or set ATTNBENCH_TEST_WORKERS=1" >&2
+    exit 2
+fi
 
 if bash scripts/postgres.sh install; then
     pg_dir="$(mktemp -d -t attnbench-pg.XXXXXX)"
