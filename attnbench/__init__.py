@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from attnbench.backend import PLUGIN_API_VERSION, Backend, ConfigError, KVCache, StepPlan, Tolerance, Tunable
-from attnbench.gate import CheckResult, check
+from attnbench.core import moved
+from attnbench.core.backend import (
+    PLUGIN_API_VERSION,
+    Backend,
+    ConfigError,
+    KVCache,
+    StepPlan,
+    Tolerance,
+    Tunable,
+)
+from attnbench.core.registry import Registry, RegistryError, load_registry
+from attnbench.core.shapes import ModelShape, ShapeError, load_shape
+from attnbench.core.workload import Workload
+from attnbench.correctness.gate import CheckResult, check
 from attnbench.hookspecs import hookimpl
-from attnbench.registry import Registry, RegistryError, load_registry
-from attnbench.select import Choice, select
-from attnbench.shapes import ModelShape, ShapeError, load_shape
-from attnbench.workload import Workload
+from attnbench.selection.select import Choice, select
+
+moved.install()
 
 __version__ = "0.1.0"
 

@@ -21,11 +21,11 @@ and is published under the entry-point group ``attnbench.backends``::
     [project.entry-points."attnbench.backends"]
     my_backend = "my_plugin"
 
-``ATTNBENCH_PLUGIN_API`` must lie in :data:`attnbench.registry.SUPPORTED_PLUGIN_API`; a plugin that
+``ATTNBENCH_PLUGIN_API`` must lie in :data:`attnbench.core.registry.SUPPORTED_PLUGIN_API`; a plugin that
 declares another version, or none, is refused with a message naming the plugin, its distribution and
 version, and the supported range. The loading rules (one plugin at a time, each guarded, the stages
 ``import`` / ``api-version`` / ``register``, ``ATTNBENCH_PLUGINS`` and
-``ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD``) are in :mod:`attnbench.registry`; a walk-through from an empty
+``ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD``) are in :mod:`attnbench.core.registry`; a walk-through from an empty
 folder is ``docs/writing-a-backend.md``, and ``attnbench.testing.BackendConformance`` is the suite a
 plugin's own tests run.
 """

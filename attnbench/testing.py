@@ -13,7 +13,7 @@ pytest then runs, for every case shape (MHA, GQA, MQA, and MLA for MLA-capable b
 config: a ragged prefill followed by several decode steps against the float64 reference, a ragged
 prompt in two turns (the second appended to the cached first; whole and in chunks) within the
 gate's calibrated bound, the
-correctness gate (calibrated bounds and needle probes, :mod:`attnbench.gate`) at a longer ragged
+correctness gate (calibrated bounds and needle probes, :mod:`attnbench.correctness.gate`) at a longer ragged
 context, and contract checks; and, in the backend's default config, the gate over a long ragged
 *decode context* (:data:`LONG_CASES`: the cache filled to 5,003 tokens directly, then decode steps —
 where chunk-combining and split bugs live). Every run draws fresh random inputs; a failure prints
@@ -39,11 +39,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import Backend, ConfigError
-from attnbench.gate import Judge, check, gate_seed, random_step_inputs, within
-from attnbench.reference import compare, reference_decode, reference_prefill
-from attnbench.shapes import ModelShape, load_shape, parse_dtype
-from attnbench.workload import Workload
+from attnbench.core.backend import Backend, ConfigError
+from attnbench.core.shapes import ModelShape, load_shape, parse_dtype
+from attnbench.core.workload import Workload
+from attnbench.correctness.gate import Judge, check, gate_seed, random_step_inputs, within
+from attnbench.correctness.reference import compare, reference_decode, reference_prefill
 
 __all__ = [
     "CASES",
@@ -206,7 +206,7 @@ def run_prefill_turns(
     """A ragged prompt in two turns on 2 layers — the second appended to the cached first (a chat's
     second turn) — every prompt row judged against float64 causal attention.
 
-    An exact backend is held to the gate's calibrated bound (:class:`attnbench.gate.Judge`: the error
+    An exact backend is held to the gate's calibrated bound (:class:`attnbench.correctness.gate.Judge`: the error
     multiple × what a careful implementation in ``dtype`` makes on the same inputs, each prompt row
     judged as a query over its visible keys); a lossy one to its declared bound against exact
     attention. ``budget_bytes`` (set on the backend instance) forces the prefill into chunks of a few

@@ -1,7 +1,7 @@
 """``cpu_decode`` — the project's own paged decode-attention kernel for CPUs (C, AVX-512 or AVX2, OpenMP).
 
 The kernel is ``cpu_decode.c`` beside this file, compiled at first use with the system C compiler
-(``$CC``, else ``cc``/``gcc``) into a per-user cache (``attnbench.device.cache_dir() / "cpu_decode"``,
+(``$CC``, else ``cc``/``gcc``) into a per-user cache (``attnbench.core.device.cache_dir() / "cpu_decode"``,
 one file per hash of the source, the compiler's version and the flags, renamed into place atomically
 so parallel processes never see a half-written library), and called through :mod:`ctypes` with the
 tensors' ``data_ptr()``: no torch C++ headers, a build of seconds (once per source, compiler and flags).
@@ -65,8 +65,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import Backend, KVCache, StepPlan, Tunable, base_plan
-from attnbench.workload import Workload
+from attnbench.core.backend import Backend, KVCache, StepPlan, Tunable, base_plan
+from attnbench.core.workload import Workload
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
@@ -101,7 +101,7 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     """Compile ``SOURCE`` into the per-user cache unless a library for this source/compiler/flags exists."""
-    from attnbench.device import cache_dir
+    from attnbench.core.device import cache_dir
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]

@@ -4,7 +4,7 @@ The same kernel file as :mod:`attnbench.backends.cpu_decode` (``cpu_decode.c``),
 value and a float32 scale per token and KV head — the values the ``fp8`` backend stores
 (``scale = amax(|row|) / 448``, ``row / scale`` rounded to nearest-even into ``float8_e4m3fn``; the
 kernel's writer quantises in C and a test checks it byte for byte against
-:func:`attnbench.fp8.quantize`), so the gate's stored-K/V reference applies unchanged:
+:func:`attnbench.kernels.fp8_cache.quantize`), so the gate's stored-K/V reference applies unchanged:
 
     pages:    [L, pages, Hkv, page_size / 16, 2, 16 · D]  uint8   # the bf16 tile order (K [D/2, 16, 2],
                                                                   # V [8, D, 2]), 8-byte interleaved
@@ -26,7 +26,7 @@ arithmetic in fp32 where the CPU lacks those (``force_isa``; tests run it everyw
 Lossy, so it competes only when the user allows it (``--allow-lossy``, ``select(allow_lossy=True)``).
 Prefill attends over the prompt's unquantised K/V and stores them quantised (as ``fp8``); a prompt
 after a cached prefix reads the prefix back dequantised (:meth:`CpuDecodeFp8Cache.read`). K/V holding
-NaN or inf are stored as zeros and refused with :class:`attnbench.fp8.NonFiniteKVError`.
+NaN or inf are stored as zeros and refused with :class:`attnbench.kernels.fp8_cache.NonFiniteKVError`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import KVCache, StepPlan, Tolerance
 from attnbench.backends.cpu_decode import (
     _DTYPE_CODES,
     _ISA_CODES,
@@ -47,8 +46,9 @@ from attnbench.backends.cpu_decode import (
     load_kernel,
 )
 from attnbench.backends.fp8 import EXACT_TOLERANCE, STORED_TOLERANCE
-from attnbench.fp8 import NonFiniteKVError, dequantize, quantize
-from attnbench.workload import Workload
+from attnbench.core.backend import KVCache, StepPlan, Tolerance
+from attnbench.core.workload import Workload
+from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 
 #: the variants that read an fp8 cache: the AVX-512 BF16 one (bf16 only) and plain C (any dtype)
 _FP8_DTYPES = {"c-amx": (torch.bfloat16,), "c-avx512bf16": (torch.bfloat16,), "c-scalar": tuple(_DTYPE_CODES)}

@@ -36,7 +36,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import (
+from attnbench.backends.cpu_decode import _DTYPE_CODES, _ISA_CODES, MAX_SPLITS, _splits, load_kernel
+from attnbench.backends.mla import LatentCache
+from attnbench.core.backend import (
     DEFAULT_TOLERANCES,
     KVCache,
     Resolution,
@@ -45,10 +47,8 @@ from attnbench.backend import (
     Tolerance,
     Tunable,
 )
-from attnbench.backends.cpu_decode import _DTYPE_CODES, _ISA_CODES, MAX_SPLITS, _splits, load_kernel
-from attnbench.backends.mla import LatentCache
-from attnbench.paged import PagedStepPlan
-from attnbench.workload import Workload
+from attnbench.core.workload import Workload
+from attnbench.kernels.paged import PagedStepPlan
 
 
 @dataclass

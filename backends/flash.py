@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from attnbench.backend import KVCache, Resolution, ResolvingBackend, StepPlan, Tunable, base_plan
-from attnbench.kvcache import ContiguousKVCache
-from attnbench.workload import Workload
+from attnbench.core.backend import KVCache, Resolution, ResolvingBackend, StepPlan, Tunable, base_plan
+from attnbench.core.kvcache import ContiguousKVCache
+from attnbench.core.workload import Workload
 
 FLASH_ATTN = "flash_attn.flash_attn_with_kvcache"
 SDPA_FLASH = "torch.sdpa[flash]"

@@ -1,6 +1,6 @@
 """``fp8`` — a float8 (e4m3) paged KV cache with scales, dequantised on the fly.
 
-The cache (:class:`attnbench.fp8.FP8KVCache`) is a :class:`attnbench.paged.PagedKVCache` whose pages
+The cache (:class:`attnbench.kernels.fp8_cache.FP8KVCache`) is a :class:`attnbench.kernels.paged.PagedKVCache` whose pages
 hold ``float8_e4m3fn`` bytes, plus float32 scales written with each token:
 
     k_pages, v_pages:     [L, P, page_size, Hkv, D]  float8_e4m3fn
@@ -13,7 +13,7 @@ Per token-head scales need no calibration and cost 8 bytes per token, head and l
 Two attention paths, and ``implementation()`` says which one runs:
 
 - ``triton`` (CUDA; on the CPU only under ``TRITON_INTERPRET=1``, where it is checked, never timed):
-  the split-KV family kernel of :mod:`attnbench.triton_decode` with ``KV_FP8`` (grid
+  the split-KV family kernel of :mod:`attnbench.kernels.triton_decode` with ``KV_FP8`` (grid
   ``(B, Hkv, splits)``, one K/V tile load per GQA group, online softmax), reading the fp8 *bytes*
   (half of bf16's traffic). Bytes are turned into fp16 by integer ops (``s eeee mmm`` →
   ``s 0eeee mmm0000000`` is the value / 256, exactly), because sm_80 has no fp8 type; scales (× 256)
@@ -46,13 +46,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import KVCache, Resolution, ResolvingBackend, StepPlan, Tolerance, Tunable
-from attnbench.fp8 import FP16_BIAS, GRANULARITIES, FP8KVCache, dequantize, fp8_bits_to_fp16, quantize
-from attnbench.paged import PagedStepPlan, cdiv
-from attnbench.split_kv import SplitKVPlan, attach_split_kv, decode_split_kv, plan_split_kv
-from attnbench.triton_decode import DecodeSpec
-from attnbench.triton_utils import triton_mode
-from attnbench.workload import Workload
+from attnbench.core.backend import KVCache, Resolution, ResolvingBackend, StepPlan, Tolerance, Tunable
+from attnbench.core.workload import Workload
+from attnbench.kernels.fp8_cache import (
+    FP16_BIAS,
+    GRANULARITIES,
+    FP8KVCache,
+    dequantize,
+    fp8_bits_to_fp16,
+    quantize,
+)
+from attnbench.kernels.paged import PagedStepPlan, cdiv
+from attnbench.kernels.split_kv import SplitKVPlan, attach_split_kv, decode_split_kv, plan_split_kv
+from attnbench.kernels.triton_decode import DecodeSpec
+from attnbench.kernels.triton_utils import triton_mode
 
 # -- the search space, as data ------------------------------------------------------------------------
 PAGE_SIZES = (16, 32, 64, 128, 256)

@@ -2,7 +2,7 @@
 
 Not registered (``tune`` and ``select()`` never see it): ``attnbench bench --probe`` adds it as one
 more row, so every run shows what a plain batched matmul reaches when nothing is copied. Its cache
-is :class:`~attnbench.kvcache.ContiguousKVCache` (heads first), and decode multiplies against the
+is :class:`~attnbench.core.kvcache.ContiguousKVCache` (heads first), and decode multiplies against the
 *whole* per-layer buffer ``k[layer]: [B, Hkv, S_max, D]`` — a contiguous tensor, which torch's
 batched matmul reads in place — masking the slots past each sequence's length. It therefore reads
 ``max_seq_len`` slots per sequence, not the sequence's length: in ``bench`` that is the context plus
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-from attnbench.backend import KVCache, StepPlan, base_plan
 from attnbench.backends.naive import NaiveBackend, NaivePlan, grouped_attention
-from attnbench.kvcache import ContiguousKVCache
-from attnbench.workload import Workload
+from attnbench.core.backend import KVCache, StepPlan, base_plan
+from attnbench.core.kvcache import ContiguousKVCache
+from attnbench.core.workload import Workload
 
 
 class MatmulProbeBackend(NaiveBackend):

@@ -2,16 +2,16 @@
 
 The cache holds, per token and layer, one row ``[c | k_pe]`` of ``kv_lora_rank + qk_rope_head_dim``
 values (576 for DeepSeek-V3: 70,272 bytes per token over 61 layers in bf16), shared by all heads, in
-pages of ``page_size`` tokens (:class:`attnbench.paged.PagedKVCache` with ``share_v``: the value is
+pages of ``page_size`` tokens (:class:`attnbench.kernels.paged.PagedKVCache` with ``share_v``: the value is
 the first ``kv_lora_rank`` columns of the same row, stored once). Decode takes the absorbed query
-``q [B, H, rank + rope]`` (see :func:`attnbench.mla.latent_query`) and returns the latent output
-``[B, H, rank]`` (apply :func:`attnbench.mla.expand_output` after). All heads share one KV head: the
+``q [B, H, rank + rope]`` (see :func:`attnbench.models.mla.latent_query`) and returns the latent output
+``[B, H, rank]`` (apply :func:`attnbench.models.mla.expand_output` after). All heads share one KV head: the
 MQA case, with a very wide head.
 
 Two implementations, and ``implementation()`` says which one runs:
 
 - ``triton`` (CUDA, or on CPU under ``TRITON_INTERPRET=1`` for testing): the split-KV family kernel
-  of :mod:`attnbench.triton_decode` in its latent form (``LATENT``): program ``(b, head block,
+  of :mod:`attnbench.kernels.triton_decode` in its latent form (``LATENT``): program ``(b, head block,
   split)`` walks its share of the sequence through the block table in tiles of ``BLOCK_N`` tokens,
   computes ``[BLOCK_H, BLOCK_N]`` scores as ``q_lat·c + q_pe·k_pe`` (two dots, ``c`` loaded once and
   reused as the value), keeps an online softmax and a ``[BLOCK_H, rank]`` accumulator; the family's
@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import (
+from attnbench.core.backend import (
     DEFAULT_TOLERANCES,
     KVCache,
     Resolution,
@@ -45,11 +45,11 @@ from attnbench.backend import (
     Tolerance,
     Tunable,
 )
-from attnbench.paged import PagedKVCache, PagedStepPlan, cdiv
-from attnbench.split_kv import SplitKVPlan, attach_split_kv, decode_split_kv, plan_split_kv
-from attnbench.triton_decode import DecodeSpec
-from attnbench.triton_utils import triton_mode
-from attnbench.workload import Workload
+from attnbench.core.workload import Workload
+from attnbench.kernels.paged import PagedKVCache, PagedStepPlan, cdiv
+from attnbench.kernels.split_kv import SplitKVPlan, attach_split_kv, decode_split_kv, plan_split_kv
+from attnbench.kernels.triton_decode import DecodeSpec
+from attnbench.kernels.triton_utils import triton_mode
 
 
 @dataclass(frozen=True)

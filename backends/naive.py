@@ -26,10 +26,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import KVCache, StepPlan, base_plan
-from attnbench.kvcache import ContiguousBackend, ContiguousKVCache
-from attnbench.shapes import AttentionGeometry
-from attnbench.workload import Workload
+from attnbench.core.backend import KVCache, StepPlan, base_plan
+from attnbench.core.kvcache import ContiguousBackend, ContiguousKVCache
+from attnbench.core.shapes import AttentionGeometry
+from attnbench.core.workload import Workload
 
 
 @dataclass

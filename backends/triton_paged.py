@@ -1,10 +1,10 @@
 """``triton_paged`` — Triton decode attention over a paged KV cache, with split-KV (flash-decoding).
 
-The cache is an :class:`attnbench.paged.PagedKVCache` (``k_pages: [L, P, page_size, Hkv, D]``, a block
+The cache is an :class:`attnbench.kernels.paged.PagedKVCache` (``k_pages: [L, P, page_size, Hkv, D]``, a block
 table per sequence, pages handed out in a random order). One decode call per layer:
 
 1. ``cache.write``: the new token's K/V go to their slots (one ``index_copy_`` each);
-2. the family's split-KV kernel (:mod:`attnbench.triton_decode`, expanded form, cache dtype = compute
+2. the family's split-KV kernel (:mod:`attnbench.kernels.triton_decode`, expanded form, cache dtype = compute
    dtype), grid ``(B, Hkv, num_splits)``: each program takes one KV head of one sequence and one
    contiguous share of its tokens, loads each ``[block_n, D]`` K/V tile *once* for all
    ``G = Hq / Hkv`` query heads of the group and runs an online softmax over the tiles;
@@ -20,7 +20,7 @@ attention over the given K/V (not captured).
 
 Runs natively on CUDA; on the CPU only in the Triton interpreter (``TRITON_INTERPRET=1``), where it is
 checked for correctness and never timed. Every specialisation is compiled ahead of time for sm_80
-and sm_90 in the tests (:mod:`attnbench.triton_decode_aot`).
+and sm_90 in the tests (:mod:`attnbench.correctness.aot`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import KVCache, Resolution, ResolvingBackend, StepPlan, Tunable
-from attnbench.paged import PagedKVCache
-from attnbench.split_kv import SplitKVPlan, attach_split_kv, decode_split_kv, plan_split_kv
-from attnbench.triton_decode import DecodeSpec
-from attnbench.triton_utils import triton_mode
-from attnbench.workload import Workload
+from attnbench.core.backend import KVCache, Resolution, ResolvingBackend, StepPlan, Tunable
+from attnbench.core.workload import Workload
+from attnbench.kernels.paged import PagedKVCache
+from attnbench.kernels.split_kv import SplitKVPlan, attach_split_kv, decode_split_kv, plan_split_kv
+from attnbench.kernels.triton_decode import DecodeSpec
+from attnbench.kernels.triton_utils import triton_mode
 
 # -- the search space, as data ------------------------------------------------------------------------
 PAGE_SIZES = (16, 32, 64, 128, 256)

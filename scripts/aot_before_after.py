@@ -6,7 +6,7 @@ memory and warps: ``triton_decode_aot.resident_programs``), for sm_80 and sm_90.
 the parent of the unification commit: ``_paged_decode_kernel``, ``_fp8_paged_decode_kernel``,
 ``_mla_decode_partial``, ``_split_reduce_kernel``, ``_mla_decode_merge``, read with ``git show`` and
 compiled with the signatures and alignment hints their modules declared); "after" compiles the family
-kernel of :mod:`attnbench.triton_decode` at the same geometry (``triton_decode_aot.specialization``).
+kernel of :mod:`attnbench.kernels.triton_decode` at the same geometry (``triton_decode_aot.specialization``).
 Needs git and the repository's history; no GPU::
 
     python scripts/aot_before_after.py            # Markdown tables and the count of worse comparisons
@@ -31,15 +31,15 @@ import triton
 
 from attnbench.backends import fp8, mla, triton_paged
 from attnbench.cli.common import run_record, write_report
-from attnbench.triton_decode import DecodeSpec, pow2
-from attnbench.triton_decode_aot import (
+from attnbench.correctness.aot import (
     TL_DTYPE,
     merge_specialization,
     resident_programs,
     specialization,
     spill_bytes,
 )
-from attnbench.triton_utils import AotResult, aot_compile_many
+from attnbench.kernels.triton_decode import DecodeSpec, pow2
+from attnbench.kernels.triton_utils import AotResult, aot_compile_many
 
 UNIFICATION = "6be7b6a"  # "One split-KV Triton decode family ..."
 OLD_KERNELS = {

@@ -1,11 +1,11 @@
 """The ``cpu_decode`` kernel's share of the read bandwidth, beside vLLM's CPU kernel and the matmul probe.
 
 At one thread (``--threads``), llama-3.1-8b's attention geometry, bf16, batches 1 and 8, contexts 8k
-and 32k: every kernel goes through :func:`attnbench.bench.measure_decode` — the correctness gate
+and 32k: every kernel goes through :func:`attnbench.measure.bench.measure_decode` — the correctness gate
 first, then whole decode steps of ``--layers`` layers through the synthetic model, which cycles its
 calls over distinct layer caches worth at least 4 × the last-level cache (``layers mat.``), so every
 call reads from DRAM; the timed run is spot-checked against float64 afterwards. The read bandwidth
-(a large ``sum``, :class:`attnbench.device.ReadMeter`, as ``bench``'s ``% read``) is measured in the same run, at the
+(a large ``sum``, :class:`attnbench.core.device.ReadMeter`, as ``bench``'s ``% read``) is measured in the same run, at the
 same thread count, right before and right after each kernel's measurement: its share is against the
 mean of the two (the single-thread read bandwidth of this VM moves by up to 20 % within minutes, so a
 figure taken at another moment is not a fair denominator), and both are recorded.
@@ -38,10 +38,16 @@ import torch
 from attnbench.backends.cpu_decode import CpuDecodeBackend
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
 from attnbench.backends.matmul_probe import MatmulProbeBackend
-from attnbench.bench import measure_decode
-from attnbench.device import DeviceProfile, ReadMeter, fingerprint, last_level_cache_bytes, measure_bandwidth
-from attnbench.registry import load_registry
-from attnbench.workload import Workload, parse_int_list, parse_tokens
+from attnbench.core.device import (
+    DeviceProfile,
+    ReadMeter,
+    fingerprint,
+    last_level_cache_bytes,
+    measure_bandwidth,
+)
+from attnbench.core.registry import load_registry
+from attnbench.core.workload import Workload, parse_int_list, parse_tokens
+from attnbench.measure.bench import measure_decode
 
 
 def _kernels(

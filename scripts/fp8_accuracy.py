@@ -22,10 +22,10 @@ from rich.progress import track
 from rich.table import Table
 
 from attnbench.backends.fp8 import EXACT_TOLERANCE, STORED_TOLERANCE, FP8Backend
-from attnbench.device import fingerprint
-from attnbench.gate import check
-from attnbench.shapes import ModelShape
-from attnbench.workload import Workload
+from attnbench.core.device import fingerprint
+from attnbench.core.shapes import ModelShape
+from attnbench.core.workload import Workload
+from attnbench.correctness.gate import check
 
 # (query heads, kv heads, head_dim): MHA, GQA (Llama-3 8B ratio), MQA, wide heads
 GEOMETRIES = ((4, 4, 64), (8, 2, 128), (8, 1, 64), (4, 2, 256), (4, 4, 32))

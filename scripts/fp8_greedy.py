@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import transformers
 
-from attnbench.backend import Backend
 from attnbench.backends.fp8 import FP8Backend
 from attnbench.backends.naive import NaiveBackend
-from attnbench.decode import generate
-from attnbench.device import fingerprint
+from attnbench.core.backend import Backend
+from attnbench.core.device import fingerprint
+from attnbench.correctness.reference import compare
 from attnbench.integrations.transformers import TransformersDecodeModel, greedy_reference
-from attnbench.reference import compare
+from attnbench.measure.decode import generate
 
 PROMPT_LEN = 8
 NEW_TOKENS = 64

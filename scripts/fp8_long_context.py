@@ -19,10 +19,10 @@ import sys
 import time
 
 from attnbench.cli.common import command_line, run_record, write_report
-from attnbench.gate import check, prepare_case
-from attnbench.registry import load_registry
-from attnbench.shapes import load_shape
-from attnbench.workload import Workload
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import load_shape
+from attnbench.core.workload import Workload
+from attnbench.correctness.gate import check, prepare_case
 
 
 def main() -> int:

@@ -18,9 +18,9 @@ import time
 
 from attnbench.cli.common import command_line, run_record, write_report
 from attnbench.cli.tune import DEFAULT_BATCH, DEFAULT_CONTEXT
-from attnbench.shapes import load_shape
+from attnbench.core.shapes import load_shape
+from attnbench.core.workload import Workload, parse_int_list
 from attnbench.tuning import TuneOptions, tune
-from attnbench.workload import Workload, parse_int_list
 
 
 def _ints(text: str) -> list[int]:

@@ -3,7 +3,7 @@
 For every cell (dtype × context, batch 1) and seed, one gate case (inputs with needle probes, the
 float64 and calibration outputs) is built per cache form and shared by every candidate of that form:
 
-- every planted wrong backend (:mod:`attnbench.planted`) must fail, every seed;
+- every planted wrong backend (:mod:`planted`) must fail, every seed;
 - every built-in backend that runs natively here must pass, with its worst error at most 0.8 of its
   bound (``bound share`` = worst over metrics of error / bound); Triton backends, interpreted on a CPU,
   only at the contexts given by ``--interpreted-contexts``.
@@ -26,14 +26,16 @@ import sys
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run interpreted on a CPU (checked only)
+# the planted wrong backends are test fixtures: tests/planted.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 
+from planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
 
 from attnbench.cli.common import command_line, run_record, write_report
-from attnbench.gate import check, prepare_case
-from attnbench.planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
-from attnbench.registry import load_registry
-from attnbench.shapes import load_shape
-from attnbench.workload import Workload, parse_int_list
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import load_shape
+from attnbench.core.workload import Workload, parse_int_list
+from attnbench.correctness.gate import check, prepare_case
 
 SMALL = GATE_SMALL
 

@@ -7,7 +7,7 @@ On a CUDA machine, in this order:
    float64 reference on a ragged batch (lengths that are not multiples of any page size), for its
    default config and each other choice of each tunable (one at a time);
 3. timing: the default config of every correct backend at batch 1/8/32 × context 1k/8k/32k (bf16,
-   Llama-3.1-8B's attention, all 32 layers per step) through :func:`attnbench.bench.measure_decode`
+   Llama-3.1-8B's attention, all 32 layers per step) through :func:`attnbench.measure.bench.measure_decode`
    (which checks each workload again before timing it). The 32 layer calls cycle over distinct layer
    caches of ``--materialise-gib`` (4 GiB) in all, far more than any L2, so every call reads from
    HBM. Each step is timed both ways engines can run it: eagerly (every layer launched from Python)
@@ -108,13 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from attnbench.bench import CheckFailed, measure_decode
-    from attnbench.device import load_profile
-    from attnbench.gate import check
-    from attnbench.registry import load_registry
-    from attnbench.shapes import load_shape, parse_dtype
+    from attnbench.core.device import load_profile
+    from attnbench.core.registry import load_registry
+    from attnbench.core.shapes import load_shape, parse_dtype
+    from attnbench.core.workload import Workload, parse_int_list
+    from attnbench.correctness.gate import check
+    from attnbench.measure.bench import CheckFailed, measure_decode
     from attnbench.testing import conformance_configs
-    from attnbench.workload import Workload, parse_int_list
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     started = time.monotonic()

@@ -31,14 +31,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from attnbench.bench import check_workload
-from attnbench.decode import SyntheticModel
-from attnbench.device import load_profile
-from attnbench.gate import check
-from attnbench.registry import load_registry
-from attnbench.shapes import parse_dtype
-from attnbench.timing import synchronize
-from attnbench.workload import Workload, parse_int_list, parse_tokens
+from attnbench.core.device import load_profile
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import parse_dtype
+from attnbench.core.timing import synchronize
+from attnbench.core.workload import Workload, parse_int_list, parse_tokens
+from attnbench.correctness.gate import check
+from attnbench.measure.bench import check_workload
+from attnbench.measure.decode import SyntheticModel
 
 TARGET = 1.10
 

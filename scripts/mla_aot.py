@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from attnbench.backends.mla import TILES, decode_spec
-from attnbench.device import fingerprint
-from attnbench.triton_decode_aot import merge_specialization, specialization, spill_bytes
-from attnbench.triton_utils import aot_compile_many
+from attnbench.core.device import fingerprint
+from attnbench.correctness.aot import merge_specialization, specialization, spill_bytes
+from attnbench.kernels.triton_utils import aot_compile_many
 
 
 def main() -> None:

@@ -24,10 +24,10 @@ import torch
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
 from attnbench.backends.mla import MLABackend
 from attnbench.cli.common import command_line, run_record, write_report
-from attnbench.costmodel import attention_flops
-from attnbench.device import last_level_cache_bytes
-from attnbench.gpuspec import matmul_peak
-from attnbench.workload import Workload, parse_int_list, parse_tokens
+from attnbench.core.device import last_level_cache_bytes
+from attnbench.core.traffic import attention_flops
+from attnbench.core.workload import Workload, parse_int_list, parse_tokens
+from attnbench.cost.gpuspec import matmul_peak
 
 
 def _setup(backend, config, w: Workload, layers: int, rows: torch.Tensor):
@@ -117,7 +117,7 @@ def main() -> int:
         "Interleaved rounds, median; layer caches cycled past the last-level cache. The torch path fails "
         "the correctness gate at this geometry (bf16 scores), so its time is a reference, not a gated result. "
         "`peak`: bf16 torch.mm (1024² and 2048², each at its 10th-percentile time, the faster; "
-        "`attnbench.gpuspec.matmul_peak`) measured before and after each point at the same threads; `share` is "
+        "`attnbench.cost.gpuspec.matmul_peak`) measured before and after each point at the same threads; `share` is "
         "cpu_decode_mla's GFLOP/s over their mean.",
         "",
         "| batch | context | cpu_decode_mla ms/layer | GFLOP/s | peak GFLOP/s | share | mla[torch] ms/layer | GFLOP/s | speedup |",

@@ -2,8 +2,8 @@
 full model on the GPU presets.
 
 Reads the JSON that ``attnbench bench --save PREFIX`` wrote, and for every timed row computes
-:func:`attnbench.costmodel.decode_roofline` on this machine (measured copy bandwidth and bf16/fp32 matmul
-FLOP/s, see :func:`attnbench.estimate.measured_gpu`) for the layers the bench ran; then the same
+:func:`attnbench.core.traffic.decode_roofline` on this machine (measured copy bandwidth and bf16/fp32 matmul
+FLOP/s, see :func:`attnbench.cost.estimate.measured_gpu`) for the layers the bench ran; then the same
 workloads over all of the model's layers on each GPU preset (datasheet peaks). Writes
 ``PREFIX-roofline.json`` and ``PREFIX-roofline.md``::
 
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from attnbench.costmodel import decode_roofline
-from attnbench.estimate import list_gpus, load_gpu, measured_gpu
-from attnbench.shapes import dtype_name, load_shape, parse_dtype
-from attnbench.workload import Workload
+from attnbench.core.shapes import dtype_name, load_shape, parse_dtype
+from attnbench.core.traffic import decode_roofline
+from attnbench.core.workload import Workload
+from attnbench.cost.estimate import list_gpus, load_gpu, measured_gpu
 
 FORMS = {"naive": "expanded", "flash": "expanded", "mla": "latent"}
 

@@ -26,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from attnbench.estimate import estimate
+from attnbench.cost.estimate import estimate
 
 PANELS = [("llama-3.1-8b", "h100", 1), ("llama-3.3-70b", "h100", 2), ("llama-3.3-70b", "h200", 4)]
 BATCHES = [1, 8, 32, 128]

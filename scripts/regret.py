@@ -41,13 +41,13 @@ from typing import Any
 
 import optuna
 
-from attnbench.device import load_profile
-from attnbench.select import select
+from attnbench.core.device import load_profile
+from attnbench.core.workload import Workload, parse_int_list
+from attnbench.selection.select import select
 from attnbench.tuning import Candidate, TuneOptions, Worker, backend_refs, build_space, hardware_id, tune
 from attnbench.tuning.dispatch import map_key
 from attnbench.tuning.interleave import Finalist, retime
 from attnbench.tuning.margin import SWITCH_MARGIN, beats
-from attnbench.workload import Workload, parse_int_list
 
 TARGETS = {"median": 1.01, "p90": 1.05, "max": 1.15, "evaluations_vs_dense": 0.5}
 QUICK = {

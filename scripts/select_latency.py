@@ -3,13 +3,13 @@
 For each source of an answer — the roofline heuristic (an empty results folder), a dispatch map (a
 planted map over a batch × context grid: the lookup's cost does not depend on the times in it), and,
 with ``--results DIR``, whatever that results folder holds (e.g. what ``attnbench tune`` wrote: its map
-has many candidates per point) — a fresh :class:`attnbench.select.Selector` is made, its first call is
+has many candidates per point) — a fresh :class:`attnbench.selection.select.Selector` is made, its first call is
 timed (registry, model shape, device fingerprint, table and map read), then ``--calls`` further calls,
 each with a (batch, context) pair not used before, are timed one by one with ``time.perf_counter_ns``.
 Reported: the first call, and the median, p90, p99 and mean of the later ones. The planted folders are
 dated a minute back, as a folder ``tune`` wrote before a server started is: ``select()`` then checks
 it for a rewrite with one ``os.stat`` per call (in the two seconds after a folder changes it also
-``os.stat``-s the files in it; see :class:`attnbench.select.Selector`). For ``--results`` the
+``os.stat``-s the files in it; see :class:`attnbench.selection.select.Selector`). For ``--results`` the
 report describes the map it read (grid lines, points, candidates per point) and adds a row of calls
 inside the map's tuned grid (interpolated between its points rather than extrapolated beyond them).
 
@@ -42,9 +42,10 @@ from pathlib import Path
 
 import torch
 
-from attnbench.device import fingerprint
-from attnbench.select import Selector
-from attnbench.shapes import load_shape
+from attnbench.core.device import fingerprint
+from attnbench.core.shapes import load_shape
+from attnbench.core.workload import bucket
+from attnbench.selection.select import Selector
 from attnbench.tuning.dispatch import (
     DispatchMap,
     GridPoint,
@@ -56,7 +57,6 @@ from attnbench.tuning.dispatch import (
 )
 from attnbench.tuning.margin import Interval
 from attnbench.tuning.table import ResultsTable, hardware_id, table_path
-from attnbench.workload import bucket
 
 #: the repository's results folder (the default --out), wherever the script is run from
 RESULTS = Path(__file__).resolve().parents[1] / "results"

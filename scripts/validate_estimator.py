@@ -1,18 +1,18 @@
 """Check the calibrated cost model against measured decode steps on this machine, on held-out points.
 
 For each model geometry × dtype × backend that runs timed here, the synthetic attention-only decode
-step (:func:`attnbench.bench.measure_decode`, over ``--layers`` layers) is measured on two grids of
+step (:func:`attnbench.measure.bench.measure_decode`, over ``--layers`` layers) is measured on two grids of
 batch × context in ONE run, in one seeded random order (interleaved, so load drifts hit both alike):
 
 - the **fit grid** (``--fit-batch`` × ``--fit-context``, what a tune grid measures) — the calibration
-  (:class:`attnbench.calibration.Calibration`, ``t = layers · (t0 + t_seq · batch) + kv_bytes / bw_eff``
+  (:class:`attnbench.cost.fit.Calibration`, ``t = layers · (t0 + t_seq · batch) + kv_bytes / bw_eff``
   per backend, dtype and geometry) is fitted on these points only;
 - the **held-out grid** (``--holdout-batch`` × ``--holdout-context``, between and beside the fit
   points) — predicted by that calibration, never part of the fit, and compared with the measurement.
 
 Target (issue 16): ≥ 80 % of held-out points within ±15 % of the measured step, median |error| ≤ 8 %.
 The bare roofline (KV bytes over the measured copy bandwidth, or FLOPs over the matmul peak:
-:func:`attnbench.costmodel.decode_roofline`) is recorded beside it, for comparison. The correctness gate
+:func:`attnbench.core.traffic.decode_roofline`) is recorded beside it, for comparison. The correctness gate
 runs at the first point of every (model, backend, dtype); weights are not part of this model, so the
 figures are for the attention part of a step.
 
@@ -43,14 +43,14 @@ from typing import Any
 
 import torch
 
-from attnbench.bench import CheckFailed, measure_decode
-from attnbench.calibration import Calibration, CalibrationPoint, device_entry, geometry_key
-from attnbench.costmodel import decode_roofline
-from attnbench.device import load_profile
-from attnbench.gpuspec import device_memory_bytes, measured_flops
-from attnbench.registry import load_registry
-from attnbench.shapes import load_shape
-from attnbench.workload import Workload, parse_int_list
+from attnbench.core.device import load_profile
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import load_shape
+from attnbench.core.traffic import decode_roofline
+from attnbench.core.workload import Workload, parse_int_list
+from attnbench.cost.fit import Calibration, CalibrationPoint, device_entry, geometry_key
+from attnbench.cost.gpuspec import device_memory_bytes, measured_flops
+from attnbench.measure.bench import CheckFailed, measure_decode
 
 TOLERANCE = 0.15
 TARGET_SHARE = 0.80

@@ -87,8 +87,8 @@ def _error(pred: float, measured: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from attnbench.core.shapes import parse_dtype
     from attnbench.cost import generation
-    from attnbench.shapes import parse_dtype
 
     reports = [(path, _load(path)) for path in args.runs]
     threads = args.threads or max(int(r.get("threads") or 0) for _, r in reports) or None

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnbench import device as device_mod
 from attnbench.backends.naive import NaiveBackend
-from attnbench.bench import CheckFailed, DecodeMeasurement, check_workload, measure_decode
 from attnbench.cli import main
-from attnbench.device import DeviceProfile
-from attnbench.workload import Workload
+from attnbench.core import device as device_mod
+from attnbench.core.device import DeviceProfile
+from attnbench.core.workload import Workload
+from attnbench.measure.bench import CheckFailed, DecodeMeasurement, check_workload, measure_decode
 
 SMALL_BUFFER = 4 * 2**20
 

@@ -83,6 +83,7 @@ def _tune_entries(*, dtypes: tuple[str, ...] = ("bf16",)) -> dict[str, dict[str,
     """Results-table entries as ``tune`` writes them (:func:`summarize` over planted trials, re-timed
     interleaved), with real backends' names and configs: a switch to cpu_decode, a tie, the default
     winning, a long plugin config, and a bucket where nothing passed."""
+    from attnbench.core.workload import Workload
     from attnbench.tuning import (
         Candidate,
         KeyResult,
@@ -94,7 +95,6 @@ def _tune_entries(*, dtypes: tuple[str, ...] = ("bf16",)) -> dict[str, dict[str,
     )
     from attnbench.tuning.margin import Interval
     from attnbench.tuning.refine import PointMeasurement
-    from attnbench.workload import Workload
 
     profile = stated_profile()
     cpu = {"page_size": 128, "kv_splits": "auto", "prefetch": 2}
@@ -318,7 +318,7 @@ BACKENDS = [  # as `attnbench backends --model llama-3.1-8b --json` lists them o
 
 
 def _backend_rows() -> list[dict[str, Any]]:
-    from attnbench.registry import load_registry
+    from attnbench.core.registry import load_registry
 
     reg = load_registry(env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})  # built-ins' real descriptions
     rows = []
@@ -375,8 +375,8 @@ def test_backends_wide_adds_the_tunables_and_the_implementation() -> None:
 
 
 def test_calibrate_table_fits_80_columns_and_wide_adds_the_points() -> None:
-    from attnbench.calibration import Calibration, Fit
     from attnbench.cli.calibrate import calibration_table
+    from attnbench.cost.fit import Calibration, Fit
 
     def fit(backend: str, dtype: str, geometry: str | None, t0: float, bw: float) -> Fit:
         return Fit(backend, dtype, geometry, t0, 1.16e-4, 1 / bw, 6, 63.5, 0.0351, 0.0565)
@@ -450,7 +450,7 @@ def test_decode_table_fits_80_columns() -> None:
 )
 def test_estimate_table_fits_80_columns(args: dict[str, Any]) -> None:
     from attnbench.cli.estimate import render
-    from attnbench.estimate import estimate
+    from attnbench.cost.estimate import estimate
 
     args = dict(args)
     table = render(estimate(args.pop("model"), **args))

@@ -7,7 +7,7 @@ import torch
 
 from attnbench.backends.flash import FlashBackend
 from attnbench.backends.naive import NaiveBackend
-from attnbench.registry import load_registry
+from attnbench.core.registry import load_registry
 from attnbench.testing import CASES, LONG_CASES, BackendConformance, run_case
 
 

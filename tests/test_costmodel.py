@@ -10,18 +10,11 @@ import pytest
 from tuning_helpers import planted_entry, planted_result, save_table, stated_profile
 
 import attnbench
-from attnbench.calibrated import beyond_tuned
-from attnbench.calibration import (
-    Calibration,
-    CalibrationError,
-    CalibrationPoint,
-    calibration_path,
-    fit_points,
-    geometry_key,
-    points_from_bench,
-)
 from attnbench.cli import main
-from attnbench.costmodel import (
+from attnbench.core.device import fingerprint
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import load_shape
+from attnbench.core.traffic import (
     StepCost,
     attention_flops,
     backend_kv_bytes_per_token,
@@ -31,12 +24,19 @@ from attnbench.costmodel import (
     shape_kv_bytes_per_token,
     step_fixed_s,
 )
-from attnbench.device import fingerprint
-from attnbench.estimate import estimate, load_gpu
-from attnbench.registry import load_registry
-from attnbench.shapes import load_shape
+from attnbench.core.workload import Workload
+from attnbench.cost.estimate import estimate, load_gpu
+from attnbench.cost.fit import (
+    Calibration,
+    CalibrationError,
+    CalibrationPoint,
+    calibration_path,
+    fit_points,
+    geometry_key,
+    points_from_bench,
+)
+from attnbench.selection.fitted import beyond_tuned
 from attnbench.tuning import ResultsTable, summarize
-from attnbench.workload import Workload
 
 # -- bytes and FLOPs by hand --------------------------------------------------------------------------
 
@@ -252,7 +252,7 @@ def test_calibrate_fits_from_a_bench_json(tmp_path, capsys) -> None:
 
 
 def test_bench_prints_measured_vs_model_per_row(tmp_path, monkeypatch, capsys) -> None:
-    import attnbench.device as device_mod
+    import attnbench.core.device as device_mod
 
     monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("ATTNBENCH_RESULTS_DIR", str(tmp_path))
@@ -283,7 +283,7 @@ def test_bench_prints_measured_vs_model_per_row(tmp_path, monkeypatch, capsys) -
 
 
 def test_points_from_a_tuned_table_recover_bytes_and_layers(tmp_path) -> None:
-    from attnbench.calibration import points_from_table
+    from attnbench.cost.fit import points_from_table
 
     p = stated_profile()
     rows = {}

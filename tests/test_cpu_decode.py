@@ -17,10 +17,10 @@ import torch
 
 import attnbench.backends.cpu_decode as cpu_decode
 from attnbench.backends.cpu_decode import CpuDecodeBackend, load_kernel
-from attnbench.gate import check
-from attnbench.shapes import ModelShape
+from attnbench.core.shapes import ModelShape
+from attnbench.core.workload import Workload
+from attnbench.correctness.gate import check
 from attnbench.testing import CASES, BackendConformance
-from attnbench.workload import Workload
 
 GQA = CASES[1]  # 8 query heads over 2 KV heads of 64
 

@@ -16,10 +16,10 @@ import torch
 
 from attnbench.backends.cpu_decode import load_kernel
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend, CpuDecodeFp8Cache
-from attnbench.fp8 import NonFiniteKVError, dequantize, quantize
-from attnbench.shapes import ModelShape
+from attnbench.core.shapes import ModelShape
+from attnbench.core.workload import Workload
+from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 from attnbench.testing import CASES, BackendConformance
-from attnbench.workload import Workload
 
 
 def _kernel() -> Any:
@@ -82,7 +82,7 @@ def _filled(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_writer_stores_what_quantize_stores(dtype: torch.dtype) -> None:
-    """Byte for byte (as values): the C writer's scales and e4m3 rounding are attnbench.fp8.quantize's."""
+    """Byte for byte (as values): the C writer's scales and e4m3 rounding are attnbench.kernels.fp8_cache.quantize's."""
     _kernel()
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     lens = (301, 17, 64)

@@ -18,9 +18,9 @@ import torch
 from attnbench.backends.cpu_decode import load_kernel
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
 from attnbench.backends.mla import MLABackend
-from attnbench.shapes import load_shape
+from attnbench.core.shapes import load_shape
+from attnbench.core.workload import Workload
 from attnbench.testing import CASES, BackendConformance, ConformanceCase
-from attnbench.workload import Workload
 
 #: tiny-mla with a latent row of 96 (rank 64 + rope 32: AMX tiles) and 20 heads (a partial head block)
 MLA96 = dataclasses.replace(

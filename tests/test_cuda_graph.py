@@ -18,12 +18,12 @@ import pytest
 
 from attnbench.backends.naive import NaiveBackend
 from attnbench.backends.triton_paged import TritonPagedBackend
-from attnbench.bench import measure_decode
 from attnbench.cli import main
-from attnbench.graph_step import GraphedDecodeStep
-from attnbench.synthetic import SyntheticModel
-from attnbench.timing import TIMING_MODES, timing_mode
-from attnbench.workload import Workload
+from attnbench.core.timing import TIMING_MODES, timing_mode
+from attnbench.core.workload import Workload
+from attnbench.measure.bench import measure_decode
+from attnbench.measure.graph_step import GraphedDecodeStep
+from attnbench.measure.synthetic import SyntheticModel
 
 
 def test_timing_mode_defaults_and_refusals() -> None:

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from attnbench.backend import KVCache, StepPlan
 from attnbench.backends.naive import NaiveBackend
-from attnbench.decode import DecodeModel, SyntheticModel, generate, materialised_layers
-from attnbench.reference import compare, reference_decode
-from attnbench.shapes import ModelShape
-from attnbench.workload import Workload
+from attnbench.core.backend import KVCache, StepPlan
+from attnbench.core.shapes import ModelShape
+from attnbench.core.workload import Workload
+from attnbench.correctness.reference import compare, reference_decode
+from attnbench.measure.decode import DecodeModel, SyntheticModel, generate, materialised_layers
 
 
 def _shape(layers: int = 6) -> ModelShape:
@@ -197,7 +197,7 @@ def test_synthetic_model_bad_input() -> None:
     with pytest.raises(RuntimeError, match="call setup"):
         SyntheticModel(NaiveBackend(), workload).decode_step()
     from attnbench.backends.flash import FlashBackend
-    from attnbench.shapes import load_shape
+    from attnbench.core.shapes import load_shape
 
     mla = Workload(load_shape("tiny-mla"), (8,), torch.float32)
     with pytest.raises(ValueError, match="cannot run .*key head_dim 24 != value head_dim 16"):

@@ -180,8 +180,8 @@ def test_cli_refuses_bad_input(capsys) -> None:
 def test_cli_a_backend_failing_the_gate_is_reported_not_timed(capsys, monkeypatch) -> None:
     """A candidate that fails the correctness gate is listed with the reason and never timed; the
     command goes on with the other paths (no traceback)."""
-    import attnbench.gate
-    from attnbench.gate import check as real_check
+    import attnbench.correctness.gate
+    from attnbench.correctness.gate import check as real_check
 
     def wrong(backend, workload, **kw):
         result = real_check(backend, workload, **kw)
@@ -193,7 +193,7 @@ def test_cli_a_backend_failing_the_gate_is_reported_not_timed(capsys, monkeypatc
             )
         )
 
-    monkeypatch.setattr(attnbench.gate, "check", wrong)
+    monkeypatch.setattr(attnbench.correctness.gate, "check", wrong)
     argv = ["e2e", "--model", "tiny-qwen2", "--prompt", "16", "--new-tokens", "3", "--dtype", "fp32",
             "--threads", "1", "--paths", "sdpa,naive,cpu_decode", "--no-predict", "--json"]  # fmt: skip
     assert main(argv) == 0

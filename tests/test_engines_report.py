@@ -7,10 +7,10 @@ import json
 from script_module import load_script
 from tuning_helpers import planted_result, stated_profile
 
+from attnbench.core.workload import Workload
 from attnbench.tuning import summarize
 from attnbench.tuning.margin import Interval
 from attnbench.tuning.refine import PointMeasurement
-from attnbench.workload import Workload
 
 W = Workload.uniform("tiny-gqa", batch=1, context=512, dtype="fp32")
 

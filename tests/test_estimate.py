@@ -7,8 +7,9 @@ import math
 import pytest
 
 from attnbench.cli import main
-from attnbench.device import DeviceProfile
-from attnbench.estimate import (
+from attnbench.core.device import DeviceProfile
+from attnbench.core.shapes import ModelShape, load_shape
+from attnbench.cost.estimate import (
     MoERouting,
     _mean_of_max_linear,
     estimate,
@@ -17,7 +18,6 @@ from attnbench.estimate import (
     load_gpu,
     measured_gpu,
 )
-from attnbench.shapes import ModelShape, load_shape
 
 # -- hand-computed bytes for two presets ------------------------------------------------------------
 
@@ -188,9 +188,9 @@ def test_presets_and_aliases() -> None:
 def test_this_uses_the_measured_profile(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
     fake = DeviceProfile({"name": "cpu-under-test"}, 5e9, 6e9, 1, "now")
-    monkeypatch.setattr("attnbench.device.load_profile", lambda device=None, remeasure=False: fake)
+    monkeypatch.setattr("attnbench.core.device.load_profile", lambda device=None, remeasure=False: fake)
     calls = []
-    monkeypatch.setattr("attnbench.gpuspec.matmul_peak", lambda dev, dt: calls.append(dt) or 1e11)
+    monkeypatch.setattr("attnbench.cost.gpuspec.matmul_peak", lambda dev, dt: calls.append(dt) or 1e11)
     gpu = measured_gpu("cpu")
     assert gpu.memory_bandwidth == 5e9 and gpu.achievable == 1.0 and gpu.measured
     assert gpu.flops["bf16"] == 1e11

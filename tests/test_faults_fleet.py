@@ -93,7 +93,7 @@ def _states(url: str) -> tuple[dict[str, int], list]:
 def test_a_fleet_of_three_tuners_survives_a_sigkill(fresh_database, tmp_path, capsys):
     import optuna
 
-    from attnbench.device import load_profile
+    from attnbench.core.device import load_profile
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     load_profile("cpu")  # measured once here (cached), not three times at once by the tuners

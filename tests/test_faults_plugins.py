@@ -7,9 +7,9 @@ import ctypes
 import time
 
 from attnbench.backends.naive import NaiveBackend
-from attnbench.probe import ask, ask_many
+from attnbench.core.plugin_call import ask, ask_many
+from attnbench.core.workload import Workload
 from attnbench.tuning import BackendRef, build_space
-from attnbench.workload import Workload
 
 W = Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp32")
 
@@ -63,7 +63,7 @@ def test_one_child_process_per_bucket_not_per_request_shape(tmp_path, monkeypatc
 def test_a_plugin_whose_import_hangs_is_listed_broken_and_the_rest_load(tmp_path, monkeypatch):
     from importlib.metadata import EntryPoint
 
-    import attnbench.registry as registry_mod
+    import attnbench.core.registry as registry_mod
 
     (tmp_path / "ab_hanging_import.py").write_text("import ctypes\nctypes.PyDLL(None).sleep(3600)\n")
     monkeypatch.syspath_prepend(str(tmp_path))

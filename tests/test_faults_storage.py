@@ -11,9 +11,9 @@ import pytest
 import yaml
 from tuning_helpers import planted_entry, save_table, stated_profile
 
-from attnbench.device import DeviceProfile
+from attnbench.core.device import DeviceProfile
+from attnbench.core.workload import Workload
 from attnbench.tuning import JOURNAL_NAME, ResultsTable, StorageError, TableError, open_storage
-from attnbench.workload import Workload
 
 W = Workload.uniform("tiny-gqa", batch=1, context=512, dtype="fp32")
 

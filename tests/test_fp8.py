@@ -15,14 +15,21 @@ import pytest
 import torch
 
 from attnbench.backends.fp8 import BLOCK_N, EXACT_TOLERANCE, FP8Backend
-from attnbench.fp8 import FP8_MAX, FP8KVCache, NonFiniteKVError, dequantize, fp8_bits_to_fp16, quantize
-from attnbench.gate import check
-from attnbench.shapes import load_shape
+from attnbench.core.shapes import load_shape
+from attnbench.core.workload import Workload
+from attnbench.correctness.aot import merge_specialization, specialization
+from attnbench.correctness.gate import check
+from attnbench.kernels.fp8_cache import (
+    FP8_MAX,
+    FP8KVCache,
+    NonFiniteKVError,
+    dequantize,
+    fp8_bits_to_fp16,
+    quantize,
+)
+from attnbench.kernels.triton_decode import DecodeSpec
+from attnbench.kernels.triton_utils import aot_compile_many
 from attnbench.testing import CASES, BackendConformance
-from attnbench.triton_decode import DecodeSpec
-from attnbench.triton_decode_aot import merge_specialization, specialization
-from attnbench.triton_utils import aot_compile_many
-from attnbench.workload import Workload
 
 
 class FP8TritonBackend(FP8Backend):

@@ -1,6 +1,6 @@
 """The correctness gate's matrix: every planted wrong backend fails, every built-in passes.
 
-Planted bugs (:mod:`attnbench.planted`) × bf16, fp16, fp32 × contexts 1k, 8k, 32k, 128k, batch 1, on
+Planted bugs (:mod:`planted`) × bf16, fp16, fp32 × contexts 1k, 8k, 32k, 128k, batch 1, on
 a small geometry (2 layers, 8 query heads over 2 KV heads of 32 dims; the MLA latent form on
 ``tiny-mla``). Inputs and references are built once per cell and shared by its candidates; seeds are
 fresh each run and every failure prints the one to replay (``ATTNBENCH_SEED``). The same matrix over
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
 
-from attnbench.backend import Backend
-from attnbench.gate import check, prepare_case
-from attnbench.planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
-from attnbench.registry import load_registry
-from attnbench.shapes import load_shape
-from attnbench.workload import Workload
+from attnbench.core.backend import Backend
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import load_shape
+from attnbench.core.workload import Workload
+from attnbench.correctness.gate import check, prepare_case
 
 SMALL = GATE_SMALL
 CONTEXTS = (1024, 8192, 32768, 131072)

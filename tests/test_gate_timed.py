@@ -14,13 +14,13 @@ from tuning_helpers import planted_registry
 
 import attnbench
 from attnbench.backends.naive import NaiveBackend
-from attnbench.bench import CheckFailed, Implausible, measure_decode, plausibility
 from attnbench.cli import main
-from attnbench.kvcache import ContiguousKVCache
-from attnbench.registry import load_registry
+from attnbench.core.kvcache import ContiguousKVCache
+from attnbench.core.registry import load_registry
+from attnbench.core.workload import Workload
+from attnbench.measure.bench import CheckFailed, Implausible, measure_decode, plausibility
 from attnbench.tuning import TuneOptions, build_space, tune
 from attnbench.tuning.space import backend_refs
-from attnbench.workload import Workload
 
 WORKLOAD = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32")
 FAST = TuneOptions(timeout_s=30.0, warmup=1, repeats=4, num_layers=4)

@@ -22,10 +22,11 @@ import transformers
 from tiny_hf import TINY_COMMON, seeded, tiny_deepseek
 
 import attnbench
-from attnbench.backend import Backend, KVCache, StepPlan
 from attnbench.backends.naive import NaiveBackend
 from attnbench.cli import main
-from attnbench.decode import generate
+from attnbench.core.backend import Backend, KVCache, StepPlan
+from attnbench.core.shapes import ShapeError, load_shape
+from attnbench.core.workload import Workload
 from attnbench.integrations.transformers import (
     BackendCache,
     TransformersDecodeModel,
@@ -33,9 +34,8 @@ from attnbench.integrations.transformers import (
     shape_of,
     use_backend,
 )
+from attnbench.measure.decode import generate
 from attnbench.models import UnsupportedModelError
-from attnbench.shapes import ShapeError, load_shape
-from attnbench.workload import Workload
 
 LONG, SHORT = 8, 5  # prompt lengths; the short one is left-padded to LONG
 NEW_TOKENS = 32
@@ -309,7 +309,7 @@ def test_shape_read_from_the_model() -> None:
 
 
 def test_decode_loop_times_a_transformers_model() -> None:
-    """The DecodeModel adapter: attnbench.decode.generate's tokens equal transformers' (equal-length prompts)."""
+    """The DecodeModel adapter: attnbench.measure.decode.generate's tokens equal transformers' (equal-length prompts)."""
     hf = hf_model("olmo2")
     ids = torch.randint(0, 128, (2, LONG), generator=torch.Generator().manual_seed(3))
     want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)[:, LONG:]
@@ -432,7 +432,7 @@ def test_right_padding_is_refused() -> None:
 @pytest.fixture
 def small_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A private device-profile cache whose bandwidth measurement uses a small buffer (fast)."""
-    from attnbench import device as device_mod
+    from attnbench.core import device as device_mod
 
     monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("ATTNBENCH_LLC_BYTES", str(2**20))

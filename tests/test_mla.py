@@ -18,25 +18,25 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from attnbench.backend import Backend, ConfigError
 from attnbench.backends.mla import TILES, MLABackend, decode_spec, effective_tile
 from attnbench.backends.naive import NaiveBackend
-from attnbench.costmodel import decode_cost, decode_roofline
-from attnbench.gate import check
-from attnbench.mla import (
+from attnbench.core.backend import Backend, ConfigError
+from attnbench.core.shapes import ModelShape, load_shape
+from attnbench.core.traffic import decode_cost, decode_roofline
+from attnbench.core.workload import Workload
+from attnbench.correctness.aot import specialization
+from attnbench.correctness.gate import check
+from attnbench.correctness.reference import compare, reference_decode
+from attnbench.kernels.triton_decode import auto_splits
+from attnbench.kernels.triton_utils import aot_compile_many
+from attnbench.models.mla import (
     absorb_query,
     expand_kv,
     expand_output,
     latent_query,
     split_kv_b,
 )
-from attnbench.reference import compare, reference_decode
-from attnbench.shapes import ModelShape, load_shape
 from attnbench.testing import BackendConformance
-from attnbench.triton_decode import auto_splits
-from attnbench.triton_decode_aot import specialization
-from attnbench.triton_utils import aot_compile_many
-from attnbench.workload import Workload
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -353,7 +353,7 @@ def test_refusals_and_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_declared_tolerance() -> None:
-    from attnbench.backend import DEFAULT_TOLERANCES
+    from attnbench.core.backend import DEFAULT_TOLERANCES
 
     backend = MLABackend()
     assert backend.tolerance(torch.float32) == DEFAULT_TOLERANCES[torch.float32]

@@ -20,16 +20,16 @@ if not torch.cuda.is_available():  # as tests/conftest.py: the interpreter, chos
 
 import pytest
 
-from attnbench.backend import Backend, StepPlan
 from attnbench.backends.fp8 import FP8Backend
 from attnbench.backends.mla import MLABackend
 from attnbench.backends.naive import NaiveBackend
 from attnbench.backends.triton_paged import TritonPagedBackend
-from attnbench.paged import PagedKVCache
-from attnbench.registry import load_registry
-from attnbench.shapes import load_shape
+from attnbench.core.backend import Backend, StepPlan
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import load_shape
+from attnbench.core.workload import Workload
+from attnbench.kernels.paged import PagedKVCache
 from attnbench.testing import CASES
-from attnbench.workload import Workload
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

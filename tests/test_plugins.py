@@ -25,7 +25,7 @@ import torch
 from fake_plugins import plugin_source, pythonpath, write_fake_dist
 
 from attnbench import Workload, check, load_registry
-from attnbench.registry import SUPPORTED_PLUGIN_API, Registry
+from attnbench.core.registry import SUPPORTED_PLUGIN_API, Registry
 from attnbench.tuning.margin import Interval, decide
 from attnbench.tuning.summary import candidate_label
 

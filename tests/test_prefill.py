@@ -14,7 +14,7 @@ import torch
 
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.prefill import prefill_attention, sdpa_flash_error
-from attnbench.reference import compare, reference_decode
+from attnbench.correctness.reference import compare, reference_decode
 from attnbench.testing import CASES, run_prefill_turns
 
 

@@ -23,15 +23,15 @@ import transformers
 from tiny_hf import seeded, tiny_deepseek
 
 import attnbench
-from attnbench.backend import Backend, Tolerance
 from attnbench.backends.cpu_decode import load_kernel
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
 from attnbench.backends.naive import NaiveBackend
-from attnbench.decode import DecodeModel, generate
-from attnbench.gate import within
+from attnbench.core.backend import Backend, Tolerance
+from attnbench.correctness.gate import within
+from attnbench.correctness.reference import compare
 from attnbench.integrations.transformers import greedy_reference
+from attnbench.measure.decode import DecodeModel, generate
 from attnbench.models import DeepseekDecoder, RopeSpec, UnsupportedModelError, from_transformers, load_model
-from attnbench.reference import compare
 
 PROMPT_LEN = 8
 NEW_TOKENS = 32

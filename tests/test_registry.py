@@ -7,8 +7,8 @@ from importlib.metadata import EntryPoint
 import pytest
 from fake_plugins import plugin_source
 
-import attnbench.registry as registry_mod
-from attnbench.registry import RegistryError, load_registry
+import attnbench.core.registry as registry_mod
+from attnbench.core.registry import RegistryError, load_registry
 
 NO_PLUGINS = {"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"}
 

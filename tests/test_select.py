@@ -9,9 +9,9 @@ from tuning_helpers import planted_entry, save_table, stated_profile
 
 import attnbench
 from attnbench.cli import main
-from attnbench.device import DeviceProfile
+from attnbench.core.device import DeviceProfile
+from attnbench.core.workload import Workload
 from attnbench.tuning import DeviceMismatchError, ResultsTable
-from attnbench.workload import Workload
 
 
 def _table(tmp_path, rows: list[tuple[str, dict]], profile: DeviceProfile | None = None):
@@ -23,7 +23,7 @@ def _forbid_cached_work(monkeypatch, *more):  # type: ignore[no-untyped-def]
     the profile, each backend's resolve) — and ``more`` ``(owner, name)`` pairs — raise."""
     import importlib
 
-    sel = importlib.import_module("attnbench.select")  # the module (attnbench.select is the function)
+    sel = importlib.import_module("attnbench.selection.select")
 
     def forbidden(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("select() did work its first call should have cached")
@@ -141,8 +141,8 @@ def test_cli_names_bad_input(capsys):
 
 def test_the_heuristic_never_picks_a_lossy_cache_untuned(tmp_path):
     from attnbench.backends.naive import NaiveBackend
+    from attnbench.core.registry import Source, load_registry
     from attnbench.hookspecs import hookimpl
-    from attnbench.registry import Source, load_registry
 
     class Halved(NaiveBackend):  # pretends to quantise: fewer bytes per token, lossy K/V
         name = "halved"
@@ -177,10 +177,10 @@ def test_the_heuristic_never_picks_a_lossy_cache_untuned(tmp_path):
 def test_later_calls_read_no_file_rebuild_nothing_and_allocate_no_cache(tmp_path, monkeypatch):
     import importlib
 
-    from attnbench.backend import Backend
-    from attnbench.select import Selector
+    from attnbench.core.backend import Backend
+    from attnbench.selection.select import Selector
 
-    files = importlib.import_module("attnbench.select_tuned")  # reads the tuned files
+    files = importlib.import_module("attnbench.selection.tuned")  # reads the tuned files
     p = stated_profile()
     w = Workload.uniform("tiny-gqa", batch=1, context=1024)
     _table(tmp_path, [planted_entry(w, flash=1e-3, naive=3e-3, profile=p)])
@@ -204,7 +204,7 @@ def test_later_calls_read_no_file_rebuild_nothing_and_allocate_no_cache(tmp_path
 
 
 def test_a_table_rewritten_by_tune_is_picked_up(tmp_path):
-    from attnbench.select import Selector
+    from attnbench.selection.select import Selector
 
     p = stated_profile()
     w = Workload.uniform("tiny-gqa", batch=1, context=64)
@@ -280,7 +280,7 @@ def test_a_missing_results_folder_or_table_is_an_error(tmp_path, capsys, argv, m
 
 
 def test_the_results_variable_and_a_missing_folder_from_python(tmp_path, monkeypatch):
-    from attnbench.locations import ResultsLocationError, default_results_dir, results_location
+    from attnbench.core.locations import ResultsLocationError, default_results_dir, results_location
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
     assert results_location().path == default_results_dir() == tmp_path / "xdg" / "attnbench"
@@ -303,7 +303,7 @@ def test_the_results_variable_and_a_missing_folder_from_python(tmp_path, monkeyp
 def test_tune_refuses_the_committed_reference_runs_unless_asked(tmp_path, capsys):
     from pathlib import Path
 
-    from attnbench.locations import REFERENCE_MARKER
+    from attnbench.core.locations import REFERENCE_MARKER
 
     repo_results = Path(__file__).resolve().parents[1] / "results"
     assert (repo_results / REFERENCE_MARKER).is_file()  # the repository's results/ is marked
@@ -315,7 +315,7 @@ def test_tune_refuses_the_committed_reference_runs_unless_asked(tmp_path, capsys
     assert "holds committed reference runs" in err and "--update-reference" in err
     assert not list(tmp_path.glob("tuning-*"))
     from attnbench.cli import build_parser
-    from attnbench.locations import writable_results
+    from attnbench.core.locations import writable_results
 
     assert build_parser().parse_args(["tune", *tiny, "--update-reference"]).update_reference
     assert writable_results(tmp_path, update_reference=True).path == tmp_path  # asked: allowed
@@ -339,7 +339,7 @@ def test_device_defaults_to_auto_everywhere(argv):
     import torch
 
     from attnbench.cli import build_parser
-    from attnbench.device import resolve_device
+    from attnbench.core.device import resolve_device
 
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto") == expected and resolve_device("cpu") == "cpu"
@@ -376,8 +376,8 @@ def _planted_map(folder, *, batches=(1, 4), contexts=(256, 1024)):
     """This machine's dispatch map for tiny-gqa bf16 (device cpu): flash, the default, takes
     ``1e-3 · batch · context`` ms at every grid point and naive twice that, so log-log interpolation
     gives exactly those times between the points."""
-    from attnbench.device import fingerprint
-    from attnbench.shapes import load_shape
+    from attnbench.core.device import fingerprint
+    from attnbench.core.shapes import load_shape
     from attnbench.tuning.dispatch import DispatchMap, GridPoint, MapCandidate, dispatch_path, save_maps
     from attnbench.tuning.margin import Interval
     from attnbench.tuning.table import hardware_id, table_path
@@ -403,7 +403,7 @@ def _planted_map(folder, *, batches=(1, 4), contexts=(256, 1024)):
 
 
 def _from_map(folder, batch, context, selector=None):
-    from attnbench.select import Selector
+    from attnbench.selection.select import Selector
 
     return (selector or Selector()).select(
         model="tiny-gqa", batch=batch, context=context, dtype="bf16", device="cpu", results_dir=folder
@@ -469,13 +469,13 @@ def test_later_calls_from_a_map_read_nothing_and_explain_only_when_asked(tmp_pat
     import os
     import time
 
-    from attnbench.calibration import Calibration
-    from attnbench.select import Selector
+    from attnbench.cost.fit import Calibration
+    from attnbench.selection.select import Selector
     from attnbench.tuning.dispatch import DispatchMap
 
     monkeypatch.setenv("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", "1")  # built-ins: no plugin probe per bucket
-    sel = importlib.import_module("attnbench.select")
-    tuned = importlib.import_module("attnbench.select_tuned")
+    sel = importlib.import_module("attnbench.selection.select")
+    tuned = importlib.import_module("attnbench.selection.tuned")
     _planted_map(tmp_path)
     old = time.time() - 60
     os.utime(tmp_path, (old, old))  # written a minute ago: the folder has settled
@@ -516,7 +516,7 @@ def test_a_rewrite_in_a_settled_folder_is_seen_by_the_next_call(tmp_path, monkey
     import os
     import time
 
-    from attnbench.select import Selector
+    from attnbench.selection.select import Selector
 
     monkeypatch.setenv("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", "1")
     p = stated_profile()

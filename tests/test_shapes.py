@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from attnbench.shapes import ShapeError, list_presets, load_shape, parse_dtype
-from attnbench.workload import Workload, bucket, parse_int_list, parse_tokens
+from attnbench.core.shapes import ShapeError, list_presets, load_shape, parse_dtype
+from attnbench.core.workload import Workload, bucket, parse_int_list, parse_tokens
 
 
 def test_published_kv_bytes_per_token() -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from attnbench import device as device_mod
-from attnbench.device import DeviceProfile, fingerprint, last_level_cache_bytes, load_profile
-from attnbench.timing import Timing, measure
+from attnbench.core import device as device_mod
+from attnbench.core.device import DeviceProfile, fingerprint, last_level_cache_bytes, load_profile
+from attnbench.core.timing import Timing, measure
 
 SMALL_BUFFER = 4 * 2**20
 

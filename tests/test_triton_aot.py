@@ -20,14 +20,14 @@ from triton_modes import run_uninterpreted
 
 from attnbench.backends import fp8, mla
 from attnbench.backends.triton_paged import AOT_GEOMETRIES, BLOCK_N, PAGE_SIZES
-from attnbench.triton_decode_aot import (
+from attnbench.correctness.aot import (
     covering_specializations,
     resident_programs,
     spec_id,
     spill_bytes,
     spills_expected,
 )
-from attnbench.triton_utils import (
+from attnbench.kernels.triton_utils import (
     AotCompileError,
     AotResult,
     aot_compile,
@@ -65,7 +65,7 @@ def test_triton_mode_here() -> None:
 
 _MODE_PROBE = """
 import os, sys
-from attnbench.triton_utils import triton_mode
+from attnbench.kernels.triton_utils import triton_mode
 print(repr(triton_mode("cpu")))
 import triton.language
 os.environ["TRITON_INTERPRET"] = "1"

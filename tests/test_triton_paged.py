@@ -22,14 +22,14 @@ from attnbench.backends.triton_paged import (
     PAGE_SIZES,
     TritonPagedBackend,
 )
-from attnbench.gate import check
-from attnbench.paged import PagedKVCache, PagedStepPlan
-from attnbench.shapes import ModelShape
-from attnbench.split_kv import SplitKVPlan
+from attnbench.core.shapes import ModelShape
+from attnbench.core.workload import Workload
+from attnbench.correctness.gate import check
+from attnbench.kernels.paged import PagedKVCache, PagedStepPlan
+from attnbench.kernels.split_kv import SplitKVPlan
+from attnbench.kernels.triton_decode import auto_splits, context_bucket
+from attnbench.kernels.triton_utils import triton_mode
 from attnbench.testing import BackendConformance, ConformanceCase
-from attnbench.triton_decode import auto_splits, context_bucket
-from attnbench.triton_utils import triton_mode
-from attnbench.workload import Workload
 
 #: where the backend's kernels run in these tests: natively on a GPU, else interpreted on the CPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -224,7 +224,7 @@ def test_availability_interpreted() -> None:
 
 _NO_INTERPRETER = """
 from attnbench.backends.triton_paged import TritonPagedBackend
-from attnbench.workload import Workload
+from attnbench.core.workload import Workload
 w = Workload.uniform("tiny-gqa", batch=1, context=8, dtype="fp32")
 b = TritonPagedBackend()
 print(b.supports(w)); print(b.interpreted(w)); print(b.implementation(w))

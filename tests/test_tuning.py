@@ -21,8 +21,8 @@ import torch
 from tuning_helpers import RefuseBackend, planted_registry
 
 from attnbench.backends.naive import NaiveBackend
+from attnbench.core.workload import Workload
 from attnbench.tuning import JOURNAL_NAME, ResultsTable, TuneOptions, open_storage, tune
-from attnbench.workload import Workload
 
 WORKLOAD = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32")
 FAST = TuneOptions(timeout_s=20.0, warmup=1, repeats=3)

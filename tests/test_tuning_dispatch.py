@@ -298,8 +298,8 @@ class _FakeWorker:
 
 
 def test_a_crash_in_the_interleaved_run_falls_back_to_isolated_runs():
+    from attnbench.core.workload import Workload
     from attnbench.tuning.interleave import Finalist, retime
-    from attnbench.workload import Workload
 
     fins = [Finalist(n, n, f"x:{n}", {}) for n in ("planted_a", "planted_crash", "planted_b")]
     worker = _FakeWorker()

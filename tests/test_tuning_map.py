@@ -14,10 +14,10 @@ from typing import NamedTuple
 from tuning_helpers import planted_registry
 
 from attnbench.backends.naive import NaiveBackend
-from attnbench.select import select
+from attnbench.core.workload import Workload
+from attnbench.selection.select import select
 from attnbench.tuning import ResultsTable, TuneOptions, tune
 from attnbench.tuning.dispatch import load_maps, map_key
-from attnbench.workload import Workload
 
 #: the virtual clock of the finalists' re-timing: the planted backends advance it by their planted
 #: cost instead of sleeping, so the planted timings hold on a loaded machine (studies use real time)

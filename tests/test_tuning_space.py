@@ -6,8 +6,9 @@ import optuna
 import pytest
 from tuning_helpers import RefuseBackend, stated_profile
 
-from attnbench.backend import Tunable
 from attnbench.backends.naive import NaiveBackend
+from attnbench.core.backend import Tunable
+from attnbench.core.workload import Workload
 from attnbench.tuning import (
     Outcome,
     TuneOptions,
@@ -21,7 +22,6 @@ from attnbench.tuning import (
     run_study,
 )
 from attnbench.tuning.worker import WorkerTask, workload_to_dict
-from attnbench.workload import Workload
 
 W = Workload.uniform("tiny-gqa", batch=3, context=1000, dtype="fp32")
 PROFILE = stated_profile(1e10)
@@ -154,7 +154,7 @@ def test_worker_loads_backends_by_import_path_or_registry_name():
     assert load_backend_class("attnbench.backends.naive:NaiveBackend") is NaiveBackend
     assert load_backend_class("naive") is NaiveBackend
     with pytest.raises(TypeError, match="not an attnbench.Backend"):
-        load_backend_class("attnbench.workload:Workload")
+        load_backend_class("attnbench.core.workload:Workload")
     task = WorkerTask(
         "naive", {}, workload_to_dict(Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp32"))
     )

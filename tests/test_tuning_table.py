@@ -6,9 +6,9 @@ import pytest
 import yaml
 from tuning_helpers import planted_result, stated_profile
 
-from attnbench.device import fingerprint
+from attnbench.core.device import fingerprint
+from attnbench.core.workload import Workload
 from attnbench.tuning import DeviceMismatchError, KeyResult, ResultsTable, TableError, summarize, table_path
-from attnbench.workload import Workload
 
 W = Workload.uniform("tiny-gqa", batch=1, context=512, dtype="fp32")
 

@@ -11,11 +11,12 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 
-from attnbench.backend import Backend
 from attnbench.backends.naive import NaiveBackend
-from attnbench.device import DeviceProfile, fingerprint
+from attnbench.core.backend import Backend
+from attnbench.core.device import DeviceProfile, fingerprint
+from attnbench.core.registry import Registry, Source, load_registry
+from attnbench.core.workload import Workload
 from attnbench.hookspecs import hookimpl
-from attnbench.registry import Registry, Source, load_registry
 from attnbench.tuning import (
     Candidate,
     KeyResult,
@@ -27,7 +28,6 @@ from attnbench.tuning import (
     summarize,
     table_path,
 )
-from attnbench.workload import Workload
 
 
 def stated_profile(bandwidth: float = 2e10, **changes: object) -> DeviceProfile:

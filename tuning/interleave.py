@@ -79,11 +79,11 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
     """Gate (if asked) and time ``task["candidates"]`` round-robin; returns samples per label."""
     import gc
 
-    from attnbench.bench import CheckFailed, Implausible, measure_decode, plausibility
-    from attnbench.device import DeviceProfile
-    from attnbench.graph_step import GraphedDecodeStep
-    from attnbench.synthetic import SyntheticModel
-    from attnbench.timing import synchronize, timing_mode
+    from attnbench.core.device import DeviceProfile
+    from attnbench.core.timing import synchronize, timing_mode
+    from attnbench.measure.bench import CheckFailed, Implausible, measure_decode, plausibility
+    from attnbench.measure.graph_step import GraphedDecodeStep
+    from attnbench.measure.synthetic import SyntheticModel
     from attnbench.tuning.space import load_backend_class
     from attnbench.tuning.worker import workload_from_dict
 

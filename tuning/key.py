@@ -1,7 +1,7 @@
 """The tuning key: what one Optuna study (and one row of a results table) is about.
 
 A key is the device fingerprint, the model shape (name plus a hash of its fields), the dtype, and the
-batch and context buckets (powers of two, :func:`attnbench.workload.bucket`). Every workload that
+batch and context buckets (powers of two, :func:`attnbench.core.workload.bucket`). Every workload that
 falls in the same buckets on the same device shares the key, so a tuned row answers for all of them.
 """
 
@@ -12,7 +12,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from attnbench.workload import Workload, bucket
+from attnbench.core.workload import Workload, bucket
 
 __all__ = ["TuningKey", "bucket_distance"]
 

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnbench.backend import Backend, Tunable
-from attnbench.registry import Registry, load_registry
-from attnbench.workload import Workload
+from attnbench.core.backend import Backend, Tunable
+from attnbench.core.registry import Registry, load_registry
+from attnbench.core.workload import Workload
 
 __all__ = [
     "DEFAULT_BACKENDS",
@@ -248,7 +248,7 @@ def build_space(
     backends: dict[str, BackendRef] = {}
     tunables: dict[str, tuple[Tunable, ...]] = {}
     excluded: list[Excluded] = []
-    from attnbench.probe import ask_many
+    from attnbench.core.plugin_call import ask_many
 
     # plugin code answers in a child process, bounded in time (a hang holding the GIL included)
     for ref, answers in zip(refs, ask_many([r.cls for r in refs], workload), strict=True):

@@ -30,12 +30,12 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from attnbench.device import DeviceProfile
+from attnbench.core.device import DeviceProfile
+from attnbench.core.workload import Workload
 from attnbench.tuning.key import TuningKey
 from attnbench.tuning.space import BackendRef, Candidate, SearchSpace, build_space, code_hash
 from attnbench.tuning.storage import JOURNAL_NAME, fail_stale, heartbeat, heartbeats_enabled, open_storage
 from attnbench.tuning.worker import Outcome, Worker, WorkerTask, workload_to_dict
-from attnbench.workload import Workload
 
 __all__ = [
     "JOURNAL_NAME",
@@ -62,7 +62,7 @@ class TuneOptions:
     max_seconds: float | None = None
     num_layers: int | None = None
     materialise_bytes: int | None = None
-    timing: str | None = None  # "eager" or "graph" (attnbench.timing); None: graph on CUDA, else eager
+    timing: str | None = None  # "eager" or "graph" (attnbench.core.timing); None: graph on CUDA, else eager
     seed: int = 0
     grid_limit: int = 64
     default_trials: int = 40

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from attnbench.device import DeviceProfile
+from attnbench.core.device import DeviceProfile
 from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide, too_wide
 from attnbench.tuning.refine import PointMeasurement
 from attnbench.tuning.space import Candidate
@@ -33,7 +33,7 @@ def versions() -> dict[str, str]:
     import torch
 
     from attnbench import __version__
-    from attnbench.device import _triton_version
+    from attnbench.core.device import _triton_version
 
     return {"attnbench": __version__, "torch": str(torch.__version__), "triton": str(_triton_version())}
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from attnbench.device import DeviceProfile
+from attnbench.core.device import DeviceProfile
 from attnbench.tuning.files import locked as _locked
 from attnbench.tuning.files import write_atomically as _write_atomically
 from attnbench.tuning.margin import SWITCH_MARGIN

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attnbench.backend import Backend
-from attnbench.device import DeviceProfile, load_profile
-from attnbench.locations import ResultsLocation, results_location, writable_results
-from attnbench.registry import Registry
+from attnbench.core.backend import Backend
+from attnbench.core.device import DeviceProfile, load_profile
+from attnbench.core.locations import ResultsLocation, results_location, writable_results
+from attnbench.core.registry import Registry
+from attnbench.core.workload import Workload
 from attnbench.tuning.dispatch import DispatchMap, GridPoint, dispatch_path, save_maps
 from attnbench.tuning.interleave import Finalist, retime
 from attnbench.tuning.margin import SWITCH_MARGIN, finalists
@@ -37,13 +38,12 @@ from attnbench.tuning.study import (
 from attnbench.tuning.summary import candidate_label, search_interval, summarize
 from attnbench.tuning.table import ResultsTable, TableError, hardware_id, table_path
 from attnbench.tuning.worker import Worker
-from attnbench.workload import Workload
 
 __all__ = ["TuneReport", "default_results_dir", "tune"]
 
 
 def default_results_dir() -> Path:
-    """The results location (:mod:`attnbench.locations`): ``$ATTNBENCH_RESULTS_DIR``, else the per-user
+    """The results location (:mod:`attnbench.core.locations`): ``$ATTNBENCH_RESULTS_DIR``, else the per-user
     ``$XDG_DATA_HOME/attnbench`` (``~/.local/share/attnbench``)."""
     return results_location().path
 
@@ -97,7 +97,7 @@ def tune(
             kept (merged) and its winner is re-measured beside this run's finalists.
         extra_backends: more backend classes (importable by path) to consider.
         results_dir: where the table, the map and the embedded study journal live (default: the
-            results location of :mod:`attnbench.locations`; created if missing).
+            results location of :mod:`attnbench.core.locations`; created if missing).
         update_reference: allow writing into a folder of committed reference runs (one holding
             ``REFERENCE.md``, like the repository's ``results/``); refused otherwise.
         storage: an Optuna RDB URL instead of the embedded journal.

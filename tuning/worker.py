@@ -79,8 +79,8 @@ class Outcome:
 # child side
 # --------------------------------------------------------------------------------------------------
 def workload_from_dict(data: dict[str, Any]) -> Any:
-    from attnbench.shapes import ModelShape
-    from attnbench.workload import Workload
+    from attnbench.core.shapes import ModelShape
+    from attnbench.core.workload import Workload
 
     fields = dict(data["shape"])
     shape = ModelShape.from_dict(fields, name=fields.pop("name"))
@@ -105,8 +105,8 @@ def _classify(err: BaseException) -> str:
 
 def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     """Check, then time, one candidate (runs in the worker). Returns a JSON-able verdict."""
-    from attnbench.bench import CheckFailed, Implausible, measure_decode
-    from attnbench.device import DeviceProfile
+    from attnbench.core.device import DeviceProfile
+    from attnbench.measure.bench import CheckFailed, Implausible, measure_decode
     from attnbench.tuning.space import load_backend_class
 
     try:
@@ -202,7 +202,7 @@ def main() -> None:
         limit = int(init["memory_limit_bytes"])
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     _die_with_parent(init["parent"])
-    import attnbench.bench  # noqa: F401  (import torch and friends before saying ready)
+    import attnbench.measure.bench  # noqa: F401  (import torch and friends before saying ready)
 
     if init.get("threads"):  # the parent's thread count (`tune --threads`): its fingerprint says so
         import torch

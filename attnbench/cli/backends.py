@@ -13,7 +13,6 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from attnbench.backend import Backend
 from attnbench.cli.common import (
     add_query_command,
     add_wide_option,
@@ -23,8 +22,9 @@ from attnbench.cli.common import (
     print_table,
     workloads_from_args,
 )
-from attnbench.registry import load_registry
-from attnbench.workload import Workload
+from attnbench.core.backend import Backend
+from attnbench.core.registry import load_registry
+from attnbench.core.workload import Workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -106,7 +106,7 @@ def backends_table(rows: list[dict[str, Any]], *, workload: str | None = None, w
 
 def _status(backend: Backend, workload: Workload) -> dict[str, Any]:
     """Whether ``backend`` can run ``workload``; a backend that raises here is reported, not fatal."""
-    from attnbench.probe import ask
+    from attnbench.core.plugin_call import ask
 
     answers = ask(type(backend), workload)  # plugin code: in a child process, bounded in time
     return {

@@ -30,8 +30,6 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from attnbench.bench import CheckFailed, Implausible, measure_decode
-from attnbench.calibration import CalibrationError, find_calibration
 from attnbench.cli.common import (
     add_command,
     add_model_option,
@@ -48,12 +46,14 @@ from attnbench.cli.common import (
     workloads_from_args,
 )
 from attnbench.cli.gate_options import add_gate_options, gate_options
-from attnbench.costmodel import decode_cost, roofline
-from attnbench.device import DeviceProfile, ReadMeter, load_profile
-from attnbench.gpuspec import measured_gpu
-from attnbench.registry import load_registry
-from attnbench.timing import TIMING_MODES, timing_mode
-from attnbench.workload import Workload
+from attnbench.core.device import DeviceProfile, ReadMeter, load_profile
+from attnbench.core.registry import load_registry
+from attnbench.core.timing import TIMING_MODES, timing_mode
+from attnbench.core.traffic import decode_cost, roofline
+from attnbench.core.workload import Workload
+from attnbench.cost.fit import CalibrationError, find_calibration
+from attnbench.cost.gpuspec import measured_gpu
+from attnbench.measure.bench import CheckFailed, Implausible, measure_decode
 
 BASELINE = "naive"
 

@@ -31,7 +31,7 @@ from attnbench.cli.common import (
 )
 
 if TYPE_CHECKING:  # imported when the command runs (numpy)
-    from attnbench.calibration import Calibration
+    from attnbench.cost.fit import Calibration
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,17 +70,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from attnbench.calibration import (
+    from attnbench.core.device import load_profile
+    from attnbench.core.locations import check_table_file, readable_results, writable_results
+    from attnbench.core.registry import load_registry
+    from attnbench.cost.fit import (
         Calibration,
         calibration_path,
         device_entry,
         points_from_bench,
         points_from_table,
     )
-    from attnbench.device import load_profile
-    from attnbench.gpuspec import device_memory_bytes, measured_flops
-    from attnbench.locations import check_table_file, readable_results, writable_results
-    from attnbench.registry import load_registry
+    from attnbench.cost.gpuspec import device_memory_bytes, measured_flops
     from attnbench.tuning.table import hardware_id, table_path
 
     profile = load_profile(args.device)

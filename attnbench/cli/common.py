@@ -26,9 +26,9 @@ from attnbench.cli.tables import (  # re-exported: the commands import the table
     render_text,
     truncated_cells,
 )
-from attnbench.device import AUTO, resolve_device
-from attnbench.shapes import list_presets, load_shape
-from attnbench.workload import Workload, parse_int_list, parse_tokens
+from attnbench.core.device import AUTO, resolve_device
+from attnbench.core.shapes import list_presets, load_shape
+from attnbench.core.workload import Workload, parse_int_list, parse_tokens
 
 __all__ = [
     "add_command",

@@ -26,8 +26,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from attnbench.backend import Backend
-from attnbench.bench import CheckFailed, check_workload
 from attnbench.cli.common import (
     add_command,
     add_device_option,
@@ -39,12 +37,14 @@ from attnbench.cli.common import (
     print_table,
     run_options,
 )
-from attnbench.decode import SyntheticModel, generate
-from attnbench.device import load_profile
-from attnbench.gate import check
-from attnbench.registry import load_registry
-from attnbench.shapes import load_shape, parse_dtype
-from attnbench.workload import Workload, parse_tokens
+from attnbench.core.backend import Backend
+from attnbench.core.device import load_profile
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import load_shape, parse_dtype
+from attnbench.core.workload import Workload, parse_tokens
+from attnbench.correctness.gate import check
+from attnbench.measure.bench import CheckFailed, check_workload
+from attnbench.measure.decode import SyntheticModel, generate
 
 #: ``e2e`` must be within this fraction of ``TTFT + (N-1)·ITL`` for the check to pass.
 E2E_TOLERANCE = 0.10
@@ -162,7 +162,7 @@ def _checkpoint_dir(model: str) -> Path | None:
 
 
 def _real_model(checkpoint: Path, backend: Backend, *, batch: int, dtype: torch.dtype, device: str) -> Any:
-    """The checkpoint as a :class:`~attnbench.decode.DecodeModel` whose attention runs through ``backend``:
+    """The checkpoint as a :class:`~attnbench.measure.decode.DecodeModel` whose attention runs through ``backend``:
     transformers' own model through the integration, or for a latent-cache backend (``mla``) the
     DeepSeek latent decoder (transformers' module cannot express that form)."""
     if backend.kv_form == "latent":

@@ -31,7 +31,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from attnbench.bench import CheckFailed
 from attnbench.cli.common import (
     add_command,
     add_device_option,
@@ -42,9 +41,10 @@ from attnbench.cli.common import (
     print_table,
     run_record,
 )
+from attnbench.core.shapes import parse_dtype
+from attnbench.core.workload import parse_tokens
+from attnbench.measure.bench import CheckFailed
 from attnbench.measure.e2e import STOCK_PATHS, GenerationPath, PathRun, compare_tokens, parse_path, run_paths
-from attnbench.shapes import parse_dtype
-from attnbench.workload import parse_tokens
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -107,9 +107,9 @@ def _list(text: str, *, field: str) -> list[int]:
 def default_paths(*, device: str, dtype: torch.dtype) -> list[str]:
     """The stock paths that exist here, then every exact backend that would run natively (not
     interpreted) for a small workload on ``device`` in ``dtype``."""
-    from attnbench.registry import load_registry
-    from attnbench.shapes import load_shape
-    from attnbench.workload import Workload
+    from attnbench.core.registry import load_registry
+    from attnbench.core.shapes import load_shape
+    from attnbench.core.workload import Workload
 
     paths = ["sdpa", "sdpa-static"]
     workload = Workload(load_shape("tiny-gqa"), (64,), dtype, device)
@@ -122,9 +122,9 @@ def default_paths(*, device: str, dtype: torch.dtype) -> list[str]:
 
 
 def _gate(*, shape: Any, batch: int, context: int, dtype: torch.dtype, device: str):
-    from attnbench.bench import CheckFailed
-    from attnbench.gate import check
-    from attnbench.workload import Workload
+    from attnbench.core.workload import Workload
+    from attnbench.correctness.gate import check
+    from attnbench.measure.bench import CheckFailed
 
     def gate(backend: Any, config: dict[str, Any]) -> str:
         workload = Workload(shape, (context,) * batch, dtype, device)
@@ -137,9 +137,9 @@ def _gate(*, shape: Any, batch: int, context: int, dtype: torch.dtype, device: s
 
 
 def run(args: argparse.Namespace) -> int:
+    from attnbench.core.registry import load_registry
     from attnbench.integrations.transformers import shape_of
     from attnbench.measure.e2e import load_hf_model
-    from attnbench.registry import load_registry
 
     batches = _list(args.batch, field="--batch")
     prompts = _list(args.prompt, field="--prompt")

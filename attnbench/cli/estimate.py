@@ -19,8 +19,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from attnbench.cli.common import add_command, add_model_option, cli_table, console, emit_json, print_table
-from attnbench.estimate import KV_DTYPES, WEIGHT_DTYPES, Estimate, MoERouting, estimate, list_gpus
-from attnbench.workload import parse_tokens
+from attnbench.core.workload import parse_tokens
+from attnbench.cost.estimate import KV_DTYPES, WEIGHT_DTYPES, Estimate, MoERouting, estimate, list_gpus
 
 
 def _tokens(field: str):  # argparse type: "8k" → 8192, with the option's name in the error

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from attnbench.choice import Choice
 from attnbench.cli.common import (
     add_query_command,
     cli_table,
@@ -23,7 +22,8 @@ from attnbench.cli.common import (
     print_table,
     workloads_from_args,
 )
-from attnbench.select import select
+from attnbench.selection.choice import Choice
+from attnbench.selection.select import select
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -28,7 +28,7 @@ from attnbench.cli.common import (
     workloads_from_args,
 )
 from attnbench.cli.gate_options import add_gate_options, gate_options
-from attnbench.timing import TIMING_MODES, timing_mode
+from attnbench.core.timing import TIMING_MODES, timing_mode
 from attnbench.tuning.margin import SWITCH_MARGIN
 
 DEFAULT_BATCH = "1"
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             description=f"map point b={point.batch} ctx={point.context}: {point.winner}{' (tie)' if point.tie else ''}",
         )
 
-    from attnbench.registry import load_registry
+    from attnbench.core.registry import load_registry
 
     registry = load_registry()
     broken = [f"{f}; its backends are not tuned (`attnbench backends` shows why)" for f in registry.failures]

@@ -1,12 +1,12 @@
-"""The core layer: what every other part of attnbench builds on (see docs/architecture.md).
+"""The core layer: what every other part of attnbench builds on.
 
-Today it holds :mod:`attnbench.core.prefill`, the causal prompt attention every backend's
-``prefill`` runs by default; the shapes, workload, backend protocol and registry move here with the
-package redesign.
+Model shapes and presets (:mod:`~attnbench.core.shapes`), the workload and its buckets
+(:mod:`~attnbench.core.workload`), the backend protocol (:mod:`~attnbench.core.backend`, with
+:mod:`~attnbench.core.resolution` and the contiguous-cache base :mod:`~attnbench.core.kvcache`), causal
+prompt attention (:mod:`~attnbench.core.prefill`), the bytes and FLOPs of a decode step
+(:mod:`~attnbench.core.traffic`, the one owner), the registry (:mod:`~attnbench.core.registry`) and
+bounded calls into plugin code (:mod:`~attnbench.core.plugin_call`), the device profile and the clock
+(:mod:`~attnbench.core.device`, :mod:`~attnbench.core.timing`), the per-user locations
+(:mod:`~attnbench.core.locations`). Nothing here imports another attnbench layer
+(docs/architecture.md; CI checks it with import-linter).
 """
-
-from __future__ import annotations
-
-from attnbench.core.prefill import PREFILL_BUDGET_BYTES, prefill_attention, sdpa_flash_error
-
-__all__ = ["PREFILL_BUDGET_BYTES", "prefill_attention", "sdpa_flash_error"]

@@ -13,7 +13,7 @@ CPUs (fp32, fp16, bf16) and its fused kernels on GPUs (flash-attn's varlen kerne
   allocate (the mask, or the scores where only SDPA's math kernel can run) stays within
   :data:`PREFILL_BUDGET_BYTES`. Memory is O(T · chunk), never O(T²).
 
-Tensor conventions as in :mod:`attnbench.backend`: ``q [B, T, Hq, Dk]``, ``k [B, T, Hkv, Dk]``,
+Tensor conventions as in :mod:`attnbench.core.backend`: ``q [B, T, Hq, Dk]``, ``k [B, T, Hkv, Dk]``,
 ``v [B, T, Hkv, Dv]``, right-padded to ``T = max(lengths)``; the result is ``[B, T, Hq, Dv]`` with
 rows past ``lengths[i]`` zero. GQA is native (``enable_gqa``): K/V are never repeated.
 """

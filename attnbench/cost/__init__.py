@@ -1,24 +1,5 @@
-"""The cost model: what a step or a whole generation should take on a device.
-
-:mod:`attnbench.cost.generation` predicts a real model's TTFT and ITL per path from measurements of
-this device (:func:`calibrate_generation`, then :func:`predict_generation`); the byte and FLOP
-counts, the attention-step fit, the GPU specs and the estimator move here with the package redesign.
+"""The cost model above the byte counts of :mod:`attnbench.core.traffic`: the per-device fit of measured
+step times (:mod:`~attnbench.cost.fit`), GPU datasheet presets (:mod:`~attnbench.cost.gpuspec`), the
+TTFT + N·ITL estimator (:mod:`~attnbench.cost.estimate`), and the prediction of a real model's
+generation checked against end-to-end runs (:mod:`~attnbench.cost.generation`).
 """
-
-from __future__ import annotations
-
-from attnbench.cost.generation import (
-    GenerationCalibration,
-    GenerationPrediction,
-    ModelCost,
-    calibrate_generation,
-    predict_generation,
-)
-
-__all__ = [
-    "GenerationCalibration",
-    "GenerationPrediction",
-    "ModelCost",
-    "calibrate_generation",
-    "predict_generation",
-]

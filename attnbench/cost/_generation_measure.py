@@ -21,7 +21,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from attnbench.calibration import _nnls
+from attnbench.core.device import fingerprint, last_level_cache_bytes
+from attnbench.core.shapes import dtype_bytes, dtype_name
+from attnbench.core.timing import measure, synchronize
+from attnbench.cost.fit import _nnls
 from attnbench.cost.generation import (
     FRAME_LAYERS,
     DecodeFit,
@@ -32,11 +35,8 @@ from attnbench.cost.generation import (
     PathCalibration,
     PrefillFit,
 )
-from attnbench.device import fingerprint, last_level_cache_bytes
 from attnbench.integrations.transformers import cache_kwarg, use_backend
 from attnbench.measure.e2e import STOCK_PATHS, GenerationPath
-from attnbench.shapes import dtype_bytes, dtype_name
-from attnbench.timing import measure, synchronize
 
 __all__ = ["FRAME_VOCAB", "Frame", "calibrate_path", "measure_generation", "time_linears"]
 
@@ -173,7 +173,7 @@ class Frame:
 
     def forward(self, ids: torch.Tensor, cache: Any, _index: int = 0) -> torch.Tensor:
         """One call as the e2e loop makes it: logits of the last position only, then ``argmax``
-        (``_index``: :func:`~attnbench.timing.measure`'s input index, unused)."""
+        (``_index``: :func:`~attnbench.core.timing.measure`'s input index, unused)."""
         out = self.hf(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.kwarg: cache})
         return out.logits[:, -1].float().argmax(-1)
 

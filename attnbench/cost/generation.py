@@ -55,9 +55,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnbench.costmodel import kv_bytes_per_step, shape_kv_bytes_per_token
+from attnbench.core.shapes import ModelShape, dtype_bytes, parse_dtype
+from attnbench.core.traffic import kv_bytes_per_step, shape_kv_bytes_per_token
 from attnbench.measure.e2e import STOCK_PATHS, parse_path
-from attnbench.shapes import ModelShape, dtype_bytes, parse_dtype
 
 __all__ = [
     "DECODE_CONTEXTS", "FRAME_LAYERS", "PREFILL_LENGTHS", "PREFILL_ROWS", "DecodeFit", "FramePoint",
@@ -201,7 +201,7 @@ class ModelCost:
         return (self.num_params - unread) * dtype_bytes(dtype)
 
     def shape(self) -> ModelShape:
-        """The attention shape, for :mod:`attnbench.costmodel`."""
+        """The attention shape, for :mod:`attnbench.core.traffic`."""
         return ModelShape(
             name=self.name, num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -407,7 +407,7 @@ def calibrate_generation(
     """Measure this device for ``model``'s widths: its linear layers, and each path's frame (see the
     module docstring). ``max_seconds`` bounds the timed repeats (the fixed work runs regardless); nothing
     is printed, ``progress`` receives one line per stage. Needs transformers."""
-    from attnbench.registry import load_registry
+    from attnbench.core.registry import load_registry
 
     parsed = [parse_path(p, backends=load_registry().names()) for p in paths]
     batches = sorted(set(batch_sizes))

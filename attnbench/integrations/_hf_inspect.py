@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from attnbench.core.shapes import ModelShape
 from attnbench.models.base import UnsupportedModelError
-from attnbench.shapes import ModelShape
 
 __all__ = [
     "AttentionCall",

@@ -40,7 +40,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from attnbench.backend import Backend, KVCache, StepPlan
+from attnbench.core.backend import Backend, KVCache, StepPlan
+from attnbench.core.shapes import ModelShape
+from attnbench.core.workload import Workload
 from attnbench.integrations._hf_inspect import (
     AttentionCall,
     LayerAttention,
@@ -53,8 +55,6 @@ from attnbench.integrations._hf_inspect import (
 )
 from attnbench.integrations._hf_layout import left_to_right, prompt_lengths, right_to_left
 from attnbench.models.base import UnsupportedModelError
-from attnbench.shapes import ModelShape
-from attnbench.workload import Workload
 
 try:  # transformers ≥ 4.56: per-layer cache objects and a registrable mask builder
     from transformers.cache_utils import CacheLayerMixin
@@ -150,7 +150,7 @@ class _BackendLayer(CacheLayerMixin):
 class BackendCache(Cache):
     """A transformers ``Cache`` whose tokens live in an attnbench backend's KV cache.
 
-    ``kv`` is the backend's :class:`~attnbench.backend.KVCache`; ``seen_tokens`` is the padded length
+    ``kv`` is the backend's :class:`~attnbench.core.backend.KVCache`; ``seen_tokens`` is the padded length
     transformers sees (prompt width + generated tokens), while ``kv.seq_lens`` holds each sequence's
     own length. Call :meth:`reset` before reusing it for a new prompt.
     """
@@ -293,7 +293,7 @@ class BackendCache(Cache):
 
 def _resolve(backend: Any, config: Mapping[str, Any] | None) -> tuple[Backend, dict[str, Any]]:
     """A backend instance and its resolved config from a name, a :class:`~attnbench.Choice` or an instance."""
-    from attnbench.registry import load_registry
+    from attnbench.core.registry import load_registry
 
     if isinstance(backend, Backend):
         instance = backend
@@ -405,11 +405,11 @@ def cache_kwarg(model: Any) -> str:
 
 
 class TransformersDecodeModel:
-    """A transformers causal LM as a :class:`attnbench.decode.DecodeModel`, attention through ``backend``.
+    """A transformers causal LM as a :class:`attnbench.measure.decode.DecodeModel`, attention through ``backend``.
 
     ``setup`` allocates the backend's cache (:func:`use_backend`), ``prefill`` runs the prompt
     (``[B, T]`` → last-position logits ``[B, V]``), ``decode_step`` one token per sequence. The decode
-    loop (:func:`attnbench.decode.generate`) times them: TTFT, ITL, e2e.
+    loop (:func:`attnbench.measure.decode.generate`) times them: TTFT, ITL, e2e.
     """
 
     def __init__(self, model: Any, backend: Any, *, config: Mapping[str, Any] | None = None, batch: int = 1):

@@ -1,4 +1,5 @@
-"""Measuring: end-to-end generation of real models through each path (:mod:`attnbench.measure.e2e`).
-
-The timers, the synthetic model, the decode loop and ``bench`` move here with the package redesign.
+"""Measuring: the attention-only synthetic model (:mod:`~attnbench.measure.synthetic`), the decode
+loop (:mod:`~attnbench.measure.decode`), the CUDA-graph step timer (:mod:`~attnbench.measure.graph_step`),
+one measured and checked decode run (:mod:`~attnbench.measure.bench`), and real models' end-to-end
+generation through each path (:mod:`~attnbench.measure.e2e`).
 """

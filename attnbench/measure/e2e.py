@@ -17,7 +17,7 @@ Every path runs the same loop (gpt-fast's shape, greedy)::
 so the prompt is prefilled once per path and ITL is timed over the decode steps that follow. The
 time spent inside the model's attention calls is measured in the same steps (the registered
 attention function is wrapped with a timer), which gives the attention share of a step. Before a
-backend path is timed it passes the correctness gate (:func:`attnbench.gate.check`) at the run's
+backend path is timed it passes the correctness gate (:func:`attnbench.correctness.gate.check`) at the run's
 batch and context; its tokens are compared with the first stock path's. A warm-up generation on a
 short prompt runs untimed before each path (kernel builds, first allocations).
 

@@ -5,7 +5,7 @@ torch from loaded weights, and hands attention to an attnbench :class:`~attnbenc
 backend owns the KV cache. Subclasses (:mod:`attnbench.models.deepseek`) implement one layer's
 attention around the backend call.
 
-A decoder is a :class:`attnbench.decode.DecodeModel`, so :func:`attnbench.decode.generate` drives
+A decoder is a :class:`attnbench.measure.decode.DecodeModel`, so :func:`attnbench.measure.decode.generate` drives
 and times it (gpt-fast shaped)::
 
     model.setup(prompt_len, new_tokens)          # allocates the cache and the RoPE table (batch = model.batch)
@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from attnbench.backend import Backend, KVCache, StepPlan
-from attnbench.shapes import ModelShape
-from attnbench.workload import Workload
+from attnbench.core.backend import Backend, KVCache, StepPlan
+from attnbench.core.shapes import ModelShape
+from attnbench.core.workload import Workload
 
 __all__ = [
     "Decoder",
@@ -267,7 +267,7 @@ class LayerInputs:
 class Decoder:
     """Base of the real decoders: embeddings → layers → norm → LM head, attention through a backend.
 
-    Satisfies :class:`attnbench.decode.DecodeModel` (``batch``, ``device``, ``vocab_size``, ``setup``,
+    Satisfies :class:`attnbench.measure.decode.DecodeModel` (``batch``, ``device``, ``vocab_size``, ``setup``,
     ``prefill``, ``decode_step``, ``kv_bytes_per_step``). Subclasses set :attr:`shape`, the embedding,
     norm and head weights and :attr:`layers`, and implement :meth:`_attention` for one layer. All
     tensors use ``dtype`` on ``device``.

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attnbench.backend import Backend
+from attnbench.core.backend import Backend
+from attnbench.core.shapes import ModelShape, ShapeError
 from attnbench.models.base import (
     Decoder,
     LayerInputs,
@@ -38,7 +39,6 @@ from attnbench.models.base import (
     open_weights,
     rms_norm,
 )
-from attnbench.shapes import ModelShape, ShapeError
 
 __all__ = ["DEEPSEEK_FAMILY", "DeepseekDecoder"]
 

@@ -6,7 +6,7 @@ is not needed to load a directory. The architecture is chosen by ``model_type``:
 
     >>> from attnbench.models import load_model
     >>> model = load_model("path/to/checkpoint", backend="mla", dtype=torch.float32, batch=2)
-    >>> run = attnbench.decode.generate(model, prompt=prompt_ids, new_tokens=32)   # greedy
+    >>> run = attnbench.measure.decode.generate(model, prompt=prompt_ids, new_tokens=32)   # greedy
     >>> run.tokens                                                                  # [2, 32]
 
 Anything the decoders do not implement raises :class:`UnsupportedModelError` naming the feature; other
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from attnbench.backend import Backend
+from attnbench.core.backend import Backend
 from attnbench.models.base import Decoder, UnsupportedModelError
 from attnbench.models.deepseek import DEEPSEEK_FAMILY, DeepseekDecoder
 
@@ -82,7 +82,7 @@ def from_transformers(model: Any) -> tuple[dict[str, Any], dict[str, torch.Tenso
 def _resolve_backend(backend: Backend | str) -> Backend:
     if isinstance(backend, Backend):
         return backend
-    from attnbench.registry import load_registry
+    from attnbench.core.registry import load_registry
 
     return load_registry().get(backend)
 
@@ -101,8 +101,8 @@ def load_model(
 
     ``source`` is a transformers model object or a checkpoint directory path. ``dtype`` defaults to
     the checkpoint's embedding dtype; ``batch`` is the number of sequences :meth:`~Decoder.setup`
-    allocates for. The result is a :class:`attnbench.decode.DecodeModel`: drive it with
-    :func:`attnbench.decode.generate`, or call ``setup`` / ``prefill`` / ``decode_step`` yourself.
+    allocates for. The result is a :class:`attnbench.measure.decode.DecodeModel`: drive it with
+    :func:`attnbench.measure.decode.generate`, or call ``setup`` / ``prefill`` / ``decode_step`` yourself.
     """
     if isinstance(source, (str, Path)):
         config, weights = read_checkpoint(source)

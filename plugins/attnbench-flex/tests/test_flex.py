@@ -52,7 +52,7 @@ def test_compile_happens_in_create_cache_never_in_decode(block_size: int) -> Non
 
 
 def test_other_block_sizes_pass_the_gate() -> None:
-    from attnbench.gate import check
+    from attnbench.correctness.gate import check
 
     workload = Workload(Workload.uniform("tiny-gqa", batch=1, context=1).shape, (3, 200, 64), torch.float32)
     for block_size in (64, 256):

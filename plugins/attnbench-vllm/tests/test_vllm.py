@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attnbench import Workload, check
-from attnbench.backend import Tunable
+from attnbench.core.backend import Tunable
 from attnbench.testing import CASES, BackendConformance
 
 _REQUIRED = os.environ.get("ATTNBENCH_REQUIRE_VLLM") == "1"
@@ -217,8 +217,8 @@ def test_tune_picks_among_vllm_candidates(tmp_path: Path) -> None:
     assert entry["winner"]["backend"] in ("naive", "vllm_cpu")
     # select() from that table: with naive unregistered the tuned vllm_cpu entry is chosen, and the
     # choice names the vLLM settings that run it; a choice of naive names none
-    from attnbench.registry import load_registry
-    from attnbench.select import select
+    from attnbench.core.registry import load_registry
+    from attnbench.selection.select import select
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tuned table belongs to the 1-thread fingerprint

@@ -3,7 +3,7 @@
 Creates a flex cache for one workload (this is where ``torch.compile`` runs, timed on its own; a shape
 already compiled in this process, or found in torch's on-disk cache, compiles faster), checks the
 backend against the float64 reference, fills the cache with random K/V, then times decode steps with
-:func:`attnbench.timing.measure` — after the compile, so no sample contains it.
+:func:`attnbench.core.timing.measure` — after the compile, so no sample contains it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from attnbench import Workload, check
-from attnbench.gate import random_step_inputs
-from attnbench.timing import measure
+from attnbench.core.timing import measure
+from attnbench.correctness.gate import random_step_inputs
 from attnbench_flex.backend import FlexBackend
 
 

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from attnbench.backend import KVCache, StepPlan, Tunable, base_plan
-from attnbench.kvcache import ContiguousBackend, ContiguousKVCache
-from attnbench.workload import Workload
+from attnbench.core.backend import KVCache, StepPlan, Tunable, base_plan
+from attnbench.core.kvcache import ContiguousBackend, ContiguousKVCache
+from attnbench.core.workload import Workload
 
 IMPLEMENTATION = "torch.compile(flex_attention)"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backend import Backend, KVCache, Resolution, StepPlan, Tolerance, Tunable, base_plan
-from attnbench.workload import Workload
+from attnbench.core.backend import Backend, KVCache, Resolution, StepPlan, Tolerance, Tunable, base_plan
+from attnbench.core.workload import Workload
 from attnbench_vllm import isa as isa_mod
 from attnbench_vllm.quant import FP8_EXACT_TOLERANCE, FP8_STORED_TOLERANCE, stored_fp8
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from attnbench.backend import Tolerance
+from attnbench.core.backend import Tolerance
 
 _MANTISSA_BITS = 3
 _MIN_NORMAL = 2.0**-6

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from attnbench.backend import KVCache, StepPlan, Tunable, base_plan
-from attnbench.kvcache import ContiguousBackend, ContiguousKVCache
-from attnbench.workload import Workload
+from attnbench.core.backend import KVCache, StepPlan, Tunable, base_plan
+from attnbench.core.kvcache import ContiguousBackend, ContiguousKVCache
+from attnbench.core.workload import Workload
 
 SPLITS = (2, 4, 8, 16, 32)
 OPS = ("auto", "triton_splitk", *(f"triton_splitk{n}" for n in SPLITS))

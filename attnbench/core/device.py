@@ -1,0 +1,278 @@
+"""Device profile: a fingerprint of the machine and its measured memory bandwidth (the roofline).
+
+The bandwidth is measured once per fingerprint with a large copy (bytes read + bytes written over the
+median time) and a large read (a sum), and cached as JSON under ``$ATTNBENCH_CACHE_DIR`` (default
+``~/.cache/attnbench``). ``load_profile(remeasure=True)`` (``--remeasure`` on the command line)
+measures again. The buffer is far larger than the last-level cache (on CPU: twice the LLC, 512 MiB to
+1 GiB; on CUDA 2 GiB), so the figure is DRAM/HBM bandwidth, not cache bandwidth. The load average at
+measurement time is recorded too: on a shared machine the figure is only as good as the quiet it got.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnbench.core.timing import measure
+
+__all__ = [
+    "DeviceProfile",
+    "ReadMeter",
+    "cache_dir",
+    "fingerprint",
+    "last_level_cache_bytes",
+    "load_profile",
+    "measure_bandwidth",
+    "resolve_device",
+]
+
+#: The device every command and :func:`attnbench.select` use by default: CUDA when available, else CPU.
+AUTO = "auto"
+
+
+def resolve_device(device: str | torch.device = AUTO) -> str:
+    """``"auto"`` → ``"cuda"`` when torch sees a CUDA GPU, else ``"cpu"``; anything else unchanged
+    (validated where it is used: a ``Workload`` names the field and why, e.g. a CPU-only torch)."""
+    if isinstance(device, torch.device):
+        return str(device)
+    if device.strip().lower() == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ATTNBENCH_CACHE_DIR") or Path.home() / ".cache" / "attnbench")
+
+
+def last_level_cache_bytes(device: str | torch.device = "cpu") -> int:
+    """Size of the device's last-level cache (CPU: the largest cache sysfs lists; CUDA: L2); 32 MiB if
+    unknown. ``ATTNBENCH_LLC_BYTES`` overrides it (tests use a small value)."""
+    if os.environ.get("ATTNBENCH_LLC_BYTES"):
+        return int(os.environ["ATTNBENCH_LLC_BYTES"])
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 32 * 2**20)
+    best = 0
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            size = (index / "size").read_text().strip()
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:].upper(), 1)
+            best = max(best, int(size.rstrip("KMGkmg")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or 32 * 2**20
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:  # triton missing or broken: the fingerprint says so
+        return "unavailable"
+
+
+def fingerprint(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """What identifies this device for tuning: name, capability or CPU, threads, library versions."""
+    dev = torch.device(device)
+    fp: dict[str, Any] = {
+        "kind": dev.type,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "python": platform.python_version(),
+    }
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        fp |= {
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "sm_count": props.multi_processor_count,
+            "cuda": torch.version.cuda,
+            "driver": _driver_version(),
+        }
+    else:
+        fp |= {
+            "name": _cpu_name(),
+            "arch": platform.machine(),
+            "threads": torch.get_num_threads(),
+            "isa": torch.backends.cpu.get_cpu_capability(),
+        }
+    return fp
+
+
+def _driver_version() -> str:
+    try:
+        import subprocess
+
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, IndexError, Exception):
+        return "unknown"
+
+
+def fingerprint_id(fp: dict[str, Any]) -> str:
+    """Short stable id of a fingerprint (hardware + versions)."""
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """The device's fingerprint and measured bandwidths in bytes/s."""
+
+    fingerprint: dict[str, Any]
+    copy_bandwidth: float  # (read + write) bytes / s of a large copy
+    read_bandwidth: float  # bytes / s of a large reduction
+    buffer_bytes: int
+    measured_at: str
+    load_avg: tuple[float, float, float] | None = None  # os.getloadavg() when measured (CPU noise)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceProfile:
+        """Inverse of :meth:`as_dict` (ignores ``id`` and keys it does not know)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in known}
+        if fields.get("load_avg") is not None:
+            fields["load_avg"] = tuple(fields["load_avg"])
+        return cls(**fields)
+
+    @property
+    def id(self) -> str:
+        return fingerprint_id(self.fingerprint)
+
+    @property
+    def name(self) -> str:
+        return str(self.fingerprint.get("name", "unknown"))
+
+    @property
+    def bandwidth(self) -> float:
+        """The roofline every figure is reported against: the measured copy bandwidth."""
+        return self.copy_bandwidth
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"id": self.id}
+
+
+def measure_bandwidth(
+    device: str | torch.device = "cpu", *, nbytes: int | None = None
+) -> tuple[float, float, int]:
+    """(copy bytes/s, read bytes/s, buffer bytes) from a buffer far larger than any cache."""
+    dev = torch.device(device)
+    if nbytes is None:
+        llc = last_level_cache_bytes(dev)
+        nbytes = 2 * 2**30 if dev.type == "cuda" else min(max(512 * 2**20, 2 * llc), 2**30)
+    n = nbytes // 4
+    src = torch.randn(n, device=dev)
+    dst = torch.empty_like(src)
+    copy = measure(lambda i: dst.copy_(src), device=dev, warmup=3, repeats=15 if dev.type == "cuda" else 9)
+    return 2 * n * 4 / copy.median_s, _read_rate(src), n * 4
+
+
+def _read_rate(src: torch.Tensor) -> float:
+    """Bytes / s of a sum over ``src`` (median of several passes)."""
+    read = measure(lambda i: src.sum(), device=src.device, warmup=3, repeats=15 if src.is_cuda else 9)
+    return src.numel() * src.element_size() / read.median_s
+
+
+class ReadMeter:
+    """The read bandwidth measured again on demand, with the profile's buffer allocated once.
+
+    On a shared or virtual machine the read bandwidth moves by a third within minutes (seen on the
+    project's 2-vCPU VM: 20–31 GB/s at one thread), so a share of it is only as good as the time
+    between the two measurements. ``bench`` calls this right before and right after each timed row, at
+    the run's thread count, and reports the row's share against the mean of the two. A buffer that
+    would fit the last-level cache measures the cache, not memory: then ``available`` is false and
+    nothing is measured.
+    """
+
+    def __init__(self, device: str | torch.device, nbytes: int) -> None:
+        self.device = torch.device(device)
+        self.nbytes = int(nbytes)
+        self.available = self.nbytes >= 2 * last_level_cache_bytes(self.device)
+        self._src: torch.Tensor | None = None
+
+    def __call__(self) -> float | None:
+        """Bytes / s now, or ``None`` when the buffer would be cache-resident (see the class)."""
+        if not self.available:
+            return None
+        if self._src is None:
+            self._src = torch.randn(self.nbytes // 4, device=self.device)
+        return _read_rate(self._src)
+
+
+def load_profile(
+    device: str | torch.device = "cpu", *, remeasure: bool = False, nbytes: int | None = None
+) -> DeviceProfile:
+    """The cached profile for this device's fingerprint, measuring it first if needed.
+
+    ``remeasure=True`` measures again and overwrites the cache entry; ``nbytes`` sets the buffer size
+    of a measurement (default: see :func:`measure_bandwidth`; tests use a small one).
+    """
+    from datetime import datetime, timezone
+
+    fp = fingerprint(device)
+    path = cache_dir() / "device" / f"{fingerprint_id(fp)}.json"
+    if path.exists() and not remeasure:
+        try:
+            profile = DeviceProfile.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, AttributeError):
+            pass  # unreadable cache entry: measure again and overwrite it
+        else:
+            _warn_if_busy(profile)
+            return profile
+    copy_bw, read_bw, size = measure_bandwidth(device, nbytes=nbytes)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    profile = DeviceProfile(fp, copy_bw, read_bw, size, now, tuple(os.getloadavg()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        json.dump(profile.as_dict(), tmp, indent=2)
+    os.replace(tmp.name, path)
+    _warn_if_busy(profile)
+    return profile
+
+
+def busy_note(profile: DeviceProfile) -> str | None:
+    """Why ``profile``'s bandwidth is suspect, or ``None``: a CPU profile measured while the machine's
+    1-minute load average exceeded its CPU count (every core had a queue) shares the memory bus with other work, so its
+    bandwidth reads low and every "% of bandwidth" against it reads high (seen here: 6.4 GB/s at load
+    ~10 against 25.7 GB/s quiet, on the same 2-vCPU machine)."""
+    load = getattr(profile, "load_avg", None)
+    cpus = os.cpu_count() or 1
+    if profile.fingerprint.get("kind") != "cpu" or not load or load[0] <= cpus:
+        return None
+    return (
+        f"device profile {profile.id} was measured at load average {load[0]:.1f} on {cpus} CPUs: its "
+        f"bandwidth ({profile.bandwidth / 1e9:.2f} GB/s) is likely low and every % of bandwidth high; "
+        "measure again on a quiet machine (`attnbench bench --remeasure`)"
+    )
+
+
+def _warn_if_busy(profile: DeviceProfile) -> None:
+    note = busy_note(profile)
+    if note:
+        warnings.warn(note, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,348 @@
+"""The synthetic attention-only model: any shape's decode step, with nothing but attention and its cache.
+
+Per layer it materialises the attention inputs (``q``/``k``/``v`` of one token, prepared before any
+timer) and the KV cache, nothing else, so a step costs what the backend costs. Caches of all layers
+rarely fit in host memory at long context, so it materialises ``layers_materialised`` distinct layer
+caches — together several times the size of the last-level cache, or all layers when they fit the
+budget — and runs every one of ``num_layers`` decode calls per step, cycling over them (layer ``l``
+uses cache ``l % layers_materialised``). Each call therefore still reads its cache from DRAM, and a
+step does ``num_layers`` calls, exactly as the real model would.
+
+Every input comes from a generator seeded per purpose (the decode inputs, and each layer cache's fill
+on its own), so :meth:`SyntheticModel.history_for` can rebuild exactly what any decode call saw — the
+timed run is checked against float64 afterwards (:mod:`attnbench.measure.bench`) without keeping a copy of the
+history while it is timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from attnbench.core.backend import Backend, KVCache, Resolution
+from attnbench.core.device import last_level_cache_bytes
+from attnbench.core.timing import synchronize
+from attnbench.core.workload import Workload
+from attnbench.correctness.gate import random_step_inputs
+
+__all__ = ["SyntheticModel", "materialised_layers"]
+
+#: Fill the cache in chunks of this many tokens so filling never needs a full-size temporary.
+_FILL_CHUNK = 2048
+
+
+# ---------------------------------------------------------------------------------------------------
+# how many layer caches to materialise
+# ---------------------------------------------------------------------------------------------------
+def materialised_layers(
+    *,
+    per_layer_bytes: int,
+    num_layers: int,
+    device: torch.device | str = "cpu",
+    budget_bytes: int | None = None,
+) -> int:
+    """How many distinct layer caches to allocate.
+
+    Enough that cycling over them reads at least ``budget_bytes`` (default: 4 × the last-level
+    cache, at least 256 MiB, at most 2 GiB on CPU; on CUDA all layers within half the free memory),
+    never more than ``num_layers`` and never fewer than one. ``ATTNBENCH_MATERIALISE_BYTES`` overrides
+    the default budget.
+    """
+    dev = torch.device(device)
+    if budget_bytes is None:
+        env = os.environ.get("ATTNBENCH_MATERIALISE_BYTES")
+        if env:
+            budget_bytes = int(env)
+        elif dev.type == "cuda":
+            budget_bytes = int(torch.cuda.mem_get_info(dev)[0] * 0.5)
+        else:
+            budget_bytes = min(max(4 * last_level_cache_bytes(dev), 256 * 2**20), 2 * 2**30)
+    return max(1, min(num_layers, math.ceil(budget_bytes / max(per_layer_bytes, 1))))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the synthetic attention-only model
+# ---------------------------------------------------------------------------------------------------
+class SyntheticModel:
+    """Attention only: ``num_layers`` decode calls per step through ``backend``, nothing else.
+
+    ``workload`` gives the shape, batch, dtype, device and (for :meth:`fill`) the context lengths.
+    ``materialise_bytes`` bounds the distinct layer caches (see :func:`materialised_layers`);
+    ``input_sets`` copies of every layer's ``q``/``k``/``v`` are prepared and rotated, one per step.
+    Inputs are fresh ``N(0, 1)`` values (never zeros). Allocation happens in ``setup()``/``fill()``
+    only; ``decode_step()`` allocates only what the backend's ``plan()`` and ``decode()`` allocate.
+    """
+
+    vocab_size: int | None = None
+
+    def __init__(
+        self,
+        backend: Backend,
+        workload: Workload,
+        *,
+        config: Mapping[str, Any] | None = None,
+        num_layers: int | None = None,
+        materialise_bytes: int | None = None,
+        input_sets: int = 2,
+        seed: int | None = None,
+        resolution: Resolution | None = None,
+    ) -> None:
+        if resolution is None or not resolution.matches(workload, config):
+            resolution = backend.resolve(workload, config)
+        resolution.require()
+        if num_layers is not None and num_layers <= 0:
+            raise ValueError(f"num_layers = {num_layers} must be > 0")
+        if input_sets <= 0:
+            raise ValueError(f"input_sets = {input_sets} must be > 0")
+        self.backend = backend
+        self.workload = workload
+        self.resolution = resolution
+        self.config = dict(resolution.config)
+        self.num_layers = num_layers or workload.shape.num_layers
+        self.batch = workload.batch
+        self.device = torch.device(workload.device)
+        self.form = backend.kv_form
+        self.geometry = workload.geometry(self.form)
+        self.materialise_bytes = materialise_bytes
+        self.input_sets = input_sets
+        self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+        self.generator = self._generator("decode")
+        self.record_layer: int | None = None  # decode_step keeps this layer's output of every step
+        self.recorded: list[tuple[int, torch.Tensor]] = []
+        self.cache: KVCache | None = None
+        self.layers_materialised = 0
+        self._decode_inputs: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+        self._prefill_inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._step = 0
+        self._last_max_seq_len = 0
+
+    def _generator(self, purpose: str, slot: int = 0) -> torch.Generator:
+        """A generator of its own per purpose (and layer cache), so one can be replayed alone."""
+        offset = {"decode": 0, "prefill": 1, "fill": 2}[purpose]
+        return torch.Generator().manual_seed((self.seed * 7919 + offset * 104729 + slot) % 2**63)
+
+    # -- sizes -------------------------------------------------------------------------------------
+    def per_layer_bytes(self, max_seq_len: int) -> int:
+        """Bytes of one layer's cache for ``max_seq_len`` slots (as the base protocol counts them)."""
+        g = self.geometry
+        values = g.qk_head_dim if self.form == "latent" else g.num_kv_heads * (g.qk_head_dim + g.v_head_dim)
+        return values * self.workload.dtype.itemsize * max_seq_len * self.batch
+
+    def kv_bytes_per_step(self) -> int:
+        """KV bytes the next decode step reads: every layer, every cached token plus the new one."""
+        if self.cache is None:
+            raise RuntimeError("SyntheticModel: call setup() or fill() first")
+        per_token_layer = self.cache.bytes_per_token() // self.cache.num_layers
+        return per_token_layer * self.num_layers * sum(n + 1 for n in self.cache.seq_lens)
+
+    def kv_bytes_per_step_growth(self) -> int:
+        """How much :meth:`kv_bytes_per_step` grows with each committed step (one token per sequence)."""
+        cache = self._require_cache()
+        return cache.bytes_per_token() // cache.num_layers * self.num_layers * self.batch
+
+    # -- allocation (untimed) ----------------------------------------------------------------------
+    def setup(self, prompt_len: int, new_tokens: int) -> None:
+        """Allocate the cache for ``prompt_len + new_tokens`` tokens and prepare every input."""
+        if prompt_len < 0 or new_tokens < 0:
+            raise ValueError(f"prompt_len = {prompt_len}, new_tokens = {new_tokens}: both must be ≥ 0")
+        self._allocate(max(1, prompt_len + new_tokens))
+        # prompt inputs per layer, cycled like the caches and bounded by the same budget
+        g = self.geometry
+        per_set = (g.num_q_heads + g.num_kv_heads) * g.qk_head_dim + g.num_kv_heads * g.v_head_dim
+        per_set *= self.workload.dtype.itemsize * self.batch * prompt_len
+        sets = materialised_layers(
+            per_layer_bytes=per_set,
+            num_layers=self.layers_materialised,
+            device=self.device,
+            budget_bytes=self.materialise_bytes,
+        )
+        gen = self._generator("prefill")
+        self._prefill_inputs = [self._random(prompt_len, generator=gen) for _ in range(sets)]
+
+    def fill(self, *, extra_tokens: int) -> None:
+        """Allocate and fill the cache to the workload's context lengths with random K/V (untimed).
+
+        Room is left for ``extra_tokens`` decode steps. Filling goes through ``backend.append`` in
+        chunks, so the backend lays out its own cache.
+        """
+        lens = list(self.workload.context_lens)
+        self._allocate(max(lens) + max(extra_tokens, 1))
+        assert self.cache is not None
+        gens = [self._generator("fill", slot) for slot in range(self.layers_materialised)]
+        for num_new in self._fill_chunks():
+            plan = self.backend.plan(self.cache, num_new=num_new)
+            for slot in range(self.layers_materialised):
+                _, k, v = self._random(max(num_new), q=False, generator=gens[slot])
+                self.backend.append(self.cache, plan, layer=slot, k=k, v=v)
+            self.cache.commit(plan)
+
+    def _fill_chunks(self) -> list[list[int]]:
+        lens = list(self.workload.context_lens)
+        done, chunks = [0] * self.batch, []
+        while any(d < n for d, n in zip(done, lens, strict=True)):
+            num_new = [min(_FILL_CHUNK, n - d) for d, n in zip(done, lens, strict=True)]
+            chunks.append(num_new)
+            done = [d + n for d, n in zip(done, num_new, strict=True)]
+        return chunks
+
+    def history_for(
+        self, layer: int, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """What decode call ``layer`` of step ``step`` (counted from :meth:`fill`) attended over.
+
+        Returns ``q [B, Hq, Dk]``, the history ``k [B, S, Hkv, Dk]`` and ``v [B, S, Hkv, Dv]`` and each
+        sequence's length after the call, rebuilt from the generators: the cache's fill, then each
+        earlier step's token as the last layer that shares this cache wrote it, then the call's own.
+        """
+        m, g = self.layers_materialised, self.geometry
+        slot = layer % m
+        lens = list(self.workload.context_lens)
+        total = max(lens) + step + 1
+        kw = {"dtype": self.workload.dtype, "device": self.device}
+        hk = torch.zeros(self.batch, total, g.num_kv_heads, g.qk_head_dim, **kw)
+        hv = (
+            hk[..., : g.v_head_dim]
+            if self.form == "latent"
+            else torch.zeros(self.batch, total, g.num_kv_heads, g.v_head_dim, **kw)
+        )
+        gen, done = self._generator("fill", slot), [0] * self.batch
+        for num_new in self._fill_chunks():
+            _, k, v = self._random(max(num_new), q=False, generator=gen)
+            for i, n in enumerate(num_new):
+                hk[i, done[i] : done[i] + n] = k[i, :n]
+                if self.form != "latent":
+                    hv[i, done[i] : done[i] + n] = v[i, :n]
+            done = [d + n for d, n in zip(done, num_new, strict=True)]
+        last = max(x for x in range(slot, self.num_layers, m))  # the layer whose write survives a step
+        for j in range(step + 1):
+            writer = layer if j == step else last
+            _, k, v = self._decode_inputs[j % self.input_sets][writer]
+            for i, n in enumerate(lens):
+                hk[i, n + j] = k[i]
+                if self.form != "latent":
+                    hv[i, n + j] = v[i]
+        q = self._decode_inputs[step % self.input_sets][layer][0]
+        return q, hk, hv, tuple(n + step + 1 for n in lens)
+
+    def _allocate(self, max_seq_len: int) -> None:
+        self.cache = None  # free the old cache before allocating the new one
+        self.layers_materialised = materialised_layers(
+            per_layer_bytes=self.per_layer_bytes(max_seq_len),
+            num_layers=self.num_layers,
+            device=self.device,
+            budget_bytes=self.materialise_bytes,
+        )
+        self.cache = self.backend.create_cache(
+            self.workload, config=self.config, num_layers=self.layers_materialised, max_seq_len=max_seq_len
+        )
+        self._last_max_seq_len = max_seq_len
+        # one (q, k, v) per layer and input set: [B, Hq, Dk], [B, Hkv, Dk], [B, Hkv, Dv]
+        gen = self._generator("decode")
+        self._decode_inputs = [
+            [tuple(t[:, 0] for t in self._random(1, generator=gen)) for _ in range(self.num_layers)]  # type: ignore[misc]
+            for _ in range(self.input_sets)
+        ]
+        self._step = 0
+
+    def _random(
+        self, tokens: int, *, q: bool = True, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = self.geometry
+        if not q:  # skip generating the (large) query of a fill chunk
+            g = dataclasses.replace(g, num_q_heads=g.num_kv_heads)
+        return random_step_inputs(
+            g,
+            self.form,
+            batch=self.batch,
+            tokens=tokens,
+            dtype=self.workload.dtype,
+            device=self.device,
+            generator=generator,
+        )
+
+    # -- the model ---------------------------------------------------------------------------------
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Run the prompt's attention through ``backend.prefill`` on every layer; returns the last layer's
+        output at the last position, ``[B, Hq, Dv]`` (there are no logits)."""
+        cache = self._require_cache()
+        t = tokens.shape[1]
+        if not self._prefill_inputs or self._prefill_inputs[0][0].shape[1] != t:
+            raise ValueError(f"prefill: prompt of {t} tokens but setup() prepared {self._prefill_len()}")
+        cache.reset()
+        plan = self.backend.plan(cache, num_new=[t] * self.batch)
+        out = None
+        for layer in range(self.num_layers):
+            slot = layer % self.layers_materialised
+            q, k, v = self._prefill_inputs[layer % len(self._prefill_inputs)]
+            out = self.backend.prefill(cache, plan, layer=slot, q=q, k=k, v=v)
+        cache.commit(plan)
+        assert out is not None
+        return out[:, -1]
+
+    def decode_step(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence through every layer: ``plan()``, ``num_layers`` × ``decode()``,
+        ``commit()``. Returns the last layer's output ``[B, Hq, Dv]``; ``tokens`` are ignored."""
+        cache = self._require_cache()
+        inputs = self._decode_inputs[self._step % self.input_sets]
+        step, self._step = self._step, self._step + 1
+        plan = self.backend.plan(cache, num_new=[1] * self.batch)
+        out = None
+        m = self.layers_materialised
+        for layer in range(self.num_layers):
+            q, k, v = inputs[layer]
+            out = self.backend.decode(cache, plan, layer=layer % m, q=q, k=k, v=v)
+            if layer == self.record_layer:  # one small copy per step, for the check after timing
+                self.recorded.append((step, out.clone()))
+        cache.commit(plan)
+        assert out is not None
+        return out
+
+    def step_inputs(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The ``(q, k, v)`` of every layer that decode step ``step`` uses (the prepared tensors themselves)."""
+        return self._decode_inputs[step % self.input_sets]
+
+    def decode_step_call_times(self) -> tuple[float, list[float]]:
+        """One decode step with each backend call timed on its own (device-synced around each).
+
+        Returns ``(plan seconds, [decode seconds per layer])`` — the backend's own cost of a step,
+        which the loop-overhead benchmark compares with the step's time.
+        """
+        cache = self._require_cache()
+        inputs = self._decode_inputs[self._step % self.input_sets]
+        self._step += 1
+        m = self.layers_materialised
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        plan = self.backend.plan(cache, num_new=[1] * self.batch)
+        synchronize(self.device)
+        plan_s = time.perf_counter() - t0
+        layer_s = []
+        for layer in range(self.num_layers):
+            q, k, v = inputs[layer]
+            t0 = time.perf_counter()
+            self.backend.decode(cache, plan, layer=layer % m, q=q, k=k, v=v)
+            synchronize(self.device)
+            layer_s.append(time.perf_counter() - t0)
+        cache.commit(plan)
+        return plan_s, layer_s
+
+    def release(self) -> None:
+        """Free the cache and the prepared inputs (``setup()``/``fill()`` allocate them again)."""
+        self.cache = None
+        self._decode_inputs = []
+        self._prefill_inputs = []
+        self.recorded = []
+
+    def _require_cache(self) -> KVCache:
+        if self.cache is None:
+            raise RuntimeError("SyntheticModel: call setup() or fill() before prefill()/decode_step()")
+        return self.cache
+
+    def _prefill_len(self) -> int:
+        return int(self._prefill_inputs[0][0].shape[1]) if self._prefill_inputs else 0
