@@ -14,6 +14,7 @@ from attnbench.core.backend import (
 )
 from attnbench.core.registry import Registry, RegistryError, load_registry
 from attnbench.core.shapes import ModelShape, ShapeError, load_shape
+from attnbench.core.version import __version__
 from attnbench.core.workload import Workload
 from attnbench.correctness.gate import CheckResult, check
 from attnbench.hookspecs import hookimpl
@@ -21,7 +22,6 @@ from attnbench.selection.select import Choice, select
 
 moved.install()
 
-__version__ = "0.1.0"
 
 __all__ = [
     "PLUGIN_API_VERSION",

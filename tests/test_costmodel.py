@@ -36,6 +36,7 @@ from attnbench.cost.fit import (
     points_from_bench,
 )
 from attnbench.selection.fitted import beyond_tuned
+from attnbench.selection.select import backend_for
 from attnbench.tuning import ResultsTable, summarize
 
 # -- bytes and FLOPs by hand --------------------------------------------------------------------------
@@ -191,7 +192,7 @@ def test_gpu_path_predicts_the_attention_part_from_the_selected_backends_fit(tmp
     cal = _calibration(tmp_path, slow="naive")
     gpu = load_gpu(cal.path)
     assert gpu.measured and gpu.calibration is not None and gpu.memory_bandwidth == 1e10
-    est = estimate("tiny-gqa", gpu=str(cal.path), batch=2, context=1000, new_tokens=1)
+    est = estimate("tiny-gqa", gpu=str(cal.path), batch=2, context=1000, new_tokens=1, choose=backend_for)
     assert est.attention is not None and est.attention.backend == "flash"  # the faster calibrated one
     w = Workload.uniform("tiny-gqa", batch=2, context=1000, dtype="bf16")
     fit = cal.lookup("flash", "bf16", geometry_key(load_registry().get("flash"), w))

@@ -16,9 +16,8 @@ from pathlib import Path
 from fake_plugins import plugin_env, plugin_source, write_fake_dist
 
 from attnbench.backends.naive import NaiveBackend
-from attnbench.core.workload import Workload
+from attnbench.core.workload import Workload, workload_to_dict
 from attnbench.tuning import WorkerTask
-from attnbench.tuning.worker import workload_to_dict
 
 W = Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp32")
 HERE = Path(__file__).resolve().parent

@@ -8,7 +8,7 @@ from tuning_helpers import RefuseBackend, stated_profile
 
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.backend import Tunable
-from attnbench.core.workload import Workload
+from attnbench.core.workload import Workload, workload_to_dict
 from attnbench.tuning import (
     Outcome,
     TuneOptions,
@@ -21,7 +21,7 @@ from attnbench.tuning import (
     plan_studies,
     run_study,
 )
-from attnbench.tuning.worker import WorkerTask, workload_to_dict
+from attnbench.tuning.worker import WorkerTask
 
 W = Workload.uniform("tiny-gqa", batch=3, context=1000, dtype="fp32")
 PROFILE = stated_profile(1e10)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from attnbench.core.registry import code_hash, load_backend_class
 from attnbench.tuning.key import TuningKey, bucket_distance
 from attnbench.tuning.space import (
     DEFAULT_BACKENDS,
@@ -27,8 +28,6 @@ from attnbench.tuning.space import (
     SearchSpace,
     backend_refs,
     build_space,
-    code_hash,
-    load_backend_class,
 )
 from attnbench.tuning.table import (
     SWITCH_MARGIN,

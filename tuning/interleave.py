@@ -80,12 +80,12 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
     import gc
 
     from attnbench.core.device import DeviceProfile
+    from attnbench.core.registry import load_backend_class
     from attnbench.core.timing import synchronize, timing_mode
+    from attnbench.core.workload import workload_from_dict
     from attnbench.measure.bench import CheckFailed, Implausible, measure_decode, plausibility
     from attnbench.measure.graph_step import GraphedDecodeStep
     from attnbench.measure.synthetic import SyntheticModel
-    from attnbench.tuning.space import load_backend_class
-    from attnbench.tuning.worker import workload_from_dict
 
     workload = workload_from_dict(task["workload"])
     clock = _clock(task.get("clock"))
@@ -206,7 +206,7 @@ def retime(
     ``clock``: import path of a zero-argument clock in seconds to time with instead of
     ``time.perf_counter`` (tests plant a virtual one, so that planted timings ignore the load).
     """
-    from attnbench.tuning.worker import workload_to_dict
+    from attnbench.core.workload import workload_to_dict
 
     base = {
         "op": "interleave",

@@ -11,8 +11,6 @@ registered only in a test's registry, or by a plugin, is found by the worker the
 from __future__ import annotations
 
 import hashlib
-import importlib
-import inspect
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,27 +28,12 @@ __all__ = [
     "SearchSpace",
     "backend_refs",
     "build_space",
-    "code_hash",
-    "load_backend_class",
 ]
 
 #: What a user gets without tuning: the first of these that can run the workload.
 DEFAULT_BACKENDS = ("flash", "naive")
 
 _PRIMITIVE = (bool, int, float, str, type(None))
-
-
-def load_backend_class(ref: str) -> type[Backend]:
-    """``"pkg.module:Class"`` → the class; a plain name is looked up in the default registry."""
-    if ":" not in ref:
-        return load_registry().entry(ref).cls
-    module_name, _, qualname = ref.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not (isinstance(obj, type) and issubclass(obj, Backend)):
-        raise TypeError(f"{ref!r} is not an attnbench.Backend subclass")
-    return obj
 
 
 @dataclass(frozen=True)
@@ -88,18 +71,6 @@ def backend_refs(
             raise ValueError(f"unknown backend {unknown[0]!r}; registered: {', '.join(by_name) or 'none'}")
         refs = [by_name[n] for n in only]
     return refs
-
-
-def code_hash(classes: Iterable[type[Backend]]) -> str:
-    """Short hash of the source files that define ``classes`` (a backend's code changed → new hash)."""
-    h = hashlib.sha256()
-    for cls in sorted(set(classes), key=lambda c: c.name):
-        try:
-            source = inspect.getsource(inspect.getmodule(cls))  # type: ignore[arg-type]
-        except (OSError, TypeError):
-            source = f"{cls.__module__}:{cls.__qualname__}"
-        h.update(cls.name.encode() + b"\0" + source.encode() + b"\0")
-    return h.hexdigest()[:12]
 
 
 @dataclass(frozen=True)

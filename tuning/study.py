@@ -31,11 +31,12 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from attnbench.core.device import DeviceProfile
-from attnbench.core.workload import Workload
+from attnbench.core.registry import code_hash
+from attnbench.core.workload import Workload, workload_to_dict
 from attnbench.tuning.key import TuningKey
-from attnbench.tuning.space import BackendRef, Candidate, SearchSpace, build_space, code_hash
+from attnbench.tuning.space import BackendRef, Candidate, SearchSpace, build_space
 from attnbench.tuning.storage import JOURNAL_NAME, fail_stale, heartbeat, heartbeats_enabled, open_storage
-from attnbench.tuning.worker import Outcome, Worker, WorkerTask, workload_to_dict
+from attnbench.tuning.worker import Outcome, Worker, WorkerTask
 
 __all__ = [
     "JOURNAL_NAME",

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from attnbench.core.device import DeviceProfile
+from attnbench.core.version import __version__
 from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide, too_wide
 from attnbench.tuning.refine import PointMeasurement
 from attnbench.tuning.space import Candidate
@@ -32,7 +33,6 @@ _SAME = ("attnbench", "torch", "triton")
 def versions() -> dict[str, str]:
     import torch
 
-    from attnbench import __version__
     from attnbench.core.device import _triton_version
 
     return {"attnbench": __version__, "torch": str(torch.__version__), "triton": str(_triton_version())}

@@ -17,13 +17,13 @@ from typing import Any
 from attnbench.core.backend import Backend
 from attnbench.core.device import DeviceProfile, load_profile
 from attnbench.core.locations import ResultsLocation, results_location, writable_results
-from attnbench.core.registry import Registry
+from attnbench.core.registry import Registry, code_hash
 from attnbench.core.workload import Workload
 from attnbench.tuning.dispatch import DispatchMap, GridPoint, dispatch_path, save_maps
 from attnbench.tuning.interleave import Finalist, retime
 from attnbench.tuning.margin import SWITCH_MARGIN, finalists
 from attnbench.tuning.refine import RESOLUTION, PointMeasurement, grid_point, refine_map
-from attnbench.tuning.space import BackendRef, backend_refs, code_hash
+from attnbench.tuning.space import BackendRef, backend_refs
 from attnbench.tuning.storage import redact
 from attnbench.tuning.study import (
     JOURNAL_NAME,

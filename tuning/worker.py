@@ -31,6 +31,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from attnbench.core.workload import workload_from_dict
+
 __all__ = ["Outcome", "Worker", "WorkerTask", "evaluate"]
 
 _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "outofmemoryerror")
@@ -78,24 +80,6 @@ class Outcome:
 # --------------------------------------------------------------------------------------------------
 # child side
 # --------------------------------------------------------------------------------------------------
-def workload_from_dict(data: dict[str, Any]) -> Any:
-    from attnbench.core.shapes import ModelShape
-    from attnbench.core.workload import Workload
-
-    fields = dict(data["shape"])
-    shape = ModelShape.from_dict(fields, name=fields.pop("name"))
-    return Workload(shape, tuple(data["context_lens"]), data["dtype"], data.get("device", "cpu"))
-
-
-def workload_to_dict(workload: Any) -> dict[str, Any]:
-    return {
-        "shape": workload.shape.fields(),
-        "context_lens": list(workload.context_lens),
-        "dtype": workload.dtype_name,
-        "device": workload.device,
-    }
-
-
 def _classify(err: BaseException) -> str:
     text = f"{type(err).__name__}: {err}".lower()
     if isinstance(err, MemoryError) or any(m in text for m in _OOM_MARKERS):
@@ -106,8 +90,8 @@ def _classify(err: BaseException) -> str:
 def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     """Check, then time, one candidate (runs in the worker). Returns a JSON-able verdict."""
     from attnbench.core.device import DeviceProfile
+    from attnbench.core.registry import load_backend_class
     from attnbench.measure.bench import CheckFailed, Implausible, measure_decode
-    from attnbench.tuning.space import load_backend_class
 
     try:
         backend = load_backend_class(task["backend_ref"])()

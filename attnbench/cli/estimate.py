@@ -21,6 +21,7 @@ from rich.table import Table
 from attnbench.cli.common import add_command, add_model_option, cli_table, console, emit_json, print_table
 from attnbench.core.workload import parse_tokens
 from attnbench.cost.estimate import KV_DTYPES, WEIGHT_DTYPES, Estimate, MoERouting, estimate, list_gpus
+from attnbench.selection.select import backend_for
 
 
 def _tokens(field: str):  # argparse type: "8k" → 8192, with the option's name in the error
@@ -193,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         new_tokens=args.new_tokens,
         kv_dtype=args.kv_dtype,
         weight_dtype=args.weight_dtype,
+        choose=backend_for,
         achievable=args.achievable,
         moe=moe,
     )

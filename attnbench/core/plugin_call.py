@@ -108,10 +108,10 @@ def _cache_file(cls: type[Backend], workload: Workload) -> Path:
     import torch
 
     from attnbench.core.device import cache_dir
-    from attnbench.tuning.worker import workload_to_dict
+    from attnbench.core.workload import workload_to_dict
 
     try:
-        from attnbench.tuning.space import code_hash
+        from attnbench.core.registry import code_hash
 
         code = code_hash([cls])
     except Exception:
@@ -194,7 +194,7 @@ def _no_answer(cls: type[Backend], workload: Workload, timeout: float) -> Resolu
 
 def _ask_child(classes: Sequence[type[Backend]], workload: Workload, *, timeout: float) -> list[Resolution]:
     """Answers from one child process, one line each, until one takes longer than ``timeout``."""
-    from attnbench.tuning.worker import workload_to_dict
+    from attnbench.core.workload import workload_to_dict
 
     request = {
         "sys_path": sys.path,
@@ -253,8 +253,8 @@ def main() -> None:
     for entry in reversed(request["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    from attnbench.tuning.space import load_backend_class
-    from attnbench.tuning.worker import workload_from_dict
+    from attnbench.core.registry import load_backend_class
+    from attnbench.core.workload import workload_from_dict
 
     workload = workload_from_dict(request["workload"])
     proto.write('{"ready": true}\n')

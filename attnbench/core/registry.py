@@ -32,10 +32,13 @@ The plugin contract (checked per plugin, in this order; the first breach stops t
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import inspect
 import os
 import re
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -44,8 +47,10 @@ import pluggy
 
 from attnbench import hookspecs
 from attnbench.core.backend import PLUGIN_API_VERSION, Backend
+from attnbench.core.version import __version__
 
 __all__ = [
+    "BUILTIN_MODULE",
     "ENTRY_POINT_GROUP",
     "SUPPORTED_PLUGIN_API",
     "BackendEntry",
@@ -54,11 +59,15 @@ __all__ = [
     "Registry",
     "RegistryError",
     "Source",
+    "code_hash",
+    "load_backend_class",
     "load_plugin",
     "load_registry",
 ]
 
 ENTRY_POINT_GROUP = "attnbench.backends"
+#: The module whose ``attnbench_backends`` hook registers the built-in backends.
+BUILTIN_MODULE = "attnbench.backends"
 #: Plugin-API versions this core accepts (inclusive).
 SUPPORTED_PLUGIN_API = (1, PLUGIN_API_VERSION)
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -236,8 +245,8 @@ def load_registry(*, env: Mapping[str, str] | None = None, builtins: bool = True
     pm.add_hookspecs(hookspecs)
     reg = Registry(manager=pm)
     if builtins:
-        from attnbench import backends as builtin_backends
-
+        # the built-ins are a plugin like any other, one layer up: loaded by name, as entry points are
+        builtin_backends = importlib.import_module(BUILTIN_MODULE)
         pm.register(builtin_backends, name="builtin")
         reg._add_from(builtin_backends, Source("builtin", "builtin"))  # a broken built-in is a bug: raise
     if _flag(env.get("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD")):
@@ -371,6 +380,29 @@ def _range_text() -> str:
 
 
 def _core_version() -> str:
-    from attnbench import __version__
-
     return __version__
+
+
+def load_backend_class(ref: str) -> type[Backend]:
+    """``"pkg.module:Class"`` → the class; a plain name is looked up in the default registry."""
+    if ":" not in ref:
+        return load_registry().entry(ref).cls
+    module_name, _, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Backend)):
+        raise TypeError(f"{ref!r} is not an attnbench.Backend subclass")
+    return obj
+
+
+def code_hash(classes: Iterable[type[Backend]]) -> str:
+    """Short hash of the source files that define ``classes`` (a backend's code changed → new hash)."""
+    h = hashlib.sha256()
+    for cls in sorted(set(classes), key=lambda c: c.name):
+        try:
+            source = inspect.getsource(inspect.getmodule(cls))  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            source = f"{cls.__module__}:{cls.__qualname__}"
+        h.update(cls.name.encode() + b"\0" + source.encode() + b"\0")
+    return h.hexdigest()[:12]

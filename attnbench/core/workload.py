@@ -6,6 +6,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -132,3 +133,20 @@ class Workload:
     def describe(self) -> str:
         ctx = str(self.context_lens[0]) if len(set(self.context_lens)) == 1 else f"ragged≤{self.context}"
         return f"{self.shape.name} b={self.batch} ctx={ctx} {self.dtype_name} {self.device}"
+
+
+def workload_to_dict(workload: Workload) -> dict[str, Any]:
+    """A workload as JSON-able data (what a child process or a results file receives)."""
+    return {
+        "shape": workload.shape.fields(),
+        "context_lens": list(workload.context_lens),
+        "dtype": workload.dtype_name,
+        "device": workload.device,
+    }
+
+
+def workload_from_dict(data: dict[str, Any]) -> Workload:
+    """The inverse of :func:`workload_to_dict`."""
+    fields = dict(data["shape"])
+    shape = ModelShape.from_dict(fields, name=fields.pop("name"))
+    return Workload(shape, tuple(data["context_lens"]), data["dtype"], data.get("device", "cpu"))

@@ -52,15 +52,16 @@ from attnbench.core.shapes import ModelShape, dtype_bytes, load_shape
 from attnbench.core.traffic import (
     Roofline,
     attention_flops,
-    backend_kv_bytes_per_token,
     shape_kv_bytes_per_token,
     step_fixed_s,
 )
 from attnbench.cost.gpuspec import HIGH as _HIGH
 from attnbench.cost.gpuspec import GPUSpec, list_gpus, load_gpu, measured_gpu
+from attnbench.cost.measured_term import CalibratedAttention, Chooser, calibrated_attention
 
 __all__ = [
     "CalibratedAttention",
+    "Chooser",
     "Estimate",
     "GPUSpec",
     "MoERouting",
@@ -159,21 +160,6 @@ def weight_bytes_per_gpu(
     lm_head = emb * dtype_bytes(_HIGH)
     lookups = batch * shape.hidden_size * dtype_bytes(_HIGH)
     return (block + lm_head + lookups) / tp
-
-
-@dataclass(frozen=True)
-class CalibratedAttention:
-    """The attention part of a step from the device's calibration: the backend ``select()`` chose,
-    its own KV bytes per token, the fit used, and the time at the first step's context."""
-
-    backend: str
-    kv_bytes_per_token: int  # per GPU, over all layers, as the backend's cache stores it
-    fit: str  # the fit's description (terms and fit error)
-    selected: str  # why this backend (select()'s explanation, first line)
-    step_s: float  # at `context`
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -304,8 +290,14 @@ def estimate(
     weight_dtype: str = "bf16",
     achievable: float | None = None,
     moe: MoERouting | None = None,
+    choose: Chooser | None = None,
 ) -> Estimate:
     """Estimate TTFT, ITL and end-to-end latency of generating ``new_tokens`` per sequence.
+
+    With a calibrated ``gpu`` (this device's measurements), the attention term is the fit of one
+    backend: the one ``choose(workload, results_dir)`` names (``(backend, why)``; the CLI passes
+    :func:`attnbench.selection.select.backend_for`, i.e. ``select()``'s choice), else the fitted
+    backend predicted fastest at this workload.
 
     ``context`` is the number of tokens cached when decoding starts (the breakdown is for the step
     at that context); ``prompt_len`` (default: ``context``) is how many of them the prefill computes
@@ -361,8 +353,8 @@ def estimate(
     kv_per_ctx, kv_at0 = batch * kv_tok / bw, batch * kv_tok / bw
     attention = None
     if spec.calibration is not None:
-        attention, kv_at0, kv_per_ctx = _calibrated(
-            shape, spec, batch=batch, context=context, tp=tp, kv_dtype=kv_dtype
+        attention, kv_at0, kv_per_ctx = calibrated_attention(
+            shape, spec, batch=batch, context=context, tp=tp, kv_dtype=kv_dtype, choose=choose
         )
         if attention is None:
             notes.append(f"calibration: {kv_at0}; the KV term is the roofline's")
@@ -447,45 +439,3 @@ def estimate(
         notes=notes,
         attention=attention,
     )
-
-
-def _calibrated(
-    shape: ModelShape, spec: GPUSpec, *, batch: int, context: int, tp: int, kv_dtype: str
-) -> tuple[CalibratedAttention | None, Any, float]:
-    """The calibrated KV term: (attention, seconds at context 0, seconds per context token), or
-    (None, why not, 0) when the calibration has no fit for the backend ``select()`` chooses."""
-    from attnbench.core.registry import load_registry
-    from attnbench.core.workload import Workload
-    from attnbench.selection.select import select
-
-    cal = spec.calibration
-    assert cal is not None
-    registry = load_registry()
-    workload = Workload.uniform(shape, batch=batch, context=context, dtype=_HIGH)
-    try:
-        results_dir = cal.path.parent if cal.path else None
-        choice = select(workload, registry=registry, results_dir=results_dir)
-    except (LookupError, ValueError) as err:
-        return None, f"select() found no backend ({err})", 0.0
-    name, why = choice.backend, choice.reason
-    if kv_dtype == "fp8" and "fp8" in registry and name != "fp8":
-        name, why = "fp8", "--kv-dtype fp8: the fp8 cache backend"
-    backend = registry.get(name)
-    from attnbench.cost.fit import geometry_key
-
-    fit = cal.lookup(name, workload.dtype_name, geometry_key(backend, workload))
-    if fit is None:
-        return (
-            None,
-            f"no fit for {name}/{workload.dtype_name} (fitted: {', '.join(sorted({f.backend + '/' + f.dtype for f in cal.fits})) or 'none'})",
-            0.0,
-        )
-    per_token = backend_kv_bytes_per_token(backend, workload)
-    if tp > 1 and not shape.is_mla:  # the backend's bytes per token, split like the heads
-        per_token = per_token // shape.num_kv_heads * math.ceil(shape.num_kv_heads / tp)
-    per_ctx = fit.predict_s(batch=batch, kv_bytes=batch * per_token, layers=0)
-    at0 = fit.predict_s(batch=batch, kv_bytes=batch * per_token, layers=shape.num_layers)
-    att = CalibratedAttention(
-        backend=name, kv_bytes_per_token=per_token, fit=fit.describe(), selected=why, step_s=at0
-    )
-    return att, at0, per_ctx

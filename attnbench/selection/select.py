@@ -40,7 +40,7 @@ from attnbench.core.backend import Resolution
 from attnbench.core.device import fingerprint, fingerprint_id, load_profile, resolve_device
 from attnbench.core.locations import RESULTS_ENV, check_table_file, readable_results
 from attnbench.core.plugin_call import ask
-from attnbench.core.registry import Registry, load_registry
+from attnbench.core.registry import Registry, code_hash, load_registry
 from attnbench.core.shapes import ModelShape, load_shape, parse_dtype
 from attnbench.core.workload import Workload, bucket, parse_tokens
 from attnbench.cost.fit import calibration_path, geometry_key
@@ -49,10 +49,9 @@ from attnbench.selection.fitted import calibrated_ranking
 from attnbench.selection.heuristic import HeuristicRanking, rank, runnable_reason
 from attnbench.selection.tuned import Location, entry_choice, file_signature
 from attnbench.tuning.dispatch import dispatch_path, map_key
-from attnbench.tuning.space import code_hash
 from attnbench.tuning.table import hardware_id, table_path
 
-__all__ = ["Choice", "Rejected", "Selector", "default_selector", "select"]
+__all__ = ["Choice", "Rejected", "Selector", "backend_for", "default_selector", "select"]
 
 _PLUGIN_ENV = ("ATTNBENCH_PLUGINS", "ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD")
 _LOCATION_ENV = (RESULTS_ENV, "XDG_DATA_HOME", "HOME")  # what decides the default results location
@@ -446,3 +445,10 @@ default_selector = Selector()
 
 #: The backend and config to use for a workload: :meth:`Selector.select` of :data:`default_selector`.
 select = default_selector.select
+
+
+def backend_for(workload: Workload, results_dir: Path | None) -> tuple[str, str]:
+    """``select()``'s backend and reason for ``workload`` — the chooser ``attnbench estimate`` hands
+    to :func:`attnbench.cost.estimate.estimate` for a calibrated device."""
+    choice = select(workload, results_dir=results_dir)
+    return choice.backend, choice.reason
