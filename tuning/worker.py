@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from attnbench.core.child import Child
 from attnbench.core.workload import workload_from_dict
 
 __all__ = ["Outcome", "Worker", "WorkerTask", "evaluate"]
@@ -225,9 +225,8 @@ class Worker:
     def __init__(self, *, start_timeout: float = 180.0, memory_limit_bytes: int | None = None) -> None:
         self.start_timeout = start_timeout
         self.memory_limit_bytes = memory_limit_bytes
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
         self._stderr: Any = None
-        self._buffer = b""
         self.eof = False
         self.starts = 0
 
@@ -241,14 +240,7 @@ class Worker:
     def start(self) -> None:
         self.close()
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115  (lives as long as the worker; closed in close())
-        self._buffer = b""
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "attnbench.tuning.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            start_new_session=True,  # Ctrl-C in the terminal reaches only the parent
-        )
+        self.child = Child(["-m", "attnbench.tuning.worker"], stderr=self._stderr)
         self.starts += 1
         init = {
             "sys_path": sys.path,
@@ -264,17 +256,9 @@ class Worker:
             raise WorkerDied(f"the tuning worker did not start: {tail or 'no output'}")
 
     def close(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    proc.kill()
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout):
-                if stream is not None:
-                    stream.close()
+        child, self.child = self.child, None
+        if child is not None:
+            child.kill()
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None
@@ -293,31 +277,15 @@ class Worker:
         return "\n".join(text.strip().splitlines()[-lines:])
 
     def _send(self, message: dict[str, Any]) -> None:
-        assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(message, default=str) + "\n").encode())
-        self.proc.stdin.flush()
+        assert self.child is not None
+        self.child.send(message)
 
     def _receive(self, timeout: float) -> dict[str, Any] | None:
         """One JSON line, or ``None`` on EOF or timeout (``self.eof`` tells which)."""
-        assert self.proc is not None and self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        self.eof = False
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buffer:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                if not sel.select(min(left, 1.0)):  # nothing yet (or an interrupted wait): look again
-                    continue
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    self.eof = True
-                    return None
-                self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return json.loads(line)
+        assert self.child is not None
+        reply = self.child.receive(timeout)
+        self.eof = self.child.eof
+        return reply
 
     # -- one candidate ----------------------------------------------------------------------------
     def run(self, task: WorkerTask, *, timeout: float) -> Outcome:
@@ -325,7 +293,7 @@ class Worker:
 
     def request(self, message: dict[str, Any], *, timeout: float) -> Outcome:
         """Send one task (a :class:`WorkerTask`'s dict, or another ``op``) and wait for its verdict."""
-        if self.proc is None or self.proc.poll() is not None:
+        if self.child is None or self.child.poll() is not None:
             self.start()
         t0 = time.monotonic()
         try:
@@ -346,7 +314,7 @@ class Worker:
                 attrs=reply.get("attrs", {}),
                 wall_s=wall,
             )
-        assert self.proc is not None
+        assert self.child is not None
         if not self.eof:  # no answer by the deadline and the pipe still open: a hang
             kind, reason = (
                 "timeout",
@@ -354,7 +322,7 @@ class Worker:
             )
         else:  # the pipe closed: the process is dying or dead (EOF can come before it is reaped)
             try:
-                kind, reason = "crash", _death_reason(self.proc.wait(timeout=10))
+                kind, reason = "crash", _death_reason(self.child.wait(timeout=10))
             except subprocess.TimeoutExpired:
                 kind, reason = "crash", "worker closed its pipe but did not exit; killed and replaced"
         tail = self.stderr_tail()

@@ -21,8 +21,6 @@ import hashlib
 import json
 import math
 import os
-import selectors
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -30,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from attnbench.core.backend import Backend, Resolution
+from attnbench.core.child import Child
 from attnbench.core.workload import Workload, bucket
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Answers", "ask", "ask_many"]
@@ -201,47 +200,16 @@ def _ask_child(classes: Sequence[type[Backend]], workload: Workload, *, timeout:
         "refs": [_ref(c) for c in classes],
         "workload": workload_to_dict(workload),
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "attnbench.core.plugin_call"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     answers: list[Resolution] = []
-    buffer = b""
-    try:
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps(request, default=str).encode() + b"\n")
-        proc.stdin.close()
-        fd = proc.stdout.fileno()
-        deadline = time.monotonic() + max(120.0, timeout)  # first the child imports torch, then "ready"
-        ready = False
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while len(answers) < len(classes):
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    break
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    break
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, _, buffer = buffer.partition(b"\n")
-                    if ready:
-                        answers.append(_decode(json.loads(line), workload))
-                    ready = True
-                    deadline = time.monotonic() + timeout
-    finally:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, 9)
-            except (ProcessLookupError, PermissionError):
-                proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    with Child(["-m", "attnbench.core.plugin_call"]) as child:
+        child.send(request)
+        child.close_input()
+        first = child.receive(max(120.0, timeout))  # first the child imports torch, then "ready"
+        while first is not None and len(answers) < len(classes):
+            line = child.receive(timeout)
+            if line is None:
+                break
+            answers.append(_decode(line, workload))
     return answers
 
 

@@ -341,9 +341,9 @@ def _import_hangs(ep: EntryPoint) -> str:
     """Import the plugin's module in a child process first, with a deadline (a thread cannot bound an
     import that hangs holding the GIL); ``""`` when it finishes (remembered, keyed by
     :func:`_import_key`), else why it was skipped. Errors are left for the real import to report."""
-    import subprocess
     import sys
 
+    from attnbench.core.child import run_child
     from attnbench.core.device import cache_dir
     from attnbench.core.plugin_call import _timeout
 
@@ -352,16 +352,12 @@ def _import_hangs(ep: EntryPoint) -> str:
         return ""
     module = ep.value.partition(":")[0].strip()
     timeout = _timeout()
-    try:
-        subprocess.run(
-            [sys.executable, "-c", f"import importlib; importlib.import_module({module!r})"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=timeout,
-            env=os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
-        )
-    except subprocess.TimeoutExpired:
+    run = run_child(
+        ["-c", f"import importlib; importlib.import_module({module!r})"],
+        timeout=timeout,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )
+    if run.timed_out:
         return (
             f"importing {ep.value!r} did not finish within {timeout:g} s (it hangs); skipped "
             "(ATTNBENCH_PLUGIN_TIMEOUT sets the limit)"

@@ -47,6 +47,8 @@ from typing import Any, Literal
 
 import torch
 
+from attnbench.core.child import run_child
+
 __all__ = [
     "AotCompileError",
     "AotResult",
@@ -300,17 +302,10 @@ def aot_compile_many(requests: Sequence[Mapping[str, Any]]) -> list[AotResult | 
         src, dst = Path(tmp) / "requests.pkl", Path(tmp) / "results.pkl"
         src.write_bytes(pickle.dumps(refs))
         env = {**os.environ, "TRITON_INTERPRET": "0"}
-        proc = subprocess.run(
-            [sys.executable, "-c", _WORKER, str(src), str(dst)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if proc.returncode or not dst.exists():
-            raise RuntimeError(
-                f"AOT compile worker failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
-            )
+        run = run_child(["-c", _WORKER, str(src), str(dst)], env=env, timeout=1800, stderr_bytes=2000)
+        if run.returncode or not dst.exists():
+            status = "killed after 1800 s" if run.timed_out else f"exit {run.returncode}"
+            raise RuntimeError(f"AOT compile worker failed ({status}): {run.stderr}")
         for i, result in zip(todo, pickle.loads(dst.read_bytes()), strict=True):
             checked[i] = result
         return checked  # type: ignore[return-value]
