@@ -35,8 +35,8 @@ from attnbench.cost.fit import (
     geometry_key,
     points_from_bench,
 )
-from attnbench.selection.fitted import beyond_tuned
 from attnbench.selection.select import backend_for
+from attnbench.selection.tuned import TunedIndex
 from attnbench.tuning import ResultsTable, summarize
 
 # -- bytes and FLOPs by hand --------------------------------------------------------------------------
@@ -225,8 +225,10 @@ def test_select_uses_the_calibration_only_outside_the_tuned_region(tmp_path) -> 
     assert "outside the tuned region" in text and "batch bucket 64 outside the tuned 1..4" in text
     assert "calibrated model:" in text and "naive: calibrated model predicts" in text
     table = ResultsTable.load(path)
-    assert beyond_tuned(table, Workload.uniform("tiny-gqa", batch=2, context=1000)) == ""
-    assert "no tuned entry" in beyond_tuned(table, Workload.uniform("tiny-mla", batch=2, context=1000))
+    index = TunedIndex.build(table, {})
+    inside, other = (Workload.uniform(m, batch=2, context=1000) for m in ("tiny-gqa", "tiny-mla"))
+    assert index.beyond(inside, inside.shape.fingerprint()) == ""
+    assert "no tuned entry" in index.beyond(other, other.shape.fingerprint())
 
 
 def test_calibrate_fits_from_a_bench_json(tmp_path, capsys) -> None:

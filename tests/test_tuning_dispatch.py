@@ -11,6 +11,7 @@ import math
 import random
 
 import pytest
+from tuning_helpers import build_map
 
 from attnbench.tuning.dispatch import (
     DispatchMap,
@@ -21,7 +22,7 @@ from attnbench.tuning.dispatch import (
     save_maps,
 )
 from attnbench.tuning.margin import Interval, bootstrap_median, decide, finalists, sample_rounds
-from attnbench.tuning.refine import PointMeasurement, build_map
+from attnbench.tuning.refine import PointMeasurement
 
 DEFAULT = "steady"
 

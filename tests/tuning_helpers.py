@@ -7,7 +7,7 @@ live at the top level of a module, here or in the test module that plants them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -28,6 +28,9 @@ from attnbench.tuning import (
     summarize,
     table_path,
 )
+from attnbench.tuning.dispatch import DispatchMap, GridPoint
+from attnbench.tuning.margin import SWITCH_MARGIN
+from attnbench.tuning.refine import RESOLUTION, Measure, grid_point, refine_map
 
 
 def stated_profile(bandwidth: float = 2e10, **changes: object) -> DeviceProfile:
@@ -101,3 +104,38 @@ def save_table(folder: Path, rows: Mapping[str, dict], *, profile: DeviceProfile
     path = table_path(folder, profile.fingerprint)
     ResultsTable(path, {}).save(dict(rows), profile=profile)
     return path
+
+
+def build_map(
+    measure: Measure,
+    *,
+    model: str,
+    shape_hash: str,
+    dtype: str,
+    default: str | None,
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    margin: float = SWITCH_MARGIN,
+    resolution: float = RESOLUTION,
+    refine: bool = True,
+    on_point: Callable[[GridPoint], None] | None = None,
+) -> DispatchMap:
+    """Measure the coarse grid ``batches × contexts`` (every candidate), then refine it: the map the
+    tuner builds, from a test's planted ``measure``."""
+    m = DispatchMap(model, shape_hash, dtype, default, list(batches), list(contexts), {}, {}, margin)
+    coarse = 0
+    for b in m.batches:
+        for c in m.contexts:
+            got = measure(b, c, None)
+            coarse += got.evaluations or len(got.times) + len(got.failed)
+            for k, cand in got.candidates.items():
+                m.candidates.setdefault(k, cand)
+            m.points[(b, c)] = point = grid_point(b, c, got, default=default, margin=margin)
+            if on_point is not None:
+                on_point(point)
+    m.refinement = {"evaluations": coarse}
+    if refine:
+        refine_map(m, measure, resolution=resolution, on_point=on_point)
+    else:
+        m.refinement |= {"rounds": 0, "points": len(m.points), "complete": True}
+    return m

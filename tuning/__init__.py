@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # what __getattr__ below imports on first use, for type check
         plan_studies,
         run_study,
     )
-    from attnbench.tuning.tuner import TuneReport, default_results_dir, tune
+    from attnbench.tuning.tuner import TuneReport, tune
 
 __all__ = [
     "DEFAULT_BACKENDS",
@@ -85,7 +85,6 @@ __all__ = [
     "bucket_distance",
     "build_space",
     "code_hash",
-    "default_results_dir",
     "evaluate",
     "hardware_id",
     "load_backend_class",
@@ -99,12 +98,28 @@ __all__ = [
 ]
 #: names of the Optuna-backed modules, imported on first use (``attnbench.tuning.tune``...)
 _LAZY = dict.fromkeys(("StorageError", "repair_journal"), "storage")
-_LAZY |= dict.fromkeys(("TuneReport", "default_results_dir", "tune"), "tuner")
+_LAZY |= dict.fromkeys(("TuneReport", "tune"), "tuner")
 _STUDY = ("JOURNAL_NAME", "KeyResult", "StudyPlan", "TrialRecord", "TuneOptions", "open_storage")
 _LAZY |= dict.fromkeys((*_STUDY, "plan_studies", "run_study"), "study")
 
 
+def _default_results_dir() -> Any:
+    """Deprecated: :func:`attnbench.core.locations.results_location` (its ``.path``)."""
+    from attnbench.core.locations import results_location
+
+    return results_location().path
+
+
 def __getattr__(name: str) -> Any:
+    if name == "default_results_dir":  # removed in 0.2: one results-location function
+        import warnings
+
+        warnings.warn(
+            "attnbench.tuning.default_results_dir() is attnbench.core.locations.results_location().path",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _default_results_dir
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'attnbench.tuning' has no attribute {name!r}")

@@ -26,7 +26,6 @@ from attnbench.tuning.margin import SWITCH_MARGIN, Interval, beats, decide
 __all__ = [
     "Measure",
     "PointMeasurement",
-    "build_map",
     "contenders",
     "grid_point",
     "refine_map",
@@ -209,37 +208,3 @@ def _fill(
         if on_point is not None:
             on_point(point)
     return evaluations
-
-
-def build_map(
-    measure: Measure,
-    *,
-    model: str,
-    shape_hash: str,
-    dtype: str,
-    default: str | None,
-    batches: Sequence[int],
-    contexts: Sequence[int],
-    margin: float = SWITCH_MARGIN,
-    resolution: float = RESOLUTION,
-    refine: bool = True,
-    on_point: Callable[[GridPoint], None] | None = None,
-) -> DispatchMap:
-    """Measure the coarse grid ``batches × contexts`` (every candidate), then refine it."""
-    m = DispatchMap(model, shape_hash, dtype, default, list(batches), list(contexts), {}, {}, margin)
-    coarse = 0
-    for b in m.batches:
-        for c in m.contexts:
-            got = measure(b, c, None)
-            coarse += got.evaluations or len(got.times) + len(got.failed)
-            for k, cand in got.candidates.items():
-                m.candidates.setdefault(k, cand)
-            m.points[(b, c)] = point = grid_point(b, c, got, default=default, margin=margin)
-            if on_point is not None:
-                on_point(point)
-    m.refinement = {"evaluations": coarse}
-    if refine:
-        refine_map(m, measure, resolution=resolution, on_point=on_point)
-    else:
-        m.refinement |= {"rounds": 0, "points": len(m.points), "complete": True}
-    return m

@@ -16,7 +16,7 @@ from typing import Any
 
 from attnbench.core.backend import Backend
 from attnbench.core.device import DeviceProfile, load_profile
-from attnbench.core.locations import ResultsLocation, results_location, writable_results
+from attnbench.core.locations import ResultsLocation, writable_results
 from attnbench.core.registry import Registry, code_hash
 from attnbench.core.workload import Workload
 from attnbench.tuning.dispatch import DispatchMap, GridPoint, dispatch_path, save_maps
@@ -39,13 +39,7 @@ from attnbench.tuning.summary import candidate_label, search_interval, summarize
 from attnbench.tuning.table import ResultsTable, TableError, hardware_id, table_path
 from attnbench.tuning.worker import Worker
 
-__all__ = ["TuneReport", "default_results_dir", "tune"]
-
-
-def default_results_dir() -> Path:
-    """The results location (:mod:`attnbench.core.locations`): ``$ATTNBENCH_RESULTS_DIR``, else the per-user
-    ``$XDG_DATA_HOME/attnbench`` (``~/.local/share/attnbench``)."""
-    return results_location().path
+__all__ = ["TuneReport", "tune"]
 
 
 @dataclass

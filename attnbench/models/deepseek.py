@@ -39,6 +39,7 @@ from attnbench.models.base import (
     open_weights,
     rms_norm,
 )
+from attnbench.models.mla import expand_output, latent_query, split_kv_b
 
 __all__ = ["DEEPSEEK_FAMILY", "DeepseekDecoder"]
 
@@ -140,11 +141,10 @@ class DeepseekDecoder(Decoder):
             layer["kv_a_proj"] = w.get(a + "kv_a_proj_with_mqa.weight", shape=(rank + rope_dim, hidden))
             layer["kv_a_proj_bias"] = w.optional(a + "kv_a_proj_with_mqa.bias", shape=(rank + rope_dim,))
             layer["kv_a_norm"] = w.get(a + "kv_a_layernorm.weight", shape=(rank,))
-            kv_b = w.get(a + "kv_b_proj.weight", shape=(heads * (nope + v_dim), rank)).view(
-                heads, nope + v_dim, rank
-            )
-            layer["w_uk"] = kv_b[:, :nope].contiguous()  # [H, nope, rank]: absorbed into the query
-            layer["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v_dim, rank]: applied to the output latent
+            kv_b = w.get(a + "kv_b_proj.weight", shape=(heads * (nope + v_dim), rank))
+            w_uk, w_uv = split_kv_b(kv_b, num_heads=heads, qk_nope_head_dim=nope, v_head_dim=v_dim)
+            layer["w_uk"] = w_uk.contiguous()  # [H, nope, rank]: absorbed into the query
+            layer["w_uv"] = w_uv.contiguous()  # [H, v_dim, rank]: applied to the output latent
             layer["o_proj"] = w.get(a + "o_proj.weight", shape=(hidden, heads * v_dim))
             layer["o_proj_bias"] = w.optional(a + "o_proj.bias", shape=(hidden,))
             for proj, dims in (
@@ -189,9 +189,8 @@ class DeepseekDecoder(Decoder):
         q_pe = apply_rope(q_pe, step.cos, step.sin, interleaved=self.interleaved)
         k_pe = apply_rope(k_pe, step.cos, step.sin, interleaved=self.interleaved)
 
-        q_lat = torch.einsum("bthn,hnc->bthc", q_nope, layer["w_uk"])  # [B, T, H, rank]
-        q = torch.cat((q_lat, q_pe), dim=-1)  # [B, T, H, rank + rope]
+        q = latent_query(q_nope, q_pe, layer["w_uk"])  # [B, T, H, rank + rope]
         k = torch.cat((c[:, :, None], k_pe), dim=-1)  # [B, T, 1, rank + rope]
         out_lat = self._attend(index, q, k, k[..., :rank], step)  # [B, T, H, rank]
-        out = torch.einsum("bthc,hvc->bthv", out_lat, layer["w_uv"])  # [B, T, H, v_dim]
+        out = expand_output(out_lat, layer["w_uv"])  # [B, T, H, v_dim]
         return F.linear(out.reshape(b, t, -1), layer["o_proj"], layer["o_proj_bias"])

@@ -17,18 +17,8 @@ from attnbench.core.workload import Workload
 from attnbench.cost.fit import Calibration, Fit
 from attnbench.selection.choice import Choice, Rejected
 from attnbench.selection.heuristic import runnable_reason
-from attnbench.selection.tuned import TunedIndex
-from attnbench.tuning.table import ResultsTable
 
-__all__ = ["CalibratedRanking", "beyond_tuned", "calibrated_choice", "calibrated_ranking"]
-
-
-def beyond_tuned(table: ResultsTable | None, workload: Workload) -> str:
-    """Why ``workload`` lies outside the region tuned for its model and dtype in ``table`` ('' inside).
-
-    Inside means: batch and context buckets both within the range of the tuned buckets.
-    """
-    return TunedIndex.build(table, {}).beyond(workload, workload.shape.fingerprint())
+__all__ = ["CalibratedRanking", "calibrated_choice", "calibrated_ranking"]
 
 
 @dataclass(frozen=True)
