@@ -54,13 +54,21 @@ from typing import Any
 
 import torch
 
-from attnbench.core.backend import DEFAULT_ERROR_MULTIPLE, Backend, Resolution
+from attnbench.core.backend import Backend, Resolution
 from attnbench.core.device import DeviceProfile, last_level_cache_bytes
 from attnbench.core.timing import Timing, measure, timing_mode
 from attnbench.core.traffic import decode_cost
 from attnbench.core.workload import Workload
 from attnbench.correctness.gate import CheckResult, Judge
 from attnbench.correctness.gate import check as gate_check
+from attnbench.correctness.timed import (
+    CHECK_BUDGET_BYTES,
+    CheckFailed,
+    Implausible,
+    check_workload,
+    error_multiple_for,
+    plausibility,
+)
 from attnbench.measure.decode import SyntheticModel
 from attnbench.measure.graph_step import GraphedDecodeStep
 
@@ -72,23 +80,6 @@ __all__ = [
     "measure_decode",
     "plausibility",
 ]
-
-#: Host memory the gate may use by default (it holds the cache, the history and a float64 copy).
-CHECK_BUDGET_BYTES = 3 * 2**30
-
-#: A step whose KV bytes / time exceeds this multiple of the measured read bandwidth is refused.
-PLAUSIBLE_MARGIN = 1.5
-
-
-class CheckFailed(RuntimeError):
-    """The backend's output broke its declared tolerance; ``check`` holds the numbers."""
-
-    def __init__(self, check: CheckResult) -> None:
-        self.check = check
-        super().__init__(
-            f"backend {check.backend!r} {check.config} failed the correctness gate on {check.workload}: "
-            f"{'; '.join(check.failures)}"
-        )
 
 
 @dataclass
@@ -177,78 +168,6 @@ def _llc_evictor(model: SyntheticModel) -> Callable[[int], object] | None:
     return lambda i: scratch.add_(1.0)
 
 
-def check_workload(
-    workload: Workload, *, form: str = "expanded", budget_bytes: int = CHECK_BUDGET_BYTES
-) -> Workload:
-    """The workload the gate runs for ``workload``: the same one when it fits ``budget_bytes``.
-
-    Otherwise the batch is reduced first, then the number of KV heads (keeping the query heads per KV
-    head, and at least two KV heads so a wrong head mapping still shows) — never the context, where
-    long-context bugs live.
-    """
-    g = workload.geometry(form)
-    itemsize = workload.dtype.itemsize
-
-    def estimate(batch: int, kv_heads: int) -> int:
-        values = g.qk_head_dim if form == "latent" else kv_heads * (g.qk_head_dim + g.v_head_dim)
-        tokens = (workload.context + 64) * batch
-        # 2 layers of cache + 2 of float32 history while planting, 2 in the dtype, float64 of one head
-        per_token = values * (2 * itemsize + 2 * 4 + 2 * itemsize) + 3 * 8 * (g.qk_head_dim + g.v_head_dim)
-        return per_token * tokens
-
-    batch, heads = workload.batch, workload.shape.num_kv_heads
-    while batch > 1 and estimate(batch, heads) > budget_bytes:
-        batch = max(1, batch // 2)
-    while form != "latent" and heads > 2 and estimate(batch, heads) > budget_bytes:
-        heads = max(2, heads // 2)
-    if (batch, heads) == (workload.batch, workload.shape.num_kv_heads):
-        return workload
-    shape = workload.shape
-    if heads != shape.num_kv_heads:
-        group = shape.num_heads // shape.num_kv_heads
-        shape = dataclasses.replace(shape, num_kv_heads=heads, num_heads=heads * group)
-    return Workload(shape, workload.context_lens[:batch], workload.dtype, workload.device)
-
-
-class Implausible(RuntimeError):
-    """A timed step read its KV cache faster than the device can: a measurement bug, never a winner."""
-
-
-def plausibility(
-    *,
-    kv_bytes: int,
-    seconds: float,
-    profile: DeviceProfile | None,
-    flops: float = 0.0,
-    peak_flops: float | None = None,
-    margin: float = PLAUSIBLE_MARGIN,
-) -> str:
-    """Why a step of ``kv_bytes`` (and ``flops``) in ``seconds`` is implausible ('' if it is not).
-
-    The bounds are the read bandwidth measured at the same thread count (it is part of the device
-    fingerprint) and, when given, the measured matmul peak, each times ``margin`` for what their own
-    measurement may miss.
-    """
-    if seconds <= 0:
-        return ""
-    why = []
-    if (
-        profile is not None
-        and profile.read_bandwidth
-        and kv_bytes / seconds > margin * profile.read_bandwidth
-    ):
-        why.append(
-            f"{kv_bytes / 1e6:.1f} MB of KV cache in {seconds * 1e3:.3g} ms is {kv_bytes / seconds / 1e9:.1f} GB/s, "
-            f"over {margin:g} × the measured read bandwidth {profile.read_bandwidth / 1e9:.1f} GB/s"
-        )
-    if peak_flops and flops / seconds > margin * peak_flops:
-        why.append(
-            f"{flops / 1e9:.3g} GFLOP in {seconds * 1e3:.3g} ms is {flops / seconds / 1e9:.1f} GFLOP/s, "
-            f"over {margin:g} × the measured matmul peak {peak_flops / 1e9:.1f} GFLOP/s"
-        )
-    return "implausible: " + "; ".join(why) if why else ""
-
-
 def measure_decode(
     backend: Backend,
     workload: Workload,
@@ -294,50 +213,16 @@ def measure_decode(
     if resolution is None or not resolution.matches(workload, config):
         resolution = backend.resolve(workload, config)
     cfg = dict(resolution.require().config)
-    mode = timing_mode(timing, workload.device)
-    on_cuda = torch.device(workload.device).type == "cuda"
     layers = num_layers or workload.shape.num_layers
-    base = {
-        "backend": backend.name,
-        "config": cfg,
-        "implementation": resolution.implementation,
-        "workload": workload.describe(),
-        "num_layers": layers,
-        "dtype": workload.dtype_name,
-        "batch": workload.batch,
-        "context": workload.context,
-    }
-    result: CheckResult | None = None
-    gate_s = 0.0
+    base = _identity(backend, workload, resolution, layers)
+    multiple = error_multiple_for(backend, workload.dtype, cfg, error_multiple)
+    result, gate_s = None, 0.0
     if check:
-        checked = check_workload(workload, form=backend.kv_form, budget_bytes=check_budget_bytes)
-        multiple = _multiple(backend, workload.dtype, cfg, error_multiple)
-        gate_start = time.perf_counter()
-        result = gate_check(
-            backend, checked, config=cfg, num_layers=2, multiple=multiple, resolution=resolution
+        result, gate_s = _gate_first(
+            backend, workload, resolution, multiple, budget=check_budget_bytes, accuracy=accuracy_budget
         )
-        gc.collect()
-        gate_s = time.perf_counter() - gate_start
-        lossy = resolution.lossy
-        if accuracy_budget is not None and lossy and not result.error.rel_l2 <= accuracy_budget:
-            over = f"lossy ({lossy}): rel_l2 {result.error.rel_l2:.3g} against exact attention > the accuracy budget {accuracy_budget:g}"
-            result = dataclasses.replace(result, failures=[*result.failures, over])
-        if not result.passed:
-            raise CheckFailed(result)
-    if resolution.interpreted:
-        return DecodeMeasurement(
-            **base,
-            step=None,
-            kv_bytes=workload.kv_bytes_per_step(backend.kv_form),
-            gbps=math.nan,
-            pct_of_bandwidth=None,
-            check=result,
-            layers_materialised=0,
-            timed=False,
-            note="interpreted kernels: checked for correctness, never timed",
-            gate_s=gate_s,
-        )
-
+    if resolution.interpreted:  # checked, never timed
+        return _untimed(base, workload.kv_bytes_per_step(backend.kv_form), check=result, gate_s=gate_s)
     model = SyntheticModel(
         backend,
         workload,
@@ -346,95 +231,207 @@ def measure_decode(
         materialise_bytes=materialise_bytes,
         resolution=resolution,
     )
+    run = _timed_run(
+        model,
+        mode=timing_mode(timing, workload.device),
+        warmup=warmup,
+        repeats=repeats,
+        max_seconds=max_seconds,
+        multiple=multiple if check else None,
+    )
+    flops = decode_cost(workload, form=backend.kv_form, num_layers=layers).flops if peak_flops else 0.0
+    return run.measurement(
+        base, check=result, gate_s=gate_s, profile=profile, flops=flops, peak_flops=peak_flops
+    )
+
+
+def _untimed(
+    base: dict[str, Any], kv_bytes: int, *, check: CheckResult | None, gate_s: float
+) -> DecodeMeasurement:
+    """The measurement of a backend whose kernels would run in an interpreter: checked, never timed."""
+    return DecodeMeasurement(
+        **base,
+        step=None,
+        kv_bytes=kv_bytes,
+        gbps=math.nan,
+        pct_of_bandwidth=None,
+        check=check,
+        layers_materialised=0,
+        timed=False,
+        note="interpreted kernels: checked for correctness, never timed",
+        gate_s=gate_s,
+    )
+
+
+def _identity(backend: Backend, workload: Workload, resolution: Resolution, layers: int) -> dict[str, Any]:
+    """The fields that say what a :class:`DecodeMeasurement` measured."""
+    return {
+        "backend": backend.name,
+        "config": dict(resolution.config),
+        "implementation": resolution.implementation,
+        "workload": workload.describe(),
+        "num_layers": layers,
+        "dtype": workload.dtype_name,
+        "batch": workload.batch,
+        "context": workload.context,
+    }
+
+
+def _gate_first(
+    backend: Backend,
+    workload: Workload,
+    resolution: Resolution,
+    multiple: float,
+    *,
+    budget: int,
+    accuracy: float | None,
+) -> tuple[CheckResult, float]:
+    """The correctness gate before anything is timed (step 2 of the module doc): its result and the
+    seconds it took; raises :class:`CheckFailed` when it fails (a lossy cache also against
+    ``accuracy``, the largest rel_l2 against exact attention accepted)."""
+    checked = check_workload(workload, form=backend.kv_form, budget_bytes=budget)
+    cfg = dict(resolution.config)
+    start = time.perf_counter()
+    result = gate_check(backend, checked, config=cfg, num_layers=2, multiple=multiple, resolution=resolution)
+    gc.collect()
+    seconds = time.perf_counter() - start
+    lossy = resolution.lossy
+    if accuracy is not None and lossy and not result.error.rel_l2 <= accuracy:
+        over = f"lossy ({lossy}): rel_l2 {result.error.rel_l2:.3g} against exact attention > the accuracy budget {accuracy:g}"
+        result = dataclasses.replace(result, failures=[*result.failures, over])
+    if not result.passed:
+        raise CheckFailed(result)
+    return result, seconds
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What :func:`_timed_run` measured: the objective's timing and both runs, the mean KV bytes a
+    timed step read, the check of one timed step and how long it took."""
+
+    step: Timing
+    eager: Timing
+    graph: Timing | None
+    mode: str
+    note: str
+    kv_bytes: int
+    materialised: int
+    llc_flushed: bool
+    check: CheckResult | None
+    check_s: float
+
+    def measurement(
+        self,
+        base: dict[str, Any],
+        *,
+        check: CheckResult | None,
+        gate_s: float,
+        profile: DeviceProfile | None,
+        flops: float,
+        peak_flops: float | None,
+    ) -> DecodeMeasurement:
+        """The run as a :class:`DecodeMeasurement` (``base``: what identifies it; ``check``/``gate_s``:
+        the gate's result and time before the run). Raises :class:`CheckFailed` when the timed step's
+        check failed and :class:`Implausible` when the time is faster than the device allows."""
+        if self.check is not None and not self.check.passed:
+            raise CheckFailed(self.check)
+        why = plausibility(
+            kv_bytes=self.kv_bytes,
+            seconds=self.step.median_s,
+            profile=profile,
+            flops=flops,
+            peak_flops=peak_flops,
+        )
+        if why:
+            raise Implausible(f"backend {base['backend']!r} {base['config']} on {base['workload']}: {why}")
+        bytes_per_s = self.kv_bytes / self.step.median_s
+        return DecodeMeasurement(
+            **base,
+            step=self.step,
+            kv_bytes=self.kv_bytes,
+            gbps=bytes_per_s / 1e9,
+            pct_of_bandwidth=100 * bytes_per_s / profile.bandwidth if profile else None,
+            check=check,
+            layers_materialised=self.materialised,
+            llc_flushed=self.llc_flushed,
+            timed_check=self.check,
+            gate_s=gate_s + self.check_s,
+            timing=self.mode,
+            eager_step=self.eager,
+            graph_step=self.graph,
+            note=self.note,
+        )
+
+
+def _timed_run(
+    model: SyntheticModel,
+    *,
+    mode: str,
+    warmup: int,
+    repeats: int,
+    max_seconds: float | None,
+    multiple: float | None,
+) -> _Run:
+    """Steps 4-5 of the module doc: fill, time the steps eagerly (and as a graph on CUDA), check one
+    timed step at random (``multiple=None``: unchecked); the model is released on every path."""
+    device = model.workload.device
+    on_cuda = torch.device(device).type == "cuda"
     spot = random.Random(os.urandom(8))
-    model.record_layer = spot.randrange(layers) if check else None
+    model.record_layer = spot.randrange(model.num_layers) if multiple is not None else None
+    graph, note = None, ""
     try:
         model.fill(extra_tokens=(2 if on_cuda else 1) * (max(warmup, 1) + repeats) + 1)
-        start_bytes = model.kv_bytes_per_step()
-        growth = model.kv_bytes_per_step_growth()
+        start_bytes, growth = model.kv_bytes_per_step(), model.kv_bytes_per_step_growth()
         evict = _llc_evictor(model)
-        timed_with_flush = evict is not None
-        timing = measure(
-            lambda i: model.decode_step(),
-            device=workload.device,
-            warmup=warmup,
-            repeats=repeats,
-            rotate=1,
-            max_seconds=max_seconds,
-            before=evict,
-        )
-        materialised = model.layers_materialised
-        check_start = time.perf_counter()
-        timed_check = (
-            _check_timed_step(
-                backend,
-                model,
-                cfg,
-                first=timing.warmup,
-                rng=spot,
-                multiple=_multiple(backend, workload.dtype, cfg, error_multiple),
-            )
-            if check
-            else None
-        )
-        gate_s += time.perf_counter() - check_start
-        eager_timing, graph_timing, graph_note = timing, None, ""
-        if on_cuda and getattr(model.cache, "capturable", False):
-            graphed = GraphedDecodeStep(model)
-            graph_timing = measure(
-                graphed,
-                device=workload.device,
+        flushed = evict is not None
+
+        def timed(step: Callable[[int], object], rotate: int = 1) -> Timing:
+            return measure(
+                step,
+                device=device,
                 warmup=warmup,
                 repeats=repeats,
+                rotate=rotate,
                 max_seconds=max_seconds,
                 before=evict,
             )
+
+        eager = timed(lambda i: model.decode_step(), rotate=1)
+        materialised = model.layers_materialised
+        check_start = time.perf_counter()
+        checked = None
+        if multiple is not None:
+            checked = _check_timed_step(
+                model.backend, model, dict(model.config), first=eager.warmup, rng=spot, multiple=multiple
+            )
+        check_s = time.perf_counter() - check_start
+        if on_cuda and getattr(model.cache, "capturable", False):
+            graph = timed(GraphedDecodeStep(model))
         elif mode == "graph":
-            graph_note = "not capturable: timed eagerly (as an engine would run it)"
+            note = "not capturable: timed eagerly (as an engine would run it)"
     finally:
         model.release()
         evict = None
         gc.collect()
     # step j of the run reads start_bytes + j · growth; the timed ones follow the warm-up (and the
     # graph run follows the eager one)
-    if mode == "graph" and graph_timing is not None:
-        timing, before_steps = graph_timing, eager_timing.warmup + eager_timing.repeats
+    if mode == "graph" and graph is not None:
+        step, before_steps = graph, eager.warmup + eager.repeats
     else:
-        timing, before_steps = eager_timing, 0
-    kv_bytes = int(start_bytes + (before_steps + timing.warmup + (timing.repeats - 1) / 2) * growth)
-    if timed_check is not None and not timed_check.passed:
-        raise CheckFailed(timed_check)
-    flops = decode_cost(workload, form=backend.kv_form, num_layers=layers).flops if peak_flops else 0.0
-    why = plausibility(
-        kv_bytes=kv_bytes, seconds=timing.median_s, profile=profile, flops=flops, peak_flops=peak_flops
-    )
-    if why:
-        raise Implausible(f"backend {backend.name!r} {cfg} on {workload.describe()}: {why}")
-    bytes_per_s = kv_bytes / timing.median_s
-    return DecodeMeasurement(
-        **base,
-        step=timing,
+        step, before_steps = eager, 0
+    kv_bytes = int(start_bytes + (before_steps + step.warmup + (step.repeats - 1) / 2) * growth)
+    return _Run(
+        step=step,
+        eager=eager,
+        graph=graph,
+        mode=mode if graph is not None or mode == "eager" else "eager",
+        note=note,
         kv_bytes=kv_bytes,
-        gbps=bytes_per_s / 1e9,
-        pct_of_bandwidth=100 * bytes_per_s / profile.bandwidth if profile else None,
-        check=result,
-        layers_materialised=materialised,
-        llc_flushed=timed_with_flush,
-        timed_check=timed_check,
-        gate_s=gate_s,
-        timing=mode if graph_timing is not None or mode == "eager" else "eager",
-        eager_step=eager_timing,
-        graph_step=graph_timing,
-        note=graph_note,
+        materialised=materialised,
+        llc_flushed=flushed,
+        check=checked,
+        check_s=check_s,
     )
-
-
-def _multiple(backend: Backend, dtype: Any, config: dict[str, Any], default: float | None) -> float:
-    """The backend's declared multiple where it declares one beyond the default, else ``default``."""
-    own = backend.error_multiple(dtype, config=config)
-    if default is None or own != DEFAULT_ERROR_MULTIPLE:
-        return own
-    return default
 
 
 def _check_timed_step(

@@ -1,0 +1,123 @@
+"""What guards a timed run: the gate's workload within a memory budget, the plausibility bound of a
+measured step, and the errors that stop a measurement (a failed check, an implausible time).
+
+:func:`attnbench.measure.bench.measure_decode` uses all of them; the tuner's interleaved re-timing
+applies :func:`plausibility` to each finalist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from attnbench.core.backend import DEFAULT_ERROR_MULTIPLE, Backend
+from attnbench.core.device import DeviceProfile
+from attnbench.core.workload import Workload
+from attnbench.correctness.gate import CheckResult
+
+__all__ = [
+    "CHECK_BUDGET_BYTES",
+    "PLAUSIBLE_MARGIN",
+    "CheckFailed",
+    "Implausible",
+    "check_workload",
+    "error_multiple_for",
+    "plausibility",
+]
+
+#: Host memory the gate may use by default (it holds the cache, the history and a float64 copy).
+CHECK_BUDGET_BYTES = 3 * 2**30
+
+#: A step whose KV bytes / time exceeds this multiple of the measured read bandwidth is refused.
+PLAUSIBLE_MARGIN = 1.5
+
+
+class CheckFailed(RuntimeError):
+    """The backend's output broke its declared tolerance; ``check`` holds the numbers."""
+
+    def __init__(self, check: CheckResult) -> None:
+        self.check = check
+        super().__init__(
+            f"backend {check.backend!r} {check.config} failed the correctness gate on {check.workload}: "
+            f"{'; '.join(check.failures)}"
+        )
+
+
+def check_workload(
+    workload: Workload, *, form: str = "expanded", budget_bytes: int = CHECK_BUDGET_BYTES
+) -> Workload:
+    """The workload the gate runs for ``workload``: the same one when it fits ``budget_bytes``.
+
+    Otherwise the batch is reduced first, then the number of KV heads (keeping the query heads per KV
+    head, and at least two KV heads so a wrong head mapping still shows) — never the context, where
+    long-context bugs live.
+    """
+    g = workload.geometry(form)
+    itemsize = workload.dtype.itemsize
+
+    def estimate(batch: int, kv_heads: int) -> int:
+        values = g.qk_head_dim if form == "latent" else kv_heads * (g.qk_head_dim + g.v_head_dim)
+        tokens = (workload.context + 64) * batch
+        # 2 layers of cache + 2 of float32 history while planting, 2 in the dtype, float64 of one head
+        per_token = values * (2 * itemsize + 2 * 4 + 2 * itemsize) + 3 * 8 * (g.qk_head_dim + g.v_head_dim)
+        return per_token * tokens
+
+    batch, heads = workload.batch, workload.shape.num_kv_heads
+    while batch > 1 and estimate(batch, heads) > budget_bytes:
+        batch = max(1, batch // 2)
+    while form != "latent" and heads > 2 and estimate(batch, heads) > budget_bytes:
+        heads = max(2, heads // 2)
+    if (batch, heads) == (workload.batch, workload.shape.num_kv_heads):
+        return workload
+    shape = workload.shape
+    if heads != shape.num_kv_heads:
+        group = shape.num_heads // shape.num_kv_heads
+        shape = dataclasses.replace(shape, num_kv_heads=heads, num_heads=heads * group)
+    return Workload(shape, workload.context_lens[:batch], workload.dtype, workload.device)
+
+
+class Implausible(RuntimeError):
+    """A timed step read its KV cache faster than the device can: a measurement bug, never a winner."""
+
+
+def plausibility(
+    *,
+    kv_bytes: int,
+    seconds: float,
+    profile: DeviceProfile | None,
+    flops: float = 0.0,
+    peak_flops: float | None = None,
+    margin: float = PLAUSIBLE_MARGIN,
+) -> str:
+    """Why a step of ``kv_bytes`` (and ``flops``) in ``seconds`` is implausible ('' if it is not).
+
+    The bounds are the read bandwidth measured at the same thread count (it is part of the device
+    fingerprint) and, when given, the measured matmul peak, each times ``margin`` for what their own
+    measurement may miss.
+    """
+    if seconds <= 0:
+        return ""
+    why = []
+    if (
+        profile is not None
+        and profile.read_bandwidth
+        and kv_bytes / seconds > margin * profile.read_bandwidth
+    ):
+        why.append(
+            f"{kv_bytes / 1e6:.1f} MB of KV cache in {seconds * 1e3:.3g} ms is {kv_bytes / seconds / 1e9:.1f} GB/s, "
+            f"over {margin:g} × the measured read bandwidth {profile.read_bandwidth / 1e9:.1f} GB/s"
+        )
+    if peak_flops and flops / seconds > margin * peak_flops:
+        why.append(
+            f"{flops / 1e9:.3g} GFLOP in {seconds * 1e3:.3g} ms is {flops / seconds / 1e9:.1f} GFLOP/s, "
+            f"over {margin:g} × the measured matmul peak {peak_flops / 1e9:.1f} GFLOP/s"
+        )
+    return "implausible: " + "; ".join(why) if why else ""
+
+
+def error_multiple_for(backend: Backend, dtype: Any, config: dict[str, Any], default: float | None) -> float:
+    """The backend's declared multiple where it declares one beyond the default, else ``default``."""
+    own = backend.error_multiple(dtype, config=config)
+    if default is None or own != DEFAULT_ERROR_MULTIPLE:
+        return own
+    return default
