@@ -38,6 +38,7 @@ from attnbench.cost.fit import (
 from attnbench.selection.select import backend_for
 from attnbench.selection.tuned import TunedIndex
 from attnbench.tuning import ResultsTable, summarize
+from attnbench.tuning.dispatch import map_key
 
 # -- bytes and FLOPs by hand --------------------------------------------------------------------------
 
@@ -226,9 +227,12 @@ def test_select_uses_the_calibration_only_outside_the_tuned_region(tmp_path) -> 
     assert "calibrated model:" in text and "naive: calibrated model predicts" in text
     table = ResultsTable.load(path)
     index = TunedIndex.build(table, {})
-    inside, other = (Workload.uniform(m, batch=2, context=1000) for m in ("tiny-gqa", "tiny-mla"))
-    assert index.beyond(inside, inside.shape.fingerprint()) == ""
-    assert "no tuned entry" in index.beyond(other, other.shape.fingerprint())
+    why = {}
+    for model in ("tiny-gqa", "tiny-mla"):
+        w = Workload.uniform(model, batch=2, context=1000)
+        key = map_key(model, w.shape.fingerprint(), w.dtype_name)
+        why[model] = index.beyond_at(key, model, w.dtype_name, w.batch, w.context)
+    assert why["tiny-gqa"] == "" and "no tuned entry" in why["tiny-mla"]
 
 
 def test_calibrate_fits_from_a_bench_json(tmp_path, capsys) -> None:

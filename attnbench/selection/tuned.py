@@ -87,14 +87,8 @@ class TunedIndex:
         return index
 
     # -- where the tuned region ends ---------------------------------------------------------------
-    def beyond(self, workload: Workload, shape_hash: str) -> str:
-        """Why ``workload`` lies outside the tuned region of its model and dtype ('' inside): its
-        batch or context bucket outside the tuned buckets (or the map's grid lines)."""
-        key = map_key(workload.shape.name, shape_hash, workload.dtype_name)
-        return self.beyond_at(key, workload.shape.name, workload.dtype_name, workload.batch, workload.context)
-
     def outside(self, key: str, batch: int, context: int, *, buckets: tuple[int, int] | None = None) -> bool:
-        """Whether (batch, context) lies outside the tuned region of map key ``key`` (see :meth:`beyond`);
+        """Whether (batch, context) lies outside the tuned region of map key ``key`` (see :meth:`beyond_at`);
         ``buckets``: their buckets, when the caller has them."""
         region = self.region.get(key)
         if region is None:
@@ -105,7 +99,9 @@ class TunedIndex:
         return not (b0 <= batch <= b1 and c0 <= context <= c1)
 
     def beyond_at(self, key: str, model: str, dtype: str, batch: int, context: int) -> str:
-        """:meth:`beyond` for map key ``key`` (of ``model`` and ``dtype``) at (batch, context)."""
+        """Why (batch, context) lies outside the tuned region of map key ``key`` (of ``model`` and
+        ``dtype``; '' inside): its batch or context bucket outside the tuned buckets (or the map's grid
+        lines)."""
         region = self.region.get(key)
         if region is None:
             return f"no tuned entry for {model} {dtype}"
@@ -123,9 +119,6 @@ class TunedIndex:
         return "; ".join(out)
 
     # -- the dispatch map --------------------------------------------------------------------------
-    def map_for(self, workload: Workload, shape_hash: str) -> DispatchMap | None:
-        return self.maps.get(map_key(workload.shape.name, shape_hash, workload.dtype_name))
-
     @staticmethod
     def refusals(m: DispatchMap, refused: Mapping[str, str]) -> tuple[Rejected, ...]:
         """The candidates of ``m`` that may not be chosen here, with why (``refused``: label → why)."""
