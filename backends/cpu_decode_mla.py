@@ -40,9 +40,9 @@ from attnbench.backends.cpu_decode import _DTYPE_CODES, _ISA_CODES, MAX_SPLITS, 
 from attnbench.backends.mla import LatentCache
 from attnbench.core.backend import (
     DEFAULT_TOLERANCES,
+    Backend,
     KVCache,
     Resolution,
-    ResolvingBackend,
     StepPlan,
     Tolerance,
     Tunable,
@@ -69,7 +69,7 @@ class CpuDecodeMLACache(LatentCache):
     seq_lens32: torch.Tensor
 
 
-class CpuDecodeMLABackend(ResolvingBackend):
+class CpuDecodeMLABackend(Backend):
     name = "cpu_decode_mla"
     description = (
         "MLA latent decode in attnbench's CPU kernel (C: AMX tiles for bf16 / scalar), all heads per row read"

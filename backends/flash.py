@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from attnbench.core.backend import KVCache, Resolution, ResolvingBackend, StepPlan, Tunable, base_plan
+from attnbench.core.backend import Backend, KVCache, Resolution, StepPlan, Tunable, base_plan
 from attnbench.core.kvcache import ContiguousKVCache
 from attnbench.core.workload import Workload
 
@@ -84,7 +84,7 @@ class FlashPlan(StepPlan):
     keep: torch.Tensor | None = None  # [B, 1, 1, S] bool (SDPA, ragged batch)
 
 
-class FlashBackend(ResolvingBackend):
+class FlashBackend(Backend):
     name = "flash"
     description = "FlashAttention: flash-attn on CUDA, else torch SDPA's flash kernel"
     tunables = (Tunable("num_splits", (0, 1, 2, 4, 8, 16), 0, "flash-attn split-KV count; 0 = heuristic"),)

@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.core.backend import KVCache, Resolution, ResolvingBackend, StepPlan, Tolerance, Tunable
+from attnbench.core.backend import Backend, KVCache, Resolution, StepPlan, Tolerance, Tunable
 from attnbench.core.workload import Workload
 from attnbench.kernels.fp8_cache import (
     FP16_BIAS,
@@ -93,7 +93,7 @@ class FP8TorchPlan(PagedStepPlan):
     v16: torch.Tensor | None = field(default=None, metadata={"scratch": True})
 
 
-class FP8Backend(ResolvingBackend):
+class FP8Backend(Backend):
     name = "fp8"
     description = "fp8 (e4m3) paged KV cache with per-token scales; Triton on CUDA, torch on CPU"
     lossy = "fp8 e4m3 K/V"

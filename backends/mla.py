@@ -38,9 +38,9 @@ import torch
 
 from attnbench.core.backend import (
     DEFAULT_TOLERANCES,
+    Backend,
     KVCache,
     Resolution,
-    ResolvingBackend,
     StepPlan,
     Tolerance,
     Tunable,
@@ -107,7 +107,7 @@ class LatentCache(PagedKVCache):
     columns: torch.Tensor  # torch path: arange(max_seq_len)
 
 
-class MLABackend(ResolvingBackend):
+class MLABackend(Backend):
     name = "mla"
     description = "MLA absorbed decode over a paged latent cache (Triton split-KV on CUDA, torch elsewhere)"
     kv_form = "latent"

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.core.backend import KVCache, Resolution, ResolvingBackend, StepPlan, Tunable
+from attnbench.core.backend import Backend, KVCache, Resolution, StepPlan, Tunable
 from attnbench.core.workload import Workload
 from attnbench.kernels.paged import PagedKVCache
 from attnbench.kernels.split_kv import SplitKVPlan, attach_split_kv, decode_split_kv, plan_split_kv
@@ -61,7 +61,7 @@ AOT_GEOMETRIES: tuple[tuple[torch.dtype, int, int, int], ...] = (
 )
 
 
-class TritonPagedBackend(ResolvingBackend):
+class TritonPagedBackend(Backend):
     name = "triton_paged"
     description = "Triton paged-KV decode: GQA-grouped tiles, online softmax, split-KV with a merge"
     tunables = (

@@ -78,3 +78,44 @@ def test_env_switches(monkeypatch, tmp_path) -> None:
     reg = load_registry(env={"ATTNBENCH_PLUGINS": "ab_other"})
     assert "other_plugin" in reg and "good_plugin" not in reg and reg.skipped == ["ab_good"]
     assert {"good_plugin", "other_plugin"} <= set(load_registry(env={}).names())
+
+
+def test_one_protocol_style_hooks_read_from_an_overridden_resolve() -> None:
+    """A backend that answers in ``resolve()`` gets hooks that read from it; one that later overrides a
+    hook without ``resolve()`` is refused at class creation (its hook would disagree with resolve)."""
+    import warnings
+
+    import pytest
+
+    from attnbench.core.backend import Backend
+    from attnbench.core.workload import Workload
+
+    class OnePass(Backend):
+        name = "one_pass"
+
+        def resolve(self, workload, config=None):
+            return self.resolution(workload, config, reasons=["only on Tuesdays"], implementation="x")
+
+        def create_cache(self, *a, **k):  # pragma: no cover - never run
+            raise NotImplementedError
+
+        def plan(self, *a, **k):  # pragma: no cover
+            raise NotImplementedError
+
+        def decode(self, *a, **k):  # pragma: no cover
+            raise NotImplementedError
+
+    w = Workload.uniform("tiny-gqa", batch=1, context=16)
+    b = OnePass()
+    assert b.supports(w) == ["only on Tuesdays"]
+    assert b.implementation(w) == "unavailable: only on Tuesdays" and b.tunables_for(w) == ()
+    with pytest.raises(TypeError, match="override resolve"):
+
+        class Disagrees(OnePass):
+            def supports(self, workload):
+                return []
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from attnbench.core.backend import ResolvingBackend
+    assert ResolvingBackend is Backend and any(issubclass(c.category, DeprecationWarning) for c in caught)

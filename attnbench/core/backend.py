@@ -46,7 +46,6 @@ __all__ = [
     "ConfigError",
     "KVCache",
     "Resolution",
-    "ResolvingBackend",
     "StepPlan",
     "Tolerance",
     "Tunable",
@@ -178,6 +177,10 @@ class KVCache:
         return 0
 
 
+#: The plugin contract's four hooks, which the default :meth:`Backend.resolve` combines.
+_HOOKS = ("supports", "implementation", "interpreted", "tunables_for")
+
+
 class Backend(ABC):
     """An attention backend. Subclass it, declare the class attributes, implement the methods.
 
@@ -206,14 +209,29 @@ class Backend(ABC):
     #: what one attention call of the default :meth:`prefill` may allocate (a chunk's mask or scores)
     prefill_budget_bytes: ClassVar[int] = PREFILL_BUDGET_BYTES
 
+    #: set on a class that overrides :meth:`resolve` and none of the four hooks: they read from it
+    _answers_in_resolve: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        hooks = [h for h in _HOOKS if h in vars(cls)]
+        if "resolve" in vars(cls) and not hooks:
+            _hooks_from_resolve(cls)
+        elif hooks and cls._answers_in_resolve and "resolve" not in vars(cls):
+            raise TypeError(
+                f"{cls.__qualname__} overrides {', '.join(hooks)} of a backend that answers in resolve(): "
+                "override resolve() instead (the hooks read from it)"
+            )
+
     # -- what it can do --------------------------------------------------------------------------
     def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution:
         """Everything about running ``workload`` with ``config``, in one object (see :class:`Resolution`).
 
         Callers ask once per (workload, config) and pass the answer on. This default combines the
         four hooks below (:meth:`supports`, :meth:`implementation`, :meth:`interpreted`,
-        :meth:`tunables_for`) and :meth:`kv_bytes_per_token`, so a plugin may implement just those; a
-        backend that works its answers out in one pass subclasses :class:`ResolvingBackend` instead.
+        :meth:`tunables_for`) and :meth:`kv_bytes_per_token`, so a plugin may implement just those. A
+        backend that works its answers out in one pass overrides this instead, building the answer
+        with :meth:`resolution`; the four hooks then read from it, so they can never disagree with it.
         A bad config raises :class:`ConfigError`.
         """
         cfg = self.resolve_config(config)
@@ -227,6 +245,32 @@ class Backend(ABC):
             implementation=self.implementation(workload) if runnable else _unavailable(reasons),
             interpreted=bool(self.interpreted(workload)) if runnable else False,
             tunables=tuple(self.tunables_for(workload)) if runnable else (),
+            kv_bytes_per_token=self.kv_bytes_per_token(workload, config=cfg),
+            lossy=self.lossy,
+            kv_form=self.kv_form,
+        )
+
+    def resolution(
+        self,
+        workload: Workload,
+        config: Mapping[str, Any] | None,
+        *,
+        reasons: Sequence[str] = (),
+        implementation: str,
+        interpreted: bool = False,
+        tunables: Sequence[Tunable] = (),
+    ) -> Resolution:
+        """A :class:`Resolution` for an overridden :meth:`resolve`: fills in the name, the config, KV
+        bytes and lossiness; a refused one gets no tunables and says why."""
+        cfg = self.resolve_config(config)
+        return Resolution(
+            backend=self.name,
+            workload=workload,
+            config=cfg,
+            reasons=tuple(reasons),
+            implementation=_unavailable(reasons) if reasons else implementation,
+            interpreted=interpreted and not reasons,
+            tunables=() if reasons else tuple(tunables),
             kv_bytes_per_token=self.kv_bytes_per_token(workload, config=cfg),
             lossy=self.lossy,
             kv_form=self.kv_form,
@@ -370,61 +414,37 @@ class Backend(ABC):
         return out
 
 
-class ResolvingBackend(Backend):
-    """A backend that works out its :class:`Resolution` in one pass (override :meth:`resolve`).
+def _hooks_from_resolve(cls: type[Backend]) -> None:
+    """Make the four hooks of a backend that answers in :meth:`Backend.resolve` read from it."""
 
-    The four hooks of the plugin contract then answer from it, so they can never disagree with it.
-    Build the answer with :meth:`resolution`, which fills in the name, the config, KV bytes and lossiness.
-    """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        hooks = [h for h in ("supports", "implementation", "interpreted", "tunables_for") if h in vars(cls)]
-        if hooks and "resolve" not in vars(cls):
-            raise TypeError(
-                f"{cls.__qualname__} overrides {', '.join(hooks)} of a backend that answers in resolve(): "
-                "override resolve() instead (the hooks read from it)"
-            )
-
-    @abstractmethod
-    def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution: ...
-
-    def resolution(
-        self,
-        workload: Workload,
-        config: Mapping[str, Any] | None,
-        *,
-        reasons: Sequence[str] = (),
-        implementation: str,
-        interpreted: bool = False,
-        tunables: Sequence[Tunable] = (),
-    ) -> Resolution:
-        """A :class:`Resolution` for ``workload``; a refused one gets no tunables and says why."""
-        cfg = self.resolve_config(config)
-        return Resolution(
-            backend=self.name,
-            workload=workload,
-            config=cfg,
-            reasons=tuple(reasons),
-            implementation=_unavailable(reasons) if reasons else implementation,
-            interpreted=interpreted and not reasons,
-            tunables=() if reasons else tuple(tunables),
-            kv_bytes_per_token=self.kv_bytes_per_token(workload, config=cfg),
-            lossy=self.lossy,
-            kv_form=self.kv_form,
-        )
-
-    def supports(self, workload: Workload) -> list[str]:
+    def supports(self: Backend, workload: Workload) -> list[str]:
         return list(self.resolve(workload).reasons)
 
-    def implementation(self, workload: Workload) -> str:
+    def implementation(self: Backend, workload: Workload) -> str:
         return self.resolve(workload).implementation
 
-    def interpreted(self, workload: Workload) -> bool:
+    def interpreted(self: Backend, workload: Workload) -> bool:
         return self.resolve(workload).interpreted
 
-    def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
+    def tunables_for(self: Backend, workload: Workload) -> tuple[Tunable, ...]:
         return self.resolve(workload).tunables
+
+    for hook in (supports, implementation, interpreted, tunables_for):
+        setattr(cls, hook.__name__, hook)
+    cls._answers_in_resolve = True
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ResolvingBackend":  # one protocol style since 0.1: a Backend that overrides resolve()
+        import warnings
+
+        warnings.warn(
+            "ResolvingBackend is Backend now: subclass Backend and override resolve()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _unavailable(reasons: Sequence[str]) -> str:
