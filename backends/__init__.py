@@ -2,7 +2,7 @@
 
 One file per backend. To add one: write ``backends/<name>.py`` with a :class:`attnbench.Backend`
 subclass, add its one line to :data:`BUILTIN` below, and give it a conformance test file
-(``tests/test_<name>.py`` with a ``BackendConformance`` subclass); docs/writing-a-backend.md.
+(``tests/backends/test_<name>.py`` with a ``BackendConformance`` subclass); docs/writing-a-backend.md.
 """
 
 from __future__ import annotations

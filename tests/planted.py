@@ -3,7 +3,7 @@
 Every class here is :class:`Precise` — attention over a contiguous cache computed as the calibration
 reference computes it (scores, softmax and P·V in float32, one rounding of the output), which the gate
 passes at every dtype and context — with one bug planted. The gate must fail each of them in bf16,
-fp16 and fp32 at any context (``tests/test_gate_planted.py``; the table in docs/correctness.md)::
+fp16 and fp32 at any context (``tests/correctness/test_gate_planted.py``; the table in docs/correctness.md)::
 
     from planted import PLANTED
     check(PLANTED["newest-dropped"](), workload).passed   # False

@@ -21,6 +21,7 @@ from attnbench.tuning import WorkerTask
 
 W = Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp32")
 HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent  # tests/: the helper modules (fake_plugins) a subprocess imports too
 
 
 class GILHangBackend(NaiveBackend):
@@ -69,7 +70,7 @@ def test_a_worker_stuck_in_c_holding_the_gil_dies_with_its_killed_tuner(tmp_path
     script = textwrap.dedent(
         f"""
         import sys
-        sys.path.insert(0, {str(HERE)!r})
+        sys.path[:0] = [{str(HERE)!r}, {str(TESTS)!r}]
         from test_faults_worker import GILHangBackend, _task
         from attnbench.tuning import Worker
         with Worker() as w:
@@ -98,7 +99,7 @@ def test_fifty_megabytes_of_output_keep_the_tuner_small_and_the_tail_whole():
     script = textwrap.dedent(
         f"""
         import json, resource, sys
-        sys.path.insert(0, {str(HERE)!r})
+        sys.path[:0] = [{str(HERE)!r}, {str(TESTS)!r}]
         from test_faults_worker import LoudBackend, _task
         from attnbench.tuning import Worker
         with Worker() as w:

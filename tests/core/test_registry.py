@@ -1,4 +1,4 @@
-"""Registry behaviour at the unit level (entry points faked); tests/test_plugins.py installs real ones."""
+"""Registry behaviour at the unit level (entry points faked); tests/core/test_plugins.py installs real ones."""
 
 from __future__ import annotations
 

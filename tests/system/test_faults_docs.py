@@ -1,5 +1,6 @@
 """The faults table in docs/tuning.md names, for every fault, the test that plants it: each named
-test file and test must exist, and every tests/test_faults_*.py file must appear in the table."""
+test file (a path from the repository root) and test must exist, and every tests/**/test_faults_*.py
+file must appear in the table."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _faults_section() -> str:
@@ -23,8 +24,9 @@ def test_every_fault_in_the_docs_names_a_test_that_exists():
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 4 and cells[2], row  # fault, what happens, what is lost, test
-        for name, prefix in re.findall(r"`(test_\w+\.py)(?:::(\w+))?", cells[3]):
-            path = ROOT / "tests" / name
+        assert not re.search(r"`test_\w+\.py", cells[3]), f"name the test file by its path (tests/…): {row}"
+        for name, prefix in re.findall(r"`(tests/[\w/]*test_\w+\.py)(?:::(\w+))?", cells[3]):
+            path = ROOT / name
             assert path.exists(), f"{name} (named in docs/tuning.md) does not exist"
             if prefix:
                 tests = [
@@ -35,6 +37,7 @@ def test_every_fault_in_the_docs_names_a_test_that_exists():
 
 def test_every_fault_test_file_is_in_the_docs_table():
     section = _faults_section()
-    for path in sorted((ROOT / "tests").glob("test_faults_*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_faults_*.py")):
         if path.name != Path(__file__).name:
-            assert path.name in section, f"{path.name} is not in the faults table of docs/tuning.md"
+            name = path.relative_to(ROOT).as_posix()
+            assert f"`{name}" in section, f"{name} is not in the faults table of docs/tuning.md"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONTEXTS = ("2k", "4k", "8k")  # three keys, two candidates each
 ARGS = ["--model", "tiny-gqa", "--batch", "1", "--context", ",".join(CONTEXTS), "--dtype", "fp32"]
 BACKENDS = "naive,flash"

@@ -507,7 +507,7 @@ def test_the_docs_example_runs(tmp_path: Path, small_profile: None, monkeypatch:
 
     (tmp_path / "results").mkdir()  # an existing, empty results folder: select() answers untuned
     monkeypatch.setenv("ATTNBENCH_RESULTS_DIR", str(tmp_path / "results"))
-    text = (Path(__file__).parents[1] / "docs" / "real-models.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "real-models.md").read_text()
     example = text.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "example.py"
     script.write_text(example)

@@ -305,7 +305,7 @@ def test_tune_refuses_the_committed_reference_runs_unless_asked(tmp_path, capsys
 
     from attnbench.core.locations import REFERENCE_MARKER
 
-    repo_results = Path(__file__).resolve().parents[1] / "results"
+    repo_results = Path(__file__).resolve().parents[2] / "results"
     assert (repo_results / REFERENCE_MARKER).is_file()  # the repository's results/ is marked
     (tmp_path / REFERENCE_MARKER).write_text("reference runs\n")
     tiny = ["--model", "tiny-gqa", "--batch", "1", "--context", "64", "--dtype", "fp32"]
@@ -542,7 +542,7 @@ def test_the_latency_script_runs_from_another_directory_on_a_results_folder(tmp_
     folder.mkdir()
     elsewhere.mkdir()
     _planted_map(folder)
-    script = Path(__file__).resolve().parents[1] / "scripts" / "select_latency.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "select_latency.py"
     argv = [
         "--model",
         "tiny-gqa",

@@ -5,7 +5,7 @@ registered backend with the MLA latent cache (collected at import time, so backe
 automatically), plus a test-only naive attention over the latent form, the decoder must produce
 exactly transformers' ``generate(do_sample=False)`` tokens for 32 new tokens, with logits within the
 backend's declared tolerance. The other architectures (and DeepSeek's expanded form) run through
-transformers' own modules: ``tests/test_integration_transformers.py``.
+transformers' own modules: ``tests/integrations/test_integration_transformers.py``.
 """
 
 from __future__ import annotations

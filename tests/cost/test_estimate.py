@@ -275,7 +275,7 @@ def test_latency_model_docs_show_current_cli_output(monkeypatch: pytest.MonkeyPa
 
     from script_module import load_script
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     module = load_script("latency_model_docs")
     monkeypatch.chdir(root)
     monkeypatch.setenv("COLUMNS", "118")

@@ -29,7 +29,7 @@ from attnbench.core.registry import SUPPORTED_PLUGIN_API, Registry
 from attnbench.tuning.margin import Interval, decide
 from attnbench.tuning.summary import candidate_label
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLEX_SRC = ROOT / "plugins" / "attnbench-flex"
 XFORMERS_SRC = ROOT / "plugins" / "attnbench-xformers"
 GUIDE = ROOT / "docs" / "writing-a-backend.md"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "aot_before_after.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "aot_before_after.py"
 
 
 def test_a_bad_before_commit_is_named() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from script_module import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_section_is_what_its_heading_holds(tmp_path: Path) -> None:

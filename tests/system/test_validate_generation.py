@@ -13,7 +13,7 @@ from attnbench.cli import main
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "validate_generation.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "validate_generation.py"
 
 
 def _script():  # type: ignore[no-untyped-def]

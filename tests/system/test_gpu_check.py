@@ -12,7 +12,7 @@ import pytest
 import torch
 from script_module import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 
 
 def _load_script():
