@@ -202,9 +202,13 @@ class CpuDecodeCache(KVCache):
         self.num_new32 = torch.zeros(self.batch, dtype=torch.int32)
         self.seq_lens32 = torch.zeros(self.batch, dtype=torch.int32)
         # the kernel's kc and vc: the layer's first K tile and its first V tile (16 · D elements on)
-        self.layer_ptrs = [
+        self.layer_ptrs: list[tuple[int, ...]] = [
             (self.pages[i].data_ptr(), self.pages[i, 0, 0, 0, 1].data_ptr()) for i in range(self.num_layers)
         ]
+
+    def writer_args(self) -> tuple[int, ...]:
+        """The kernel writer's last arguments: the tile's pair and the element size."""
+        return self.pair, self.dtype.itemsize
 
     def nbytes(self) -> int:
         return self.pages.nbytes + self.block_table.nbytes
@@ -248,19 +252,26 @@ class CpuDecodeBackend(Backend):
     )
     #: run this variant instead of the best the CPU has (tests use "c-scalar"); None: the best
     force_isa: ClassVar[str | None] = None
+    #: the fp8 sibling's differences: its cache, its head_dim multiple and what its messages add
+    cache_class: ClassVar[type[CpuDecodeCache]] = CpuDecodeCache
+    head_dim_multiple: ClassVar[int] = 16
+    head_dim_note: ClassVar[str] = ""
+    implementation_note: ClassVar[str] = ""
+    cache_dtype_phrase: ClassVar[str] = "the cache holds"
+    #: the kernel's writer and attention for this cache (their arguments: ``_write``, ``decode``)
+    kernel_functions: ClassVar[tuple[str, str]] = ("cpu_decode_write", "cpu_decode_attend")
 
     # -- what it can do --------------------------------------------------------------------------
     def supports(self, workload: Workload) -> list[str]:
-        reasons = []
         g = workload.geometry(self.kv_form)
-        if torch.device(workload.device).type != "cpu":
-            reasons.append(f"device {workload.device}: the cpu_decode kernel runs on the cpu only")
-        if workload.dtype not in _DTYPE_CODES:
-            reasons.append(f"dtype {workload.dtype_name} not in (fp32, fp16, bf16)")
+        reasons = workload.cpu_reasons("the cpu_decode kernel runs")
         if g.qk_head_dim != g.v_head_dim:
             reasons.append(f"key and value head dims differ ({g.qk_head_dim} vs {g.v_head_dim})")
-        elif g.qk_head_dim % 16 or g.qk_head_dim > 1024:
-            reasons.append(f"head_dim {g.qk_head_dim} must be a multiple of 16 up to 1024")
+        elif g.qk_head_dim % self.head_dim_multiple or g.qk_head_dim > 1024:
+            reasons.append(
+                f"head_dim {g.qk_head_dim} must be a multiple of {self.head_dim_multiple} up to 1024"
+                + self.head_dim_note
+            )
         if g.group_size > 64:
             reasons.append(f"GQA group of {g.group_size} query heads per KV head > 64")
         if reasons:
@@ -268,6 +279,10 @@ class CpuDecodeBackend(Backend):
         kernel = load_kernel()
         if isinstance(kernel, str):
             return [kernel]
+        return self._variant_reasons(workload, kernel)
+
+    def _variant_reasons(self, workload: Workload, kernel: Kernel) -> list[str]:
+        """Why the variant for ``workload`` cannot run on this CPU (the shape already passed)."""
         isa = self._isa(workload.dtype, kernel)
         if _ISA_CODES[isa] > kernel.isa:
             return [f"variant {isa} needs an ISA this CPU lacks (it has {_ISA_NAMES[kernel.isa]})"]
@@ -284,14 +299,18 @@ class CpuDecodeBackend(Backend):
                 return _ISA_NAMES[code]
         return "c-scalar"
 
+    def _variant(self, workload: Workload) -> str | None:
+        """The variant a cache for ``workload`` runs (the kernel loaded)."""
+        kernel = load_kernel()
+        assert not isinstance(kernel, str)
+        return self._isa(workload.dtype, kernel)
+
     def implementation(self, workload: Workload) -> str:
         """``cpu_decode.c[<variant>]`` with the variant that runs for this dtype on this CPU."""
         reasons = self.supports(workload)
         if reasons:
             return "unavailable: " + "; ".join(reasons)
-        kernel = load_kernel()
-        assert not isinstance(kernel, str)
-        return f"cpu_decode.c[{self._isa(workload.dtype, kernel)}]"
+        return f"cpu_decode.c[{self._variant(workload)}{self.implementation_note}]"
 
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
         """The default, 2, in every dtype. Measured with the gate over 10 seeds per cell (llama-3.1-8b's
@@ -328,10 +347,10 @@ class CpuDecodeBackend(Backend):
         reasons = self.supports(workload)
         if reasons:
             raise ValueError(f"backend {self.name!r} cannot run {workload.describe()}: {'; '.join(reasons)}")
-        kernel = load_kernel()
-        assert not isinstance(kernel, str)
-        return CpuDecodeCache(
-            isa=self._isa(workload.dtype, kernel),
+        isa = self._variant(workload)
+        assert isa is not None
+        return self.cache_class(
+            isa=isa,
             page_size=int(cfg["page_size"]),
             kv_splits=cfg["kv_splits"],
             prefetch=int(cfg["prefetch"]),
@@ -371,22 +390,23 @@ class CpuDecodeBackend(Backend):
         """``k``/``v`` ``[B, T, Hkv, D]`` (right-padded) into ``layer``'s pages at the plan's positions."""
         if k.dtype != cache.dtype or v.dtype != cache.dtype:
             raise TypeError(
-                f"backend {self.name!r}: k/v dtype {k.dtype}/{v.dtype}; the cache holds {cache.dtype}"
+                f"backend {self.name!r}: k/v dtype {k.dtype}/{v.dtype}; {self.cache_dtype_phrase} {cache.dtype}"
             )
         k, v = k.contiguous(), v.contiguous()
         g = cache.geometry
         kernel = load_kernel()
         assert not isinstance(kernel, str) and plan.positions32 is not None and plan.num_new32 is not None
-        kp, vp = cache.layer_ptrs[layer]
-        rc = kernel.lib.cpu_decode_write(
-            kp, vp, k.data_ptr(), v.data_ptr(), cache.block_table.data_ptr(), plan.positions32.data_ptr(),
-            plan.num_new32.data_ptr(), cache.batch, k.shape[1], g.num_kv_heads, g.qk_head_dim,
-            cache.page_size, cache.pages_per_seq, cache.pair, cache.dtype.itemsize,
+        rc = getattr(kernel.lib, self.kernel_functions[0])(
+            *cache.layer_ptrs[layer], k.data_ptr(), v.data_ptr(), cache.block_table.data_ptr(),
+            plan.positions32.data_ptr(), plan.num_new32.data_ptr(), cache.batch, k.shape[1], g.num_kv_heads,
+            g.qk_head_dim, cache.page_size, cache.pages_per_seq, *cache.writer_args(),
         )  # fmt: skip
         if rc != 0:
-            raise RuntimeError(
-                f"backend {self.name!r}: the kernel's writer refused its arguments (code {rc})"
-            )
+            self._refused_write(rc, layer)
+
+    def _refused_write(self, rc: int, layer: int) -> None:
+        """Raise for the writer's non-zero return code ``rc``."""
+        raise RuntimeError(f"backend {self.name!r}: the kernel's writer refused its arguments (code {rc})")
 
     def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         assert isinstance(cache, CpuDecodeCache) and isinstance(plan, CpuDecodePlan)
@@ -398,17 +418,18 @@ class CpuDecodeBackend(Backend):
         """``q [B, Hq, D]``, ``k``/``v`` ``[B, Hkv, D]`` → ``[B, Hq, D]``; no host work besides the call."""
         assert isinstance(cache, CpuDecodeCache) and isinstance(plan, CpuDecodePlan)
         self._write(cache, plan, layer, k[:, None], v[:, None])
-        g = cache.geometry
         q = q.contiguous()
         if q.dtype != cache.dtype:
-            raise TypeError(f"backend {self.name!r}: q dtype {q.dtype}; the cache holds {cache.dtype}")
+            raise TypeError(
+                f"backend {self.name!r}: q dtype {q.dtype}; {self.cache_dtype_phrase} {cache.dtype}"
+            )
         out = torch.empty_like(q)
         kernel = load_kernel()
         assert not isinstance(kernel, str) and plan.seq_lens32 is not None
-        kp, vp = cache.layer_ptrs[layer]
-        rc = kernel.lib.cpu_decode_attend(
-            q.data_ptr(), kp, vp, cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(), out.data_ptr(),
-            cache.workspace.data_ptr(), cache.batch, g.num_q_heads, g.num_kv_heads, g.qk_head_dim,
+        g = cache.geometry
+        rc = getattr(kernel.lib, self.kernel_functions[1])(
+            q.data_ptr(), *cache.layer_ptrs[layer], cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(),
+            out.data_ptr(), cache.workspace.data_ptr(), cache.batch, g.num_q_heads, g.num_kv_heads, g.qk_head_dim,
             cache.page_size, cache.pages_per_seq, plan.splits, _DTYPE_CODES[cache.dtype], _ISA_CODES[cache.isa],
             plan.threads, cache.prefetch, g.scale,
         )  # fmt: skip

@@ -38,15 +38,14 @@ import torch
 
 from attnbench.backends.cpu_decode import (
     _DTYPE_CODES,
-    _ISA_CODES,
     _ISA_NAMES,
     CpuDecodeBackend,
     CpuDecodeCache,
-    CpuDecodePlan,
+    Kernel,
     load_kernel,
 )
 from attnbench.backends.fp8 import EXACT_TOLERANCE, STORED_TOLERANCE
-from attnbench.core.backend import KVCache, StepPlan, Tolerance
+from attnbench.core.backend import Tolerance
 from attnbench.core.workload import Workload
 from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 
@@ -74,6 +73,15 @@ class CpuDecodeFp8Cache(CpuDecodeCache):
         self.k_scales = torch.zeros(shape, dtype=torch.float32)
         self.v_scales = torch.zeros(shape, dtype=torch.float32)
         self._perm = fp8_phys(16 * self.geometry.qk_head_dim)
+        # the fp8 kernel's pointers: kc, vc, then the layer's K and V scales
+        self.layer_ptrs = [
+            (*ptrs, self.k_scales[i].data_ptr(), self.v_scales[i].data_ptr())
+            for i, ptrs in enumerate(self.layer_ptrs)
+        ]
+
+    def writer_args(self) -> tuple[int, ...]:
+        """The fp8 writer's last argument: the compute dtype's code (it quantises in C)."""
+        return (_DTYPE_CODES[self.dtype],)
 
     def bytes_per_token(self) -> int:
         g = self.geometry
@@ -111,26 +119,15 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
     lossy = "fp8 e4m3 K/V"
     #: run this variant instead of the best the CPU has ("c-scalar": plain C, any dtype); None: the best
     force_isa: ClassVar[str | None] = None
+    cache_class = CpuDecodeFp8Cache
+    head_dim_multiple = 32
+    head_dim_note = " (fp8 K/V)"
+    implementation_note = ", fp8 e4m3 K/V"
+    cache_dtype_phrase = "the cache computes in"
+    kernel_functions = ("cpu_decode_write_fp8", "cpu_decode_attend_fp8")
 
-    def supports(self, workload: Workload) -> list[str]:
-        reasons = []
-        g = workload.geometry(self.kv_form)
-        if torch.device(workload.device).type != "cpu":
-            reasons.append(f"device {workload.device}: the cpu_decode kernel runs on the cpu only")
-        if workload.dtype not in _DTYPE_CODES:
-            reasons.append(f"dtype {workload.dtype_name} not in (fp32, fp16, bf16)")
-        if g.qk_head_dim != g.v_head_dim:
-            reasons.append(f"key and value head dims differ ({g.qk_head_dim} vs {g.v_head_dim})")
-        elif g.qk_head_dim % 32 or g.qk_head_dim > 1024:
-            reasons.append(f"head_dim {g.qk_head_dim} must be a multiple of 32 up to 1024 (fp8 K/V)")
-        if g.group_size > 64:
-            reasons.append(f"GQA group of {g.group_size} query heads per KV head > 64")
-        if reasons:
-            return reasons
-        kernel = load_kernel()
-        if isinstance(kernel, str):
-            return [kernel]
-        isa = self._isa(workload.dtype, kernel, g.group_size)
+    def _variant_reasons(self, workload: Workload, kernel: Kernel) -> list[str]:
+        isa = self._variant(workload)
         if isa is None:
             return [
                 "the fp8 kernel needs AVX512_BF16 and AVX512_VBMI and bf16 compute "
@@ -149,11 +146,8 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
             return None
         return "c-amx" if kernel.fp8_level >= 2 and group <= 16 else "c-avx512bf16"
 
-    def implementation(self, workload: Workload) -> str:
-        reasons = self.supports(workload)
-        if reasons:
-            return "unavailable: " + "; ".join(reasons)
-        return f"cpu_decode.c[{self._isa(workload.dtype, load_kernel(), workload.geometry().group_size)}, fp8 e4m3 K/V]"
+    def _variant(self, workload: Workload) -> str | None:
+        return self._isa(workload.dtype, load_kernel(), workload.geometry(self.kv_form).group_size)
 
     def kv_bytes_per_token(self, workload: Workload, *, config: Mapping[str, Any]) -> int:
         """One byte per K/V value plus two float32 scales per KV head, over every layer."""
@@ -185,77 +179,12 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
         (kq, ks, _), (vq, vs, _) = quantize(k), quantize(v)
         return dequantize(kq, ks), dequantize(vq, vs)
 
-    # -- the cache and the step --------------------------------------------------------------------
-    def create_cache(
-        self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
-    ) -> CpuDecodeFp8Cache:
-        cfg = self.resolve_config(config)
-        reasons = self.supports(workload)
-        if reasons:
-            raise ValueError(f"backend {self.name!r} cannot run {workload.describe()}: {'; '.join(reasons)}")
-        isa = self._isa(workload.dtype, load_kernel(), workload.geometry(self.kv_form).group_size)
-        assert isa is not None
-        return CpuDecodeFp8Cache(
-            isa=isa,
-            page_size=int(cfg["page_size"]),
-            kv_splits=cfg["kv_splits"],
-            prefetch=int(cfg["prefetch"]),
-            workload=workload,
-            geometry=workload.geometry(self.kv_form),
-            config=cfg,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
-        )
-
-    def _write(  # type: ignore[override]
-        self, cache: CpuDecodeFp8Cache, plan: CpuDecodePlan, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Quantise ``k``/``v`` ``[B, T, Hkv, D]`` (right-padded) into ``layer``'s pages and scales."""
-        if k.dtype != cache.dtype or v.dtype != cache.dtype:
-            raise TypeError(
-                f"backend {self.name!r}: k/v dtype {k.dtype}/{v.dtype}; the cache computes in {cache.dtype}"
-            )
-        k, v = k.contiguous(), v.contiguous()
-        g = cache.geometry
-        kernel = load_kernel()
-        assert not isinstance(kernel, str) and plan.positions32 is not None and plan.num_new32 is not None
-        kp, vp = cache.layer_ptrs[layer]
-        rc = kernel.lib.cpu_decode_write_fp8(
-            kp, vp, cache.k_scales[layer].data_ptr(), cache.v_scales[layer].data_ptr(), k.data_ptr(),
-            v.data_ptr(), cache.block_table.data_ptr(), plan.positions32.data_ptr(), plan.num_new32.data_ptr(),
-            cache.batch, k.shape[1], g.num_kv_heads, g.qk_head_dim, cache.page_size, cache.pages_per_seq,
-            _DTYPE_CODES[cache.dtype],
-        )  # fmt: skip
-        if rc < 0:
-            raise RuntimeError(
-                f"backend {self.name!r}: the kernel's writer refused its arguments (code {rc})"
-            )
+    # -- the step: the base class's, with the fp8 kernel's functions --------------------------------
+    def _refused_write(self, rc: int, layer: int) -> None:
+        """A negative ``rc``: the arguments refused; a positive one: that many K/V rows hold NaN or inf."""
         if rc > 0:
             raise NonFiniteKVError(
                 f"backend {self.name!r}, layer {layer}: {rc} K/V rows hold NaN or inf (stored as zeros); "
                 "an fp8 cache accepts finite values only"
             )
-
-    def decode(
-        self, cache: KVCache, plan: StepPlan, *, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """``q [B, Hq, D]``, ``k``/``v`` ``[B, Hkv, D]`` → ``[B, Hq, D]``; no host work besides the calls."""
-        assert isinstance(cache, CpuDecodeFp8Cache) and isinstance(plan, CpuDecodePlan)
-        self._write(cache, plan, layer, k[:, None], v[:, None])
-        g = cache.geometry
-        q = q.contiguous()
-        if q.dtype != cache.dtype:
-            raise TypeError(f"backend {self.name!r}: q dtype {q.dtype}; the cache computes in {cache.dtype}")
-        out = torch.empty_like(q)
-        kernel = load_kernel()
-        assert not isinstance(kernel, str) and plan.seq_lens32 is not None
-        kp, vp = cache.layer_ptrs[layer]
-        rc = kernel.lib.cpu_decode_attend_fp8(
-            q.data_ptr(), kp, vp, cache.k_scales[layer].data_ptr(), cache.v_scales[layer].data_ptr(),
-            cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(), out.data_ptr(), cache.workspace.data_ptr(),
-            cache.batch, g.num_q_heads, g.num_kv_heads, g.qk_head_dim, cache.page_size, cache.pages_per_seq,
-            plan.splits, _DTYPE_CODES[cache.dtype], _ISA_CODES[cache.isa], plan.threads, cache.prefetch, g.scale,
-        )  # fmt: skip
-        if rc != 0:
-            raise RuntimeError(f"backend {self.name!r}: the kernel refused its arguments (code {rc})")
-        return out
+        super()._refused_write(rc, layer)

@@ -108,10 +108,7 @@ class CpuDecodeMLABackend(Backend):
             reasons.append(
                 f"model {workload.shape.name!r} is not MLA (no kv_lora_rank); the latent kernel needs it"
             )
-        if torch.device(workload.device).type != "cpu":
-            reasons.append(f"device {workload.device}: the cpu_decode kernel runs on the cpu only")
-        if workload.dtype not in _DTYPE_CODES:
-            reasons.append(f"dtype {workload.dtype_name} not in (fp32, fp16, bf16)")
+        reasons += workload.cpu_reasons("the cpu_decode kernel runs")
         variant = None
         if not reasons:
             g = workload.geometry("latent")

@@ -123,6 +123,16 @@ class Workload:
     def geometry(self, form: str = "expanded") -> AttentionGeometry:
         return self.shape.geometry(form)  # type: ignore[arg-type]
 
+    def cpu_reasons(self, kernel: str) -> list[str]:
+        """Why a host kernel cannot take this workload (``kernel``: "the cpu_decode kernel runs", the
+        subject of "... on the cpu only"): a device other than the cpu, a dtype not fp32, fp16 or bf16."""
+        reasons = []
+        if torch.device(self.device).type != "cpu":
+            reasons.append(f"device {self.device}: {kernel} on the cpu only")
+        if self.dtype not in COMPUTE_DTYPES:
+            reasons.append(f"dtype {self.dtype_name} not in (fp32, fp16, bf16)")
+        return reasons
+
     def kv_bytes_per_step(self, form: str = "auto", *, kv_dtype: torch.dtype | str | None = None) -> int:
         """Bytes of KV cache one decode step reads over all layers (each cached token once)."""
         from attnbench.core.traffic import kv_bytes_per_step

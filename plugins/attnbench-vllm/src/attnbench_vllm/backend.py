@@ -41,7 +41,6 @@ from attnbench_vllm.quant import FP8_EXACT_TOLERANCE, FP8_STORED_TOLERANCE, stor
 #: head sizes vLLM's CPU backend declares (``CPUAttentionBackend.get_supported_head_sizes``)
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 BLOCK_SIZES = (32, 64, 128)  # vLLM's CPU kernels take multiples of 32; 128 is vLLM's CPU default
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: vLLM's name for the attention backend these kernels are (``AttentionBackendEnum.CPU_ATTN``)
 VLLM_BACKEND_NAME = "CPU_ATTN"
@@ -116,12 +115,8 @@ class VllmCpuBackend(Backend):
         return g.num_kv_heads * 2 * g.qk_head_dim * size * workload.shape.num_layers
 
     def supports(self, workload: Workload) -> list[str]:
-        reasons = []
         g = workload.geometry(self.kv_form)
-        if torch.device(workload.device).type != "cpu":
-            reasons.append(f"device {workload.device}: vLLM's CPU kernels run on the cpu only")
-        if workload.dtype not in _DTYPES:
-            reasons.append(f"dtype {workload.dtype_name} not in (fp32, fp16, bf16)")
+        reasons = workload.cpu_reasons("vLLM's CPU kernels run")
         if g.qk_head_dim != g.v_head_dim:
             reasons.append(
                 f"key and value head dims differ ({g.qk_head_dim} vs {g.v_head_dim}); vLLM's CPU kernel needs one head_dim"
