@@ -10,7 +10,7 @@ kernel of :mod:`attnbench.kernels.triton_decode` at the same geometry (``triton_
 Needs git and the repository's history; no GPU::
 
     python scripts/aot_before_after.py            # Markdown tables and the count of worse comparisons
-    python scripts/aot_before_after.py --out results/aot-before-after   # also saved (docs_tables.py
+    python scripts/aot_before_after.py --out results/aot/aot-before-after   # also saved (docs_tables.py
                                                   # copies its sections into the docs)
 """
 

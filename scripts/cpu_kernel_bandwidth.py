@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: 1k context, batch 1, 2 layers, 3 repeats"
     )
-    ap.add_argument("--out", default="results/cpu-kernel-bandwidth")
+    ap.add_argument("--out", default="results/cpu/kernels/cpu-kernel-bandwidth")
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads {args.threads}: must be ≥ 1")

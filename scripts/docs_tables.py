@@ -19,29 +19,29 @@ BLOCKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gate-matrix": (
         "docs/correctness.md",
         (
-            "results/gate-matrix-cpu-bf16.md",
-            "results/gate-matrix-cpu-fp16.md",
-            "results/gate-matrix-cpu-fp32.md",
+            "results/gate/gate-matrix-cpu-bf16.md",
+            "results/gate/gate-matrix-cpu-fp16.md",
+            "results/gate/gate-matrix-cpu-fp32.md",
         ),
     ),
-    "fp8-long-context": ("docs/fp8.md", ("results/fp8-long-context-cpu.md",)),
-    "vllm-targets": ("docs/engines.md", ("results/vllm-targets.md",)),
+    "fp8-long-context": ("docs/fp8.md", ("results/cpu/accuracy/fp8-long-context-cpu.md",)),
+    "vllm-targets": ("docs/engines.md", ("results/engines/vllm-targets.md",)),
     "aot-paged": (
         "docs/triton-paged.md",
         (
-            "results/aot-before-after.md#paged",
-            "results/aot-before-after.md#merge",
-            "results/aot-before-after.md#summary",
+            "results/aot/aot-before-after.md#paged",
+            "results/aot/aot-before-after.md#merge",
+            "results/aot/aot-before-after.md#summary",
         ),
     ),
-    "aot-fp8": ("docs/fp8.md", ("results/aot-before-after.md#fp8",)),
-    "aot-mla": ("docs/mla.md", ("results/aot-before-after.md#mla",)),
+    "aot-fp8": ("docs/fp8.md", ("results/aot/aot-before-after.md#fp8",)),
+    "aot-mla": ("docs/mla.md", ("results/aot/aot-before-after.md#mla",)),
     "cpu-kernel-bandwidth": (
         "docs/benchmarks.md",
         (
-            "results/cpu-kernel-bandwidth-t1-b1.md",
-            "results/cpu-kernel-bandwidth-t1-b8.md",
-            "results/cpu-kernel-bandwidth-t1-prefetch.md",
+            "results/cpu/kernels/cpu-kernel-bandwidth-t1-b1.md",
+            "results/cpu/kernels/cpu-kernel-bandwidth-t1-b8.md",
+            "results/cpu/kernels/cpu-kernel-bandwidth-t1-prefetch.md",
         ),
     ),
 }

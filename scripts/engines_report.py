@@ -1,6 +1,6 @@
 """Engines' kernels against attnbench's: the tune record and the targets of the vLLM CPU issue.
 
-Two subcommands, each writing ``results/<name>.json`` and ``results/<name>.md`` with the command,
+Two subcommands, each writing ``results/engines/<name>.json`` and ``.md`` with the command,
 the machine, the date and the load average:
 
 ``tune``
@@ -20,7 +20,7 @@ the machine, the date and the load average:
     two), or, in a file from before bench measured it per row, the profile's one figure. The
     profile's share is shown beside it::
 
-        python scripts/engines_report.py targets --name vllm-targets results/bench-vllm-bf16-t1-b*.json
+        python scripts/engines_report.py targets --name vllm-targets results/engines/bench-vllm-bf16-t1-b*.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "engines"
 NAIVE_OVER_PROBE = 0.9
 BEST_SHARE_OF_READ = 0.70
 LOSSY = {"fp8", "vllm_cpu_fp8"}
@@ -230,13 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("tune", help="run attnbench tune (arguments after --) and record it")
-    t.add_argument("--name", required=True, help="results/<name>.json and .md")
+    t.add_argument("--name", required=True, help="results/engines/<name>.json and .md")
     t.add_argument("tune_args", nargs=argparse.REMAINDER, help="-- then attnbench tune's arguments")
     g = sub.add_parser("targets", help="check the issue's targets in bench --save JSON files")
-    g.add_argument("--name", required=True, help="results/<name>.json and .md")
+    g.add_argument("--name", required=True, help="results/engines/<name>.json and .md")
     g.add_argument("files", nargs="+", type=Path)
     for sp in (t, g):
-        sp.add_argument("--out", type=Path, default=RESULTS, help="where to write (default results/)")
+        sp.add_argument("--out", type=Path, default=RESULTS, help="where to write (default results/engines/)")
     args = p.parse_args(argv)
     if args.cmd == "tune":
         rest = args.tune_args[1:] if args.tune_args[:1] == ["--"] else args.tune_args

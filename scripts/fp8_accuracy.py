@@ -6,7 +6,7 @@ against float64 attention over the dequantised bytes (arithmetic only). Prints t
 writes JSON; docs/fp8.md quotes the result and sets the declared bounds with a margin above the worst
 case seen. Usage::
 
-    python scripts/fp8_accuracy.py --seeds 8 --out results/bench-cpu-fp8-accuracy.json
+    python scripts/fp8_accuracy.py --seeds 8 --out results/cpu/accuracy/bench-cpu-fp8-accuracy.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ routed through the ``fp8`` backend (``attnbench.integrations.transformers``), an
 error teacher-forced (fed transformers' own tokens, so one flipped token does not compound).
 Usage::
 
-    python scripts/fp8_greedy.py --out results/bench-cpu-fp8-greedy.json
+    python scripts/fp8_greedy.py --out results/cpu/accuracy/bench-cpu-fp8-greedy.json
 """
 
 from __future__ import annotations

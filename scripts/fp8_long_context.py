@@ -8,7 +8,7 @@ fp8 bound against exact attention), the worst rel_l2 / max_abs / cosine against 
 attention, and the error against attention over the K/V as stored (the kernel's own arithmetic,
 held to a calibrated bound). Accuracy only (nothing is timed). Writes ``<out>.json`` and ``<out>.md``.
 
-    python scripts/fp8_long_context.py --out results/fp8-long-context-cpu
+    python scripts/fp8_long_context.py --out results/cpu/accuracy/fp8-long-context-cpu
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--out", default="results/fp8-long-context-cpu")
+    ap.add_argument("--out", default="results/cpu/accuracy/fp8-long-context-cpu")
     args = ap.parse_args()
     fp8 = load_registry(env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"}).get("fp8")
     shape = load_shape(args.model)

@@ -5,7 +5,7 @@ contexts, bf16, every exact backend that runs here) into a fresh results folder,
 gate's wall time (the check before timing and the timed run's check after it, ``gate_s`` in each
 measurement) against the trial's wall time and the tune's. Run it on a quiet machine:
 
-    ../shared/tools/when-quiet python scripts/gate_cost.py --out results/gate-cost-cpu
+    ../shared/tools/when-quiet python scripts/gate_cost.py --out results/gate/gate-cost-cpu
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--batch", default=DEFAULT_BATCH)
     ap.add_argument("--context", default=DEFAULT_CONTEXT)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--out", default="results/gate-cost-cpu")
+    ap.add_argument("--out", default="results/gate/gate-cost-cpu")
     args = ap.parse_args()
     shape = load_shape(args.model)
     workloads = [

@@ -15,7 +15,7 @@ Geometry: llama-3.1-8b's attention (32 query heads over 8 KV heads of 128, 2 lay
 the latent (MLA) form on ``tiny-mla``. Writes ``<out>.json`` and ``<out>.md`` with the command, the
 machine, the date and the load average (accuracy only: no timing, so load does not change a number).
 
-    python scripts/gate_matrix.py --seeds 30 --out results/gate-matrix-cpu
+    python scripts/gate_matrix.py --seeds 30 --out results/gate/gate-matrix-cpu
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main() -> int:
         help="the latent (MLA) form's geometry: a preset or shape YAML (default tiny-mla; deepseek-v3 "
         "for kernels whose tiles need a 576-wide row)",
     )
-    ap.add_argument("--out", default="results/gate-matrix-cpu")
+    ap.add_argument("--out", default="results/gate/gate-matrix-cpu")
     args = ap.parse_args()
     only = {n.strip() for n in args.backends.split(",") if n.strip()} or None
     if args.seeds < 1:

@@ -23,7 +23,7 @@ skipped, never guessed. The points where the bandwidth target applies run first.
 Without CUDA it exits with status 2 and says so (``--device cpu`` exists only to test the script
 itself on tiny shapes; CPU numbers from it mean nothing for GPUs). Usage::
 
-    python scripts/gpu_check.py                      # writes results/gpu-check-<device>-<id>.json
+    python scripts/gpu_check.py                      # writes results/gpu/gpu-check-<device>-<id>.json
     python scripts/gpu_check.py --backends triton_paged,flash --batches 1,32 --contexts 32k
 """
 
@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="check only each backend's default config (default: also every other choice of each tunable)",
     )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (only to test this script)")
-    p.add_argument("--out", type=Path, help="JSON output (default: results/gpu-check-<device>-<id>.json)")
+    p.add_argument("--out", type=Path, help="JSON output (default: results/gpu/gpu-check-<device>-<id>.json)")
     return p.parse_args(argv)
 
 
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if report["skipped"]:
         console.print(f"[yellow]{len(report['skipped'])} item(s) skipped[/] (see the JSON: 'skipped')")
 
-    out = args.out or Path("results") / f"gpu-check-{slug(profile.name)}-{profile.id}.json"
+    out = args.out or Path("results") / "gpu" / f"gpu-check-{slug(profile.name)}-{profile.id}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     console.print(f"wrote {out} in {report['elapsed_s']} s")

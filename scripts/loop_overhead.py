@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--out", default="results/loop-overhead-cpu", help="writes OUT.json and OUT.md")
+    p.add_argument("--out", default="results/cpu/bench/loop-overhead-cpu", help="writes OUT.json and OUT.md")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

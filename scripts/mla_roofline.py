@@ -7,7 +7,7 @@ FLOP/s, see :func:`attnbench.cost.estimate.measured_gpu`) for the layers the ben
 workloads over all of the model's layers on each GPU preset (datasheet peaks). Writes
 ``PREFIX-roofline.json`` and ``PREFIX-roofline.md``::
 
-    python scripts/mla_roofline.py results/bench-cpu-deepseek-v3
+    python scripts/mla_roofline.py results/cpu/bench/bench-cpu-deepseek-v3
 """
 
 from __future__ import annotations

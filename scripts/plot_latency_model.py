@@ -9,7 +9,7 @@ With ``--validation JSON`` it draws instead the predicted-vs-measured plot of a
 ``scripts/validate_estimator.py`` run (held-out points filled, fit-grid points hollow, the ±15 % band).
 
     python scripts/plot_latency_model.py --out docs/img/itl-vs-context.png
-    python scripts/plot_latency_model.py --validation results/estimator-validation-cpu.json \
+    python scripts/plot_latency_model.py --validation results/history/cpu/costmodel/estimator-validation-cpu.json \
         --out docs/img/estimator-validation-cpu.png
 """
 

@@ -9,7 +9,7 @@ regret = median(choice) / median(best), counted as 1.0 when the best does not be
 beyond both intervals (:func:`attnbench.tuning.margin.beats` with no margin: the one margin
 policy). Lossy caches (fp8) compete only with ``--allow-lossy``.
 
-Printed and written (results/regret-<model>-<dtypes>-<device>.json and .md, with the command, machine, date
+Printed and written (results/cpu/select/regret-<model>-<dtypes>-<device>.json and .md, with the command, machine, date
 and load average): regret median, p90 and max (targets ≤ 1.01, ≤ 1.05, ≤ 1.15), the geometric-mean
 speedup over always using the default backend, and the worker evaluations the tuning used against a
 dense quarter-octave grid over the tuned range (target ≤ 50 %). One model and dtype per run keeps each
@@ -19,7 +19,7 @@ run short; ``--combine FILE…`` pools several runs' points into one summary::
     python scripts/regret.py --model llama-3.1-8b --dtypes fp32
     python scripts/regret.py --model qwen2.5-72b --dtypes bf16
     python scripts/regret.py --model qwen2.5-72b --dtypes fp32
-    python scripts/regret.py --combine results/regret-llama-3.1-8b-*.json results/regret-qwen2.5-72b-*.json
+    python scripts/regret.py --combine results/cpu/select/regret-llama-3.1-8b-*.json results/cpu/select/regret-qwen2.5-72b-*.json
     python scripts/regret.py --quick          # a smoke test on a tiny shape (seconds of timing)
 """
 
@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-lossy", action="store_true", help="let lossy caches (fp8) compete")
     p.add_argument("--quick", action="store_true", help="a smoke test on a tiny shape")
     p.add_argument(
-        "--out", type=Path, help="JSON output (default results/regret-<model>-<dtypes>-<device>.json)"
+        "--out",
+        type=Path,
+        help="JSON output (default results/cpu/select/regret-<model>-<dtypes>-<device>.json)",
     )
     p.add_argument("--combine", nargs="+", type=Path, metavar="FILE", help="pool the points of earlier runs")
     args = p.parse_args(argv)
@@ -196,7 +198,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     stem = f"regret-{args.model}-{'-'.join(dtypes)}-{profile.fingerprint.get('kind', 'cpu')}-{hardware_id(profile.fingerprint)}"
     if args.quick:
         stem += "-quick"
-    write(result, args.out or Path("results") / f"{stem}.json")
+    write(
+        result,
+        args.out or Path("results") / profile.fingerprint.get("kind", "cpu") / "select" / f"{stem}.json",
+    )
     return 0
 
 
@@ -375,8 +380,9 @@ def combine(files: list[Path], *, out: Path | None, argv: list[str]) -> int:
         "summary": summarize(rows, used=used, dense=dense),
     }
     dev = runs[0]["device"]["fingerprint"]
+    kind = dev.get("kind", "cpu")
     write(
-        result, out or Path("results") / f"regret-combined-{dev.get('kind', 'cpu')}-{hardware_id(dev)}.json"
+        result, out or Path("results") / kind / "select" / f"regret-combined-{kind}-{hardware_id(dev)}.json"
     )
     return 0
 

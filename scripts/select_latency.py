@@ -17,7 +17,7 @@ inside the map's tuned grid (interpolated between its points rather than extrapo
     python scripts/select_latency.py --quick --out sl-smoke   # a smoke test (200 calls)
     python scripts/select_latency.py --results DIR --out PREFIX   # also the tables `tune` wrote in DIR
 
-Runs from any directory. Writes the repository's ``results/select-latency.json`` and ``.md``
+Runs from any directory. Writes the repository's ``results/cpu/select/select-latency.json`` and ``.md``
 (``--out PREFIX`` elsewhere, relative to the current directory) with the command, the machine, the
 date and the load average before and after. Run it on a quiet machine.
 """
@@ -290,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         help="load plugin backends too (default: built-ins only; a plugin is first asked in a child "
         "process per new bucket, which is then cached on disk)",
     )
-    p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json/.md (default results/select-latency)")
+    p.add_argument(
+        "--out", metavar="PREFIX", help="write PREFIX.json/.md (default results/cpu/select/select-latency)"
+    )
     args = p.parse_args(argv)
     calls = 200 if args.quick else args.calls
     if calls < 1:
@@ -351,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         "results_folder": held,
         "rows": rows,
     }
-    prefix = Path(args.out) if args.out else RESULTS / "select-latency"
+    prefix = Path(args.out) if args.out else RESULTS / "cpu" / "select" / "select-latency"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [

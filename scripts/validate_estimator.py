@@ -20,7 +20,7 @@ Writes ``<out>.json`` (every number, the machine, load averages), ``<out>.md``, 
 plot, with the ``plot`` extra; ``python scripts/plot_latency_model.py --validation <out>.json``
 redraws it) and ``<out>-calibration.yaml`` (the fit).
 
-    python scripts/validate_estimator.py --out results/costmodel-validation-cpu \
+    python scripts/validate_estimator.py --out results/cpu/costmodel/costmodel-validation-cpu \
         --doc-plot docs/img/costmodel-validation-cpu.png
     python scripts/validate_estimator.py --quick --out results/validation-smoke   # a tiny smoke run (do not commit it)
 """
@@ -81,7 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the interleaved order")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run (tiny shapes, few points)")
-    p.add_argument("--out", default="results/costmodel-validation-cpu", help="output path without extension")
+    p.add_argument(
+        "--out",
+        default="results/cpu/costmodel/costmodel-validation-cpu",
+        help="output path without extension",
+    )
     p.add_argument(
         "--doc-plot",
         default=None,

@@ -6,7 +6,7 @@ the given bench JSON files measured (≥ 5 points spanning ≥ 16× in batch × 
 write calibration-<device>.yaml beside the tuned table. `attnbench estimate --gpu this` and select()
 beyond the tuned region then use it; docs/latency-model.md explains the model.
 
-example: attnbench calibrate --bench results/bench-cpu-llama-3.1-8b-1k-8k.json
+example: attnbench calibrate --bench results/cpu/bench/bench-cpu-llama-3.1-8b-bf16-quiet.json
 """
 
 from __future__ import annotations
