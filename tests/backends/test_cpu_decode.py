@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from cpu_kernel import SPLIT_CONFIGS, ScalarConformance, scalar
 
 import attnbench.backends.cpu_decode as cpu_decode
 from attnbench.backends.cpu_decode import CpuDecodeBackend, load_kernel
@@ -49,26 +50,16 @@ class TestCpuDecode(BackendConformance):
 
     backend = CpuDecodeBackend
     dtypes = ("bf16", "fp32", "fp16")
-    configs: ClassVar[list[dict[str, Any]]] = [
-        CpuDecodeBackend.default_config(),
-        {"page_size": 16, "kv_splits": 4},
-        {"page_size": 32, "kv_splits": 1, "prefetch": 0},
-    ]
+    configs: ClassVar[list[dict[str, Any]]] = [CpuDecodeBackend.default_config(), *SPLIT_CONFIGS]
 
 
-class ScalarCpuDecode(CpuDecodeBackend):
-    name = "cpu_decode_scalar"
-    force_isa = "c-scalar"
+ScalarCpuDecode = scalar(CpuDecodeBackend, "cpu_decode_scalar")
 
 
-class TestCpuDecodeScalar(BackendConformance):
+class TestCpuDecodeScalar(ScalarConformance):
     """The plain-C variant (what runs where the CPU lacks AVX-512), forced on this CPU."""
 
     backend = ScalarCpuDecode
-    dtypes = ("bf16", "fp32")
-    configs: ClassVar[list[dict[str, Any]]] = [{"page_size": 16, "kv_splits": 4}]
-    cases = CASES[:3]
-    long_cases = ()
 
 
 def _workload(dtype: torch.dtype) -> Workload:

@@ -13,22 +13,13 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from cpu_kernel import SPLIT_CONFIGS, ScalarConformance, require_kernel, scalar
 
-from attnbench.backends.cpu_decode import load_kernel
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend, CpuDecodeFp8Cache
 from attnbench.core.shapes import ModelShape
 from attnbench.core.workload import Workload
 from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 from attnbench.testing import CASES, BackendConformance
-
-
-def _kernel() -> Any:
-    kernel = load_kernel()
-    if isinstance(kernel, str):
-        if os.environ.get("ATTNBENCH_REQUIRE_CPU_DECODE") == "1":
-            pytest.fail(kernel)
-        pytest.skip(kernel)
-    return kernel
 
 
 class TestCpuDecodeFp8(BackendConformance):
@@ -37,26 +28,16 @@ class TestCpuDecodeFp8(BackendConformance):
 
     backend = CpuDecodeFp8Backend
     dtypes = ("bf16",)
-    configs: ClassVar[list[dict[str, Any]]] = [
-        CpuDecodeFp8Backend.default_config(),
-        {"page_size": 16, "kv_splits": 4},
-        {"page_size": 32, "kv_splits": 1, "prefetch": 0},
-    ]
+    configs: ClassVar[list[dict[str, Any]]] = [CpuDecodeFp8Backend.default_config(), *SPLIT_CONFIGS]
 
 
-class ScalarCpuDecodeFp8(CpuDecodeFp8Backend):
-    name = "cpu_decode_fp8_scalar"
-    force_isa = "c-scalar"
+ScalarCpuDecodeFp8 = scalar(CpuDecodeFp8Backend, "cpu_decode_fp8_scalar")
 
 
-class TestCpuDecodeFp8Scalar(BackendConformance):
+class TestCpuDecodeFp8Scalar(ScalarConformance):
     """The plain-C variant, forced: what runs the fp8 layout on any CPU."""
 
     backend = ScalarCpuDecodeFp8
-    dtypes = ("bf16", "fp32")
-    configs: ClassVar[list[dict[str, Any]]] = [{"page_size": 16, "kv_splits": 4}]
-    cases = CASES[:3]
-    long_cases = ()
 
 
 GQA = ModelShape.attention_only("gqa-14-2", num_heads=14, num_kv_heads=2, head_dim=64)  # 4 + 3 heads
@@ -83,7 +64,7 @@ def _filled(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_writer_stores_what_quantize_stores(dtype: torch.dtype) -> None:
     """Byte for byte (as values): the C writer's scales and e4m3 rounding are attnbench.kernels.fp8_cache.quantize's."""
-    _kernel()
+    require_kernel()
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     lens = (301, 17, 64)
     cache, k, v = _filled(ScalarCpuDecodeFp8(), dtype, lens, 32, gen)
@@ -100,7 +81,7 @@ def test_the_writer_stores_what_quantize_stores(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(("page_size", "splits"), [(16, 4), (64, 1), (128, 2)])
 def test_the_variants_agree_on_one_cache(page_size: int, splits: int) -> None:
     """c-amx, c-avx512bf16 and c-scalar decode the same fp8 pages alike (ragged lengths, page ends)."""
-    kernel = _kernel()
+    kernel = require_kernel()
     if kernel.fp8_level < 1:
         pytest.skip("this CPU lacks AVX512_BF16 + AVX512_VBMI: only the plain-C variant reads fp8 here")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -126,7 +107,7 @@ def test_the_variants_agree_on_one_cache(page_size: int, splits: int) -> None:
 
 
 def test_non_finite_kv_are_refused_by_name_and_stored_as_zeros() -> None:
-    _kernel()
+    require_kernel()
     backend = ScalarCpuDecodeFp8()
     w = Workload(GQA, (5,), torch.float32, "cpu")
     cache = backend.create_cache(w, config={"page_size": 16}, num_layers=1, max_seq_len=16)
@@ -143,13 +124,13 @@ def test_non_finite_kv_are_refused_by_name_and_stored_as_zeros() -> None:
 
 
 def test_unsupported_shapes_and_devices_say_why() -> None:
-    _kernel()
+    kernel = require_kernel()
     odd = ModelShape.attention_only("d80", num_heads=4, num_kv_heads=1, head_dim=80)
     reasons = CpuDecodeFp8Backend().supports(Workload(odd, (8,), torch.bfloat16, "cpu"))
     assert any("head_dim 80 must be a multiple of 32" in r for r in reasons), reasons
     reasons = CpuDecodeFp8Backend().supports(Workload(GQA, (8,), torch.bfloat16, "meta"))
     assert any("runs on the cpu only" in r for r in reasons), reasons
-    if load_kernel().fp8_level < 1:  # type: ignore[union-attr]
+    if kernel.fp8_level < 1:
         reasons = CpuDecodeFp8Backend().supports(Workload(GQA, (8,), torch.bfloat16, "cpu"))
         assert reasons and "AVX512_BF16 and AVX512_VBMI" in reasons[0], reasons
     fp32 = CpuDecodeFp8Backend().supports(Workload(GQA, (8,), torch.float32, "cpu"))
@@ -173,7 +154,7 @@ class TestCpuDecodeFp8Avx512(BackendConformance):
     def _instance_for(
         self, case: Any, dtype: str, lens: tuple[int, ...], config: dict[str, Any] | None = None
     ) -> Any:
-        kernel = _kernel()
+        kernel = require_kernel()
         if kernel.fp8_level < 1:
             pytest.skip("this CPU lacks AVX512_BF16 + AVX512_VBMI")
         return super()._instance_for(case, dtype, lens, config)

@@ -14,31 +14,22 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from cpu_kernel import require_kernel, scalar
 
-from attnbench.backends.cpu_decode import load_kernel
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
 from attnbench.backends.mla import MLABackend
 from attnbench.core.shapes import load_shape
 from attnbench.core.workload import Workload
 from attnbench.testing import CASES, BackendConformance, ConformanceCase
 
+TINY_MLA = load_shape("tiny-mla")
 #: tiny-mla with a latent row of 96 (rank 64 + rope 32: AMX tiles) and 20 heads (a partial head block)
 MLA96 = dataclasses.replace(
-    load_shape("tiny-mla"),
-    name="tiny-mla-96",
-    num_heads=20,
-    kv_lora_rank=64,
-    qk_rope_head_dim=32,
-    head_dim=48,
+    TINY_MLA, name="tiny-mla-96", num_heads=20, kv_lora_rank=64, qk_rope_head_dim=32, head_dim=48
 )
 #: a latent row of 64 with rank 48 (Dv % 32 == 16: the last V chunk is half a vector) and 16 heads
 MLA64 = dataclasses.replace(
-    load_shape("tiny-mla"),
-    name="tiny-mla-64",
-    num_heads=16,
-    kv_lora_rank=48,
-    qk_rope_head_dim=16,
-    head_dim=32,
+    TINY_MLA, name="tiny-mla-64", num_heads=16, kv_lora_rank=48, qk_rope_head_dim=16, head_dim=32
 )
 AMX_CASES = (
     *(c for c in CASES if c.shape.is_mla),
@@ -46,15 +37,6 @@ AMX_CASES = (
     ConformanceCase("mla-64", MLA64, (33, 1), (130, 7)),
 )
 AMX_LONG = (ConformanceCase("long-mla-96", MLA96, (), (5003, 777), decode_steps=2),)
-
-
-def _kernel() -> Any:
-    kernel = load_kernel()
-    if isinstance(kernel, str):
-        if os.environ.get("ATTNBENCH_REQUIRE_CPU_DECODE") == "1":
-            pytest.fail(kernel)
-        pytest.skip(kernel)
-    return kernel
 
 
 class TestCpuDecodeMLA(BackendConformance):
@@ -71,9 +53,7 @@ class TestCpuDecodeMLA(BackendConformance):
     ]
 
 
-class ScalarCpuDecodeMLA(CpuDecodeMLABackend):
-    name = "cpu_decode_mla_scalar"
-    force_isa = "c-scalar"
+ScalarCpuDecodeMLA = scalar(CpuDecodeMLABackend, "cpu_decode_mla_scalar")
 
 
 class TestCpuDecodeMLAScalar(BackendConformance):
@@ -89,7 +69,7 @@ class TestCpuDecodeMLAScalar(BackendConformance):
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 def test_amx_agrees_with_scalar_and_the_mla_torch_path(page_size: int) -> None:
     """Three implementations of the same latent attention over one ragged batch."""
-    kernel = _kernel()
+    kernel = require_kernel()
     if kernel.fp8_level < 2:
         pytest.skip("AMX-BF16 is not available (or not granted) on this CPU")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -116,7 +96,7 @@ def test_amx_agrees_with_scalar_and_the_mla_torch_path(page_size: int) -> None:
 
 
 def test_unsupported_workloads_say_why() -> None:
-    _kernel()
+    require_kernel()
     llama = Workload.uniform("llama-3.1-8b", batch=1, context=64, dtype="bf16")
     assert "not MLA" in "; ".join(CpuDecodeMLABackend().resolve(llama).reasons)
     fp32 = Workload(MLA96, (8,), torch.float32, "cpu")
