@@ -14,35 +14,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def _each(template: str, *parts: str) -> tuple[str, ...]:
+    """``template`` with its ``{}`` filled by each of ``parts`` in turn."""
+    return tuple(template.format(part) for part in parts)
+
+
 #: marker name -> (doc, results files whose Markdown (less its title) goes between the markers)
 BLOCKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gate-matrix": (
         "docs/correctness.md",
-        (
-            "results/gate/gate-matrix-cpu-bf16.md",
-            "results/gate/gate-matrix-cpu-fp16.md",
-            "results/gate/gate-matrix-cpu-fp32.md",
-        ),
+        _each("results/gate/gate-matrix-cpu-{}.md", "bf16", "fp16", "fp32"),
     ),
     "fp8-long-context": ("docs/fp8.md", ("results/cpu/accuracy/fp8-long-context-cpu.md",)),
     "vllm-targets": ("docs/engines.md", ("results/engines/vllm-targets.md",)),
     "aot-paged": (
         "docs/triton-paged.md",
-        (
-            "results/aot/aot-before-after.md#paged",
-            "results/aot/aot-before-after.md#merge",
-            "results/aot/aot-before-after.md#summary",
-        ),
+        _each("results/aot/aot-before-after.md#{}", "paged", "merge", "summary"),
     ),
     "aot-fp8": ("docs/fp8.md", ("results/aot/aot-before-after.md#fp8",)),
     "aot-mla": ("docs/mla.md", ("results/aot/aot-before-after.md#mla",)),
     "cpu-kernel-bandwidth": (
         "docs/benchmarks.md",
-        (
-            "results/cpu/kernels/cpu-kernel-bandwidth-t1-b1.md",
-            "results/cpu/kernels/cpu-kernel-bandwidth-t1-b8.md",
-            "results/cpu/kernels/cpu-kernel-bandwidth-t1-prefetch.md",
-        ),
+        _each("results/cpu/kernels/cpu-kernel-bandwidth-t1-{}.md", "b1", "b8", "prefetch"),
     ),
 }
 
