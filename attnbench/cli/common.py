@@ -237,6 +237,16 @@ def write_report(out: str | Path, report: Mapping[str, Any], markdown: str, *, i
     out.with_suffix(".md").write_text(markdown)
 
 
+def new_tokens_from_args(args: argparse.Namespace) -> int:
+    """``--new-tokens`` as a count, refused below 2 (one token from prefill, then decode steps)."""
+    new_tokens = parse_tokens(args.new_tokens, field="--new-tokens")
+    if new_tokens < 2:
+        raise ValueError(
+            f"--new-tokens {args.new_tokens!r} must be ≥ 2 (one from prefill, then decode steps)"
+        )
+    return new_tokens
+
+
 def workloads_from_args(args: argparse.Namespace) -> list[Workload]:
     shape = load_shape(args.model)
     batches = parse_int_list(args.batch, field="--batch")

@@ -34,6 +34,7 @@ from attnbench.cli.common import (
     command_line,
     console,
     emit_json,
+    new_tokens_from_args,
     print_table,
     run_options,
 )
@@ -69,11 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prompt_len = parse_tokens(args.prompt_len, field="--prompt-len")
-    new_tokens = parse_tokens(args.new_tokens, field="--new-tokens")
-    if new_tokens < 2:
-        raise ValueError(
-            f"--new-tokens {args.new_tokens!r} must be ≥ 2 (one from prefill, then decode steps)"
-        )
+    new_tokens = new_tokens_from_args(args)
     batch = parse_tokens(args.batch, field="--batch")
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers = {args.layers} must be ≥ 1")

@@ -38,6 +38,7 @@ from attnbench.cli.common import (
     command_line,
     console,
     emit_json,
+    new_tokens_from_args,
     print_table,
     run_record,
 )
@@ -143,11 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
     batches = _list(args.batch, field="--batch")
     prompts = _list(args.prompt, field="--prompt")
-    new_tokens = parse_tokens(args.new_tokens, field="--new-tokens")
-    if new_tokens < 2:
-        raise ValueError(
-            f"--new-tokens {args.new_tokens!r} must be ≥ 2 (one from prefill, then decode steps)"
-        )
+    new_tokens = new_tokens_from_args(args)
     dtype = parse_dtype(args.dtype, field="--dtype")
     if args.plot:  # refused before the runs, not after minutes of them
         _plot_module()
