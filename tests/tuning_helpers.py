@@ -18,10 +18,9 @@ from attnbench.core.registry import Registry, Source, load_registry
 from attnbench.core.workload import Workload
 from attnbench.hookspecs import hookimpl
 from attnbench.tuning import (
-    Candidate,
+    CandidateResult,
     KeyResult,
     ResultsTable,
-    TrialRecord,
     TuneOptions,
     backend_refs,
     plan_studies,
@@ -77,16 +76,15 @@ def planted_result(
     correctness gate (with the error it recorded)."""
     (plan,) = plan_studies([workload], backend_refs(only=list(steps)), profile=profile, options=TuneOptions())
     records = []
-    for n, (name, step) in enumerate(steps.items()):
-        ok = step is not None
-        attrs = (
-            {"gbps": gbps, "pct_of_bandwidth": 7.5}
-            if ok
-            else {"check": {"error": {"max_abs": 0.3, "rel_l2": 0.2}}}
-        )
-        kind, reason = ("", "") if ok else ("gate", "broke tolerance")
+    for name, step in steps.items():
         config = plan.space.backends[name].cls.default_config()
-        records.append(TrialRecord(n, Candidate(name, config), ok, step, kind, reason, attrs))
+        if step is not None:
+            records.append(CandidateResult(name, config, step_ms=step * 1e3, gbps=gbps, pct_of_bandwidth=7.5))
+        else:
+            error = {"max_abs": 0.3, "rel_l2": 0.2}
+            records.append(
+                CandidateResult(name, config, failed="gate", reason="broke tolerance", error=error)
+            )
     return KeyResult(plan, records)
 
 

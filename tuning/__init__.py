@@ -49,7 +49,6 @@ if TYPE_CHECKING:  # what __getattr__ below imports on first use, for type check
         JOURNAL_NAME,
         KeyResult,
         StudyPlan,
-        TrialRecord,
         TuneOptions,
         open_storage,
         plan_studies,
@@ -75,7 +74,6 @@ __all__ = [
     "TableEntry",
     "TableError",
     "TableReadError",
-    "TrialRecord",
     "TuneOptions",
     "TuneReport",
     "TuningKey",
@@ -99,7 +97,12 @@ __all__ = [
 #: names of the Optuna-backed modules, imported on first use (``attnbench.tuning.tune``...)
 _LAZY = dict.fromkeys(("StorageError", "repair_journal"), "storage")
 _LAZY |= dict.fromkeys(("TuneReport", "tune"), "tuner")
-_STUDY = ("JOURNAL_NAME", "KeyResult", "StudyPlan", "TrialRecord", "TuneOptions", "open_storage")
+_STUDY = ("JOURNAL_NAME", "KeyResult", "StudyPlan", "TuneOptions", "open_storage")
+#: renamed in 0.2, still importable with a DeprecationWarning: old name -> (new name, where it is)
+_RENAMED = {
+    "default_results_dir": ("_default_results_dir", "attnbench.core.locations.results_location().path"),
+    "TrialRecord": ("CandidateResult", "attnbench.tuning.CandidateResult (the one trial record)"),
+}
 _LAZY |= dict.fromkeys((*_STUDY, "plan_studies", "run_study"), "study")
 
 
@@ -111,15 +114,12 @@ def _default_results_dir() -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "default_results_dir":  # removed in 0.2: one results-location function
+    if name in _RENAMED:  # one results-location function, one trial record
         import warnings
 
-        warnings.warn(
-            "attnbench.tuning.default_results_dir() is attnbench.core.locations.results_location().path",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return _default_results_dir
+        new, where = _RENAMED[name]
+        warnings.warn(f"attnbench.tuning.{name} is {where}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'attnbench.tuning' has no attribute {name!r}")

@@ -36,13 +36,13 @@ from attnbench.core.workload import Workload, workload_to_dict
 from attnbench.tuning.key import TuningKey
 from attnbench.tuning.space import BackendRef, Candidate, SearchSpace, build_space
 from attnbench.tuning.storage import JOURNAL_NAME, fail_stale, heartbeat, heartbeats_enabled, open_storage
+from attnbench.tuning.table_schema import CandidateResult
 from attnbench.tuning.worker import Outcome, Worker, WorkerTask
 
 __all__ = [
     "JOURNAL_NAME",
     "KeyResult",
     "StudyPlan",
-    "TrialRecord",
     "TuneOptions",
     "open_storage",
     "plan_studies",
@@ -79,30 +79,8 @@ class TuneOptions:
     )
 
 
-@dataclass
-class TrialRecord:
-    """A finished candidate as the table sees it."""
-
-    number: int
-    candidate: Candidate
-    ok: bool
-    value: float | None
-    kind: str
-    reason: str
-    attrs: dict[str, Any]
-
-    @classmethod
-    def from_trial(cls, t: FrozenTrial) -> TrialRecord:
-        a = t.user_attrs
-        return cls(
-            number=t.number,
-            candidate=Candidate(a["backend"], a.get("config", {})),
-            ok=t.state == TrialState.COMPLETE,
-            value=t.value if t.state == TrialState.COMPLETE else None,
-            kind=a.get("kind", ""),
-            reason=a.get("reason", ""),
-            attrs=a.get("measurement", {}) | ({"check": a["check"]} if "check" in a else {}),
-        )
+def _trial_result(t: FrozenTrial) -> CandidateResult:
+    return CandidateResult.from_dict(t.user_attrs["result"], where=f"trial {t.number}")
 
 
 @dataclass
@@ -141,7 +119,7 @@ class StudyPlan:
 @dataclass
 class KeyResult:
     plan: StudyPlan
-    records: list[TrialRecord] = field(default_factory=list)
+    records: list[CandidateResult] = field(default_factory=list)  # in trial order
     ran: int = 0
     interrupted: bool = False
 
@@ -182,7 +160,7 @@ def _finished(t: FrozenTrial, *, retry_failed: bool = False, since: int = -1) ->
 
     With ``retry_failed`` a failed trial counts only if it ran in this call (number > ``since``).
     """
-    if "duplicate_of" in t.user_attrs:
+    if "duplicate_of" in t.user_attrs or "result" not in t.user_attrs:  # (no result: older attnbench)
         return False
     if t.state == TrialState.COMPLETE:
         return True
@@ -231,7 +209,7 @@ def run_study(
     worker: Worker,
     profile: DeviceProfile,
     options: TuneOptions,
-    on_trial: Callable[[StudyPlan, TrialRecord, bool], None] | None = None,
+    on_trial: Callable[[StudyPlan, CandidateResult, bool], None] | None = None,
 ) -> KeyResult:
     """Run ``plan``'s study until it holds ``plan.target`` distinct finished candidates.
 
@@ -258,7 +236,7 @@ def run_study(
     duplicates = stalls = 0
     while True:
         trials = study.get_trials(deepcopy=False)
-        done = {TrialRecord.from_trial(t).candidate.ident(): t for t in trials if finished(t)}
+        done = {_trial_result(t).candidate.ident(): t for t in trials if finished(t)}
         busy = {
             Candidate(t.user_attrs["backend"], t.user_attrs.get("config", {})).ident()
             for t in trials
@@ -313,6 +291,7 @@ def run_study(
             error_multiple=options.error_multiple,
             accuracy_budget=options.accuracy_budget,
             timing=options.timing,
+            backend=cand.backend,
         )
         try:
             with heartbeat(study._storage, trial._trial_id):
@@ -324,26 +303,26 @@ def run_study(
             study.tell(trial, state=TrialState.FAIL)
             result.interrupted = True
             break
-        _record(trial, outcome)
+        _record(trial, cand, outcome)
         if outcome.ok:
             study.tell(trial, outcome.value)
         else:
             study.tell(trial, state=TrialState.FAIL)
         result.ran += 1
         if on_trial is not None:
-            on_trial(plan, TrialRecord.from_trial(study.get_trials(deepcopy=False)[trial.number]), False)
-    records = [TrialRecord.from_trial(t) for t in study.get_trials(deepcopy=False) if _finished(t)]
-    result.records = _unique(records)
+            on_trial(plan, _trial_result(study.get_trials(deepcopy=False)[trial.number]), False)
+    result.records = _unique([t for t in study.get_trials(deepcopy=False) if _finished(t)])
     return result
 
 
-def _unique(records: list[TrialRecord]) -> list[TrialRecord]:
+def _unique(trials: list[FrozenTrial]) -> list[CandidateResult]:
     """One finished trial per candidate, the latest (a retry supersedes a failure; several processes
-    may also have measured one candidate twice)."""
-    seen: dict[str, TrialRecord] = {}
-    for r in sorted(records, key=lambda r: r.number, reverse=True):
-        seen.setdefault(r.candidate.ident(), r)
-    return sorted(seen.values(), key=lambda r: r.number)
+    may also have measured one candidate twice), in trial order."""
+    seen: dict[str, tuple[int, CandidateResult]] = {}
+    for t in sorted(trials, key=lambda t: t.number, reverse=True):
+        r = _trial_result(t)
+        seen.setdefault(r.candidate.ident(), (t.number, r))
+    return [r for _, r in sorted(seen.values(), key=lambda x: x[0])]
 
 
 def _taken_by_earlier(
@@ -375,19 +354,18 @@ def _taken_by_earlier(
     return False
 
 
-def _record(trial: optuna.Trial, outcome: Outcome) -> None:
+def _record(trial: optuna.Trial, cand: Candidate, outcome: Outcome) -> None:
+    """The trial's record (the worker's, or a failure the parent saw: crash, timeout) and its
+    diagnostics, as the trial's user attributes."""
+    result = outcome.result or CandidateResult(
+        cand.backend, dict(cand.config), failed=outcome.kind or "crash", reason=outcome.reason
+    )
+    trial.set_user_attr("result", result.as_dict())
     trial.set_user_attr("kind", outcome.kind or "ok")
     trial.set_user_attr("wall_s", round(outcome.wall_s, 3))
-    if outcome.reason:
-        trial.set_user_attr("reason", outcome.reason)
-    attrs = dict(outcome.attrs)
-    if "check" in attrs:
-        trial.set_user_attr("check", attrs.pop("check"))
     for extra in ("traceback", "stderr_tail"):
-        if extra in attrs:
-            trial.set_user_attr(extra, attrs.pop(extra))
-    if attrs:
-        trial.set_user_attr("measurement", attrs)
+        if extra in outcome.attrs:
+            trial.set_user_attr(extra, outcome.attrs[extra])
 
 
 def _tell_duplicate(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -20,10 +21,10 @@ from attnbench.core.version import __version__
 from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide, too_wide
 from attnbench.tuning.refine import PointMeasurement
 from attnbench.tuning.space import Candidate
-from attnbench.tuning.table_schema import TableEntry
+from attnbench.tuning.table_schema import CandidateResult, TableEntry
 
 if TYPE_CHECKING:  # the study needs Optuna; a summary of its records does not
-    from attnbench.tuning.study import KeyResult, TrialRecord
+    from attnbench.tuning.study import KeyResult
 
 __all__ = ["candidate_label", "mergeable", "summarize", "versions"]
 
@@ -43,70 +44,7 @@ def candidate_label(c: Mapping[str, Any]) -> str:
     return Candidate(c["backend"], c.get("config") or {}).label()
 
 
-def _ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1e3, 4)
-
-
-def _gate_summary(check: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The gate's numbers a table keeps: worst error, calibration error, their ratio, the bound."""
-    if not check:
-        return None
-
-    def few(d: dict[str, Any] | None) -> dict[str, Any] | None:
-        keys = ("max_abs", "rel_l2", "cosine")
-        return {k: float(f"{d[k]:.4g}") for k in keys if isinstance(d.get(k), (int, float))} if d else None
-
-    out = {
-        "error": few(check.get("error")),
-        "calibration": few(check.get("calibration")),
-        "multiple": check.get("multiple"),
-        "ratios": {k: float(f"{v:.3g}") for k, v in (check.get("ratios") or {}).items()},
-        "retrieval": check.get("retrieval"),
-        "workload": check.get("workload"),
-    }
-    if check.get("stored_error"):
-        out["stored_error"] = few(check.get("stored_error"))
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def _cand(r: TrialRecord) -> dict[str, Any]:
-    out: dict[str, Any] = {"backend": r.candidate.backend, "config": dict(r.candidate.config)}
-    gate = _gate_summary(r.attrs.get("check"))
-    if gate:
-        out["gate"] = gate
-    if r.attrs.get("lossy") or (r.attrs.get("check") or {}).get("lossy"):
-        out["lossy"] = r.attrs.get("lossy") or r.attrs["check"]["lossy"]
-    if r.ok:
-        m = r.attrs
-        out |= {"step_ms": _ms(r.value)}
-        if m.get("gbps") is not None:
-            out["gbps"] = round(m["gbps"], 3)
-        if m.get("pct_of_bandwidth") is not None:
-            out["pct_of_bandwidth"] = round(m["pct_of_bandwidth"], 2)
-        if m.get("implementation"):
-            out["implementation"] = m["implementation"]
-    else:
-        out |= {"failed": r.kind, "reason": r.reason}
-        err = (r.attrs.get("check") or {}).get("error")
-        if err:
-            out["error"] = {k: err[k] for k in ("max_abs", "rel_l2", "cosine", "nonfinite") if k in err}
-    return out
-
-
-def search_interval(r: TrialRecord) -> Interval:
-    """A study trial's time as an approximate 95 % interval of its median, from the 10th–90th
-    percentile of its steps (p90 − p10 ≈ 2.56 σ; the median's standard error ≈ 1.25 σ / √n). Used
-    only to pick the finalists, which are then re-timed interleaved."""
-    step = r.attrs.get("step") or {}
-    med = (r.value or 0.0) * 1e3
-    lo, hi, n = step.get("p10_s"), step.get("p90_s"), int(step.get("repeats", 1) or 1)
-    if lo is None or hi is None:
-        return Interval.exact(med)
-    half = 0.96 * (hi - lo) * 1e3 / n**0.5
-    return Interval(med, max(med - half, 1e-9), med + half, n)
-
-
-def mergeable(prior: Mapping[str, Any], code_hashes: Mapping[str, str]) -> list[dict[str, Any]]:
+def mergeable(prior: Mapping[str, Any], code_hashes: Mapping[str, str]) -> list[CandidateResult]:
     """The candidates of an existing entry that may stand beside this run's: same versions, same
     code hash of their own backend (entries without per-backend hashes merge nothing)."""
     now, then = versions(), prior.get("versions") or {}
@@ -114,8 +52,8 @@ def mergeable(prior: Mapping[str, Any], code_hashes: Mapping[str, str]) -> list[
         return []
     hashes = prior.get("code_hashes") or {}
     return [
-        dict(c)
-        for c in prior.get("candidates") or []
+        CandidateResult.from_dict(c, where=f"candidates[{i}]")
+        for i, c in enumerate(prior.get("candidates") or [])
         if not c.get("missing")
         and hashes.get(c["backend"])
         and hashes[c["backend"]] == code_hashes.get(c["backend"])
@@ -141,36 +79,33 @@ def summarize(
     code_hashes = dict(code_hashes or {})
     default = plan.space.default_candidate() if plan.space.default_backend else None
     default_label = default.label() if default else None
-    cands: dict[str, dict[str, Any]] = {r.candidate.label(): _cand(r) for r in result.records}
-    kinds = {r.candidate.label(): r.kind for r in result.records if not r.ok}
+    cands: dict[str, CandidateResult] = {
+        r.candidate.label(): replace(r, study_interval=None) for r in result.records
+    }
     merged: list[str] = []
     for c in mergeable(prior, code_hashes) if prior else []:
-        label = candidate_label(c)
-        if label not in cands:
-            c.pop("retimed", None)  # re-timed then, not in this run's interleaved measurement
-            cands[label] = c | {"merged": prior.get("tuned_at", "earlier")}  # type: ignore[union-attr]
+        label = c.candidate.label()
+        if label not in cands:  # re-timed then, not in this run's interleaved measurement
+            cands[label] = replace(c, retimed=False, merged=str(prior.get("tuned_at", "earlier")))  # type: ignore[union-attr]
             merged.append(label)
     if retimed is not None:
         times = dict(retimed.times)
         for label, interval in times.items():
             if label in cands:
-                study = {} if "merged" in cands[label] else {"study_ms": cands[label].get("step_ms")}
-                cands[label] = (
-                    cands[label]
-                    | {k: v for k, v in study.items() if v is not None}
-                    | {
-                        "step_ms": round(interval.median_ms, 4),
-                        "interval": interval.as_dict(),
-                        "retimed": True,
-                    }
+                c = cands[label]
+                cands[label] = replace(
+                    c,
+                    study_ms=c.study_ms if c.merged else c.step_ms,
+                    step_ms=round(interval.median_ms, 4),
+                    interval=interval.as_dict(),
+                    retimed=True,
                 )
         for label, why in retimed.failed.items():
-            if label in cands and "failed" not in cands[label]:
-                cands[label] = cands[label] | {"retime_failed": why}
+            if label in cands and not cands[label].failed:
+                cands[label] = replace(cands[label], retime_failed=why)
     else:
-        times = {
-            r.candidate.label(): Interval.exact(r.value * 1e3) for r in result.records if r.ok and r.value
-        }
+        times = {r.candidate.label(): Interval.exact(r.step_ms) for r in result.records if r.ok and r.step_ms}
+    kinds = {r.candidate.label(): r.failed for r in result.records if r.failed}
     verdict = decide(times, default=default_label if default_label in times else None, margin=margin)
     winner = cands.get(verdict.winner) if verdict.winner else None
     decision = verdict.reason
@@ -194,16 +129,18 @@ def summarize(
         "batch_bucket": plan.key.batch_bucket,
         "context_bucket": plan.key.context_bucket,
         "measured_at": {"batch": plan.workload.batch, "context": plan.workload.context},
-        "winner": winner,
+        "winner": winner.as_dict() if winner else None,
         "decision": decision,
         "tie": verdict.tie,
-        "runner_up": runner,
+        "runner_up": runner.as_dict() if runner else None,
         "margin": round(ratio, 4) if ratio is not None else None,
-        "default": cands.get(default_label)
+        "default": cands[default_label].as_dict()
         if default_label in cands
         else ({"backend": default.backend, "missing": True} if default else None),
         "switch_margin": margin,
-        "candidates": sorted(cands.values(), key=lambda c: (c.get("step_ms") is None, c.get("step_ms") or 0)),
+        "candidates": [
+            c.as_dict() for c in sorted(cands.values(), key=lambda c: (c.step_ms is None, c.step_ms or 0))
+        ],
         "excluded": [e.as_dict() for e in plan.space.excluded],
         "complete": result.complete,
         "study": plan.study_name,
@@ -213,7 +150,7 @@ def summarize(
         "device_fingerprint_id": profile.id,
         "code_hash": plan.code_hash,
         "code_hashes": {
-            b: h for b, h in sorted(code_hashes.items()) if any(c["backend"] == b for c in cands.values())
+            b: h for b, h in sorted(code_hashes.items()) if any(c.backend == b for c in cands.values())
         },
         "versions": versions(),
         "tuned_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

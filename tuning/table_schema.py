@@ -1,7 +1,10 @@
 """The schema of a results-table entry: typed, validated, and defined once.
 
 :class:`TableEntry` is one tuned key (winner, runner-up, default, every candidate, provenance);
-:class:`CandidateResult` is one candidate in it. :mod:`attnbench.tuning.table` re-exports both and
+:class:`CandidateResult` is one candidate in it, and the one record of a trial from the worker to the
+table: the worker builds it from its measurement, the study stores its :meth:`~CandidateResult.as_dict`
+with the Optuna trial, and :meth:`~CandidateResult.from_dict` reads it back there, from the worker's
+pipe and from the table file. :mod:`attnbench.tuning.table` re-exports both and
 validates every entry it reads or writes through them, so a file that does not validate (truncated,
 hand-broken) is refused with the field and the rule, and moved aside by the next ``tune``.
 
@@ -18,6 +21,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from attnbench.tuning.margin import Interval
+from attnbench.tuning.space import Candidate
 
 __all__ = ["CandidateResult", "TableEntry", "TableError", "validate_entries"]
 
@@ -74,8 +80,13 @@ def _known(cls: type) -> set[str]:
 class CandidateResult:
     """One candidate of a tuned key: measured (``step_ms``) or failed (``failed`` + ``reason``).
 
-    ``missing``: the default backend had no trial (e.g. excluded). ``extra`` keeps fields this
-    version does not know (written by a newer attnbench), so a save never drops them.
+    The one record of a trial: the worker builds it, the study keeps it, the table writes it. A
+    finalist re-timed beside the others (``retimed``) keeps its study time in ``study_ms`` and its
+    re-timed median in ``step_ms``; ``study_interval`` is the study run's approximate interval of
+    its median (from its 10th-90th percentiles), which picks the finalists. ``missing``: the default
+    backend had no trial (e.g. excluded). ``merged``: kept from the entry tuned then (its time is from
+    that run). ``extra`` keeps fields this version does not know (written by a newer attnbench), so a
+    save never drops them.
     """
 
     backend: str
@@ -92,11 +103,36 @@ class CandidateResult:
     lossy: str | None = None  # what a lossy cache loses, e.g. "fp8 e4m3 K/V"
     #: the finalists' interleaved time: {median_ms, lo_ms, hi_ms, samples} (bootstrap interval of the median)
     interval: dict[str, Any] | None = None
+    study_ms: float | None = None  # a re-timed finalist's time in the study
+    study_interval: dict[str, Any] | None = None  # the study's approximate interval, same form
+    retimed: bool = False
+    retime_failed: str | None = None
+    merged: str | None = None  # when the entry it was kept from was tuned
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return self.step_ms is not None and not self.failed
+
+    @property
+    def candidate(self) -> Candidate:
+        return Candidate(self.backend, self.config)
+
+    @property
+    def value(self) -> float | None:
+        """The step time in seconds (``None`` for a failure)."""
+        return self.step_ms / 1e3 if self.ok and self.step_ms is not None else None
+
+    @property
+    def kind(self) -> str:
+        """The failure's kind (``gate``, ``crash``, …), ``""`` when measured."""
+        return self.failed or ""
+
+    def search_interval(self) -> Interval:
+        """The study time with its spread (exact when none is known), to pick the finalists by."""
+        if self.study_interval is not None:
+            return Interval.from_dict(self.study_interval)
+        return Interval.exact(self.study_ms or self.step_ms or 0.0)
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str) -> CandidateResult:
@@ -115,10 +151,16 @@ class CandidateResult:
             gate=c.get("gate", Mapping, required=False),
             lossy=c.get("lossy", str, required=False),
             interval=c.get("interval", Mapping, required=False),
+            study_ms=c.number("study_ms", required=False, positive=True),
+            study_interval=c.get("study_interval", Mapping, required=False),
+            retimed=c.get("retimed", bool, required=False, default=False),
+            retime_failed=c.get("retime_failed", str, required=False),
+            merged=c.get("merged", str, required=False),
             extra=c.extra(_known(cls)),
         )
-        if out.interval is not None:
-            _interval(out.interval, where=f"{where}.interval")
+        for name in ("interval", "study_interval"):
+            if getattr(out, name) is not None:
+                _interval(getattr(out, name), where=f"{where}.{name}")
         if not out.missing and "config" not in c.data:
             raise c._fail("config", "is missing")
         if not out.missing and out.failed is None and out.step_ms is None:
@@ -130,10 +172,14 @@ class CandidateResult:
         if self.missing:
             return out | {"missing": True} | self.extra
         out["config"] = dict(self.config)
-        names = ("step_ms", "gbps", "pct_of_bandwidth", "implementation", "failed", "reason", "error")
-        for name in (*names, "gate", "lossy", "interval"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if (
+                f.name not in ("backend", "config", "missing", "extra")
+                and value is not None
+                and value is not False
+            ):
+                out[f.name] = value
         return out | self.extra
 
 
@@ -245,7 +291,7 @@ class TableEntry:
 
 def _interval(data: Mapping[str, Any], *, where: str) -> None:
     c = _Check(data, where)
-    med, lo, hi = (c.number(k, positive=True) for k in ("median_ms", "lo_ms", "hi_ms"))
+    med, lo, hi = (c.number(k, positive=k == "median_ms") for k in ("median_ms", "lo_ms", "hi_ms"))
     if not lo <= med <= hi:  # type: ignore[operator]
         raise TableError(f"field '{where}' = {dict(data)!r}: needs lo_ms ≤ median_ms ≤ hi_ms")
 

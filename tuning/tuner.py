@@ -29,14 +29,13 @@ from attnbench.tuning.study import (
     JOURNAL_NAME,
     KeyResult,
     StudyPlan,
-    TrialRecord,
     TuneOptions,
     open_storage,
     plan_studies,
     run_study,
 )
-from attnbench.tuning.summary import candidate_label, search_interval, summarize
-from attnbench.tuning.table import ResultsTable, TableError, hardware_id, table_path
+from attnbench.tuning.summary import candidate_label, summarize
+from attnbench.tuning.table import CandidateResult, ResultsTable, TableError, hardware_id, table_path
 from attnbench.tuning.worker import Worker
 
 __all__ = ["TuneReport", "tune"]
@@ -78,7 +77,7 @@ def tune(
     resolution: float = RESOLUTION,
     command: str = "",
     on_plan: Callable[[list[StudyPlan]], None] | None = None,
-    on_trial: Callable[[StudyPlan, TrialRecord, bool], None] | None = None,
+    on_trial: Callable[[StudyPlan, CandidateResult, bool], None] | None = None,
     on_point: Callable[[GridPoint], None] | None = None,
     update_reference: bool = False,
 ) -> TuneReport:
@@ -202,14 +201,14 @@ def tune(
 
 def _finalists(
     plan: StudyPlan,
-    records: Sequence[TrialRecord],
+    records: Sequence[CandidateResult],
     old: dict[str, Any] | None,
     everyone: dict[str, BackendRef],
 ) -> dict[str, Finalist]:
     """The candidates to re-time for one key: near the best, at least three, the default, the incumbent."""
     ok = {r.candidate.label(): r for r in records if r.ok and r.value}
     default = plan.space.default_candidate().label() if plan.space.default_backend else None
-    labels = finalists({k: search_interval(r) for k, r in ok.items()}, keep=[default] if default else [])
+    labels = finalists({k: r.search_interval() for k, r in ok.items()}, keep=[default] if default else [])
     out: dict[str, Finalist] = {}
     for label in labels:
         c = ok[label].candidate

@@ -28,10 +28,15 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnbench.core.child import Child
 from attnbench.core.workload import workload_from_dict
+from attnbench.tuning.margin import Interval
+from attnbench.tuning.table_schema import CandidateResult
+
+if TYPE_CHECKING:
+    from attnbench.core.timing import Timing
 
 __all__ = ["Outcome", "Worker", "WorkerTask", "evaluate"]
 
@@ -54,6 +59,7 @@ class WorkerTask:
     error_multiple: float | None = None
     accuracy_budget: float | None = None
     timing: str | None = None  # the objective: "eager" or "graph" (None: graph on CUDA, else eager)
+    backend: str = ""  # the candidate's name in the search space (its record's ``backend``)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -75,6 +81,7 @@ class Outcome:
     reason: str = ""
     attrs: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
+    result: CandidateResult | None = None  # a candidate's trial record, as the worker built it
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,22 +95,44 @@ def _classify(err: BaseException) -> str:
 
 
 def evaluate(task: dict[str, Any]) -> dict[str, Any]:
-    """Check, then time, one candidate (runs in the worker). Returns a JSON-able verdict."""
+    """Check, then time, one candidate (runs in the worker).
+
+    Returns the verdict line: ``ok``, ``value`` (median step seconds), ``kind`` and ``reason`` of a
+    failure, ``result`` (the trial's :class:`CandidateResult` as a dict) and ``attrs`` (a failure's
+    traceback)."""
     from attnbench.core.device import DeviceProfile
     from attnbench.core.registry import load_backend_class
     from attnbench.measure.bench import CheckFailed, Implausible, measure_decode
 
+    name, config = task.get("backend") or task["backend_ref"], task["config"]
+
+    def failed(kind: str, reason: str, check: Any = None, **attrs: Any) -> dict[str, Any]:
+        gate = _gate_summary(check)
+        error = (check or {}).get("error")
+        result = CandidateResult(
+            name,
+            config,
+            failed=kind,
+            reason=reason,
+            gate=gate,
+            lossy=(check or {}).get("lossy"),
+            error={k: error[k] for k in ("max_abs", "rel_l2", "cosine", "nonfinite") if k in error}
+            if error
+            else None,
+        )
+        return {"ok": False, "kind": kind, "reason": reason, "result": result.as_dict(), "attrs": attrs}
+
     try:
         backend = load_backend_class(task["backend_ref"])()
         workload = workload_from_dict(task["workload"])
-        resolution = backend.resolve(workload, task["config"])
+        resolution = backend.resolve(workload, config)
         if not resolution.runnable:
-            return {"ok": False, "kind": "unsupported", "reason": "; ".join(resolution.reasons)}
+            return failed("unsupported", "; ".join(resolution.reasons))
         profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
         m = measure_decode(
             backend,
             workload,
-            config=task["config"],
+            config=config,
             resolution=resolution,
             profile=profile,
             warmup=task["warmup"],
@@ -117,30 +146,61 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
             accuracy_budget=task.get("accuracy_budget"),
         )
     except CheckFailed as err:
-        kind = "nan" if err.check.error.nonfinite else "gate"
-        return {"ok": False, "kind": kind, "reason": str(err), "attrs": {"check": err.check.as_dict()}}
+        return failed("nan" if err.check.error.nonfinite else "gate", str(err), err.check.as_dict())
     except Implausible as err:  # faster than the device can read: a measurement bug, never a winner
-        return {"ok": False, "kind": "implausible", "reason": str(err)}
+        return failed("implausible", str(err))
     except Exception as err:  # the candidate's own failure: report it, stay alive for the next one
         tb = traceback.format_exc().strip().splitlines()
-        return {
-            "ok": False,
-            "kind": _classify(err),
-            "reason": f"{type(err).__name__}: {err}",
-            "attrs": {"traceback": "\n".join(tb[-12:])},
-        }
-    attrs = m.as_dict()
+        return failed(_classify(err), f"{type(err).__name__}: {err}", traceback="\n".join(tb[-12:]))
+    check = m.check.as_dict() if m.check else None
     if not m.timed or m.step is None:
-        return {"ok": False, "kind": "not-timed", "reason": m.note or "not timed", "attrs": attrs}
+        return failed("not-timed", m.note or "not timed", check)
     value = m.step.median_s
     if not math.isfinite(value) or value <= 0:
-        return {
-            "ok": False,
-            "kind": "nan",
-            "reason": f"step time {value!r} is not a positive number",
-            "attrs": attrs,
-        }
-    return {"ok": True, "value": value, "attrs": attrs}
+        return failed("nan", f"step time {value!r} is not a positive number", check)
+    result = CandidateResult(
+        name,
+        config,
+        step_ms=round(value * 1e3, 4),
+        gbps=None if math.isnan(m.gbps) else round(m.gbps, 3),
+        pct_of_bandwidth=None if m.pct_of_bandwidth is None else round(m.pct_of_bandwidth, 2),
+        implementation=m.implementation or None,
+        gate=_gate_summary(check),
+        lossy=(check or {}).get("lossy") or None,
+        study_interval=_study_interval(m.step).as_dict(),
+    )
+    return {"ok": True, "value": value, "result": result.as_dict()}
+
+
+def _study_interval(step: Timing) -> Interval:
+    """A study trial's time as an approximate 95 % interval of its median, from the 10th–90th
+    percentile of its steps (p90 − p10 ≈ 2.56 σ; the median's standard error ≈ 1.25 σ / √n). Used
+    only to pick the finalists, which are then re-timed interleaved."""
+    med, n = step.median_s * 1e3, max(1, step.repeats)
+    half = 0.96 * (step.p90_s - step.p10_s) * 1e3 / n**0.5
+    return Interval(med, max(med - half, 0.0), med + half, n)
+
+
+def _gate_summary(check: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The gate's numbers a table keeps: worst error, calibration error, their ratio, the bound."""
+    if not check:
+        return None
+
+    def few(d: dict[str, Any] | None) -> dict[str, Any] | None:
+        keys = ("max_abs", "rel_l2", "cosine")
+        return {k: float(f"{d[k]:.4g}") for k in keys if isinstance(d.get(k), (int, float))} if d else None
+
+    out = {
+        "error": few(check.get("error")),
+        "calibration": few(check.get("calibration")),
+        "multiple": check.get("multiple"),
+        "ratios": {k: float(f"{v:.3g}") for k, v in (check.get("ratios") or {}).items()},
+        "retrieval": check.get("retrieval"),
+        "workload": check.get("workload"),
+    }
+    if check.get("stored_error"):
+        out["stored_error"] = few(check.get("stored_error"))
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _die_with_parent(parent: int) -> None:
@@ -313,6 +373,9 @@ class Worker:
                 reason=reply.get("reason", ""),
                 attrs=reply.get("attrs", {}),
                 wall_s=wall,
+                result=CandidateResult.from_dict(reply["result"], where="worker")
+                if reply.get("result")
+                else None,
             )
         assert self.child is not None
         if not self.eof:  # no answer by the deadline and the pipe still open: a hang

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -30,6 +30,9 @@ from attnbench.cli.common import (
 from attnbench.cli.gate_options import add_gate_options, gate_options
 from attnbench.core.timing import TIMING_MODES, timing_mode
 from attnbench.tuning.margin import SWITCH_MARGIN
+
+if TYPE_CHECKING:
+    from attnbench.tuning.table_schema import CandidateResult, TableEntry
 
 DEFAULT_BATCH = "1"
 DEFAULT_CONTEXT = "1k,4k"
@@ -303,12 +306,14 @@ def summary_table(entries: Mapping[str, Mapping[str, Any]], *, wide: bool = Fals
     measured step time and how it compares with the default; the model and dtype are in the title
     when every row has the same. ``wide`` adds the winner's interval, GB/s and share of bandwidth, the
     runner-up, the default's time, the decision, the load average, the failed candidates and the
-    trial count (``--json`` has every field)."""
+    trial count (``--json`` has every field). ``entries`` are read through the table's schema."""
+    from attnbench.tuning.table_schema import validate_entries
+
     rows = sorted(
-        entries.values(),
-        key=lambda e: (e["model"], e["dtype"], e["batch_bucket"], e["context_bucket"]),
+        validate_entries(entries).values(),
+        key=lambda e: (e.model, e.dtype, e.batch_bucket, e.context_bucket),
     )
-    same = {k: {e[k] for e in rows} for k in ("model", "dtype")}
+    same = {k: {getattr(e, k) for e in rows} for k in ("model", "dtype")}
     lead = [k for k in ("model", "dtype") if wide or len(same[k]) > 1]
     what = " ".join(next(iter(same[k])) for k in ("model", "dtype") if k not in lead and same[k])
     title = escape(
@@ -322,59 +327,58 @@ def summary_table(entries: Mapping[str, Mapping[str, Any]], *, wide: bool = Fals
     left = ("model", "dtype", "winner", "config", "runner-up", "decision", "failed")
     table = cli_table(title, columns, right=[c for c in columns if c not in left])
     for entry in rows:
-        w, r, d = entry.get("winner"), entry.get("runner_up"), entry.get("default") or {}
-        cells = [escape(str(entry[k])) for k in lead]
-        cells += [str(entry["batch_bucket"]), str(entry["context_bucket"])]
+        w, r, d = entry.winner, entry.runner_up, entry.default
+        cells = [escape(str(getattr(entry, k))) for k in lead]
+        cells += [str(entry.batch_bucket), str(entry.context_bucket)]
         if w:
-            cells += [escape(w["backend"]), escape(config_text(w.get("config"))), ms_text(w["step_ms"])]
+            cells += [escape(w.backend), escape(config_text(w.config)), ms_text(w.step_ms)]
         else:
             cells += ["[red]none passed[/red]", "-", "-"]
         cells.append(_versus_default(entry))
         if wide:
-            failed = [c for c in entry.get("candidates", []) if c.get("failed")]
+            failed = [c for c in entry.candidates if c.failed]
             cells += [
                 _interval(w) or "-",
-                f"{w.get('gbps', 0):.3g}" if w else "-",
-                f"{w.get('pct_of_bandwidth', 0):.3g}" if w else "-",
-                escape(f"{_candidate_text(r)} ({entry['margin']:+.1%})") if r else "-",
-                f"{ms_text(d['step_ms'])} {_interval(d)}" if d.get("step_ms") is not None else "-",
+                f"{w.gbps or 0:.3g}" if w else "-",
+                f"{w.pct_of_bandwidth or 0:.3g}" if w else "-",
+                escape(f"{_candidate_text(r)} ({entry.margin or 0:+.1%})") if r else "-",
+                f"{ms_text(d.step_ms)} {_interval(d)}" if d and d.step_ms is not None else "-",
                 "tie: default kept"
-                if entry.get("tie")
-                else ("switched" if w and d and w.get("backend") != d.get("backend") else "-"),
-                f"{entry['load_avg'][0]:.2g}" if entry.get("load_avg") else "-",
-                escape(", ".join(f"{c['backend']}:{c['failed']}" for c in failed)) or "-",
-                f"{entry['trials']}" + ("" if entry.get("complete", True) else " (partial)"),
+                if entry.tie
+                else ("switched" if w and d and w.backend != d.backend else "-"),
+                f"{entry.load_avg[0]:.2g}" if entry.load_avg else "-",
+                escape(", ".join(f"{c.backend}:{c.failed}" for c in failed)) or "-",
+                f"{entry.trials}" + ("" if entry.complete else " (partial)"),
             ]
         table.add_row(*cells)
     return table
 
 
-def _versus_default(entry: Mapping[str, Any]) -> str:
+def _versus_default(entry: TableEntry) -> str:
     """How the winner compares with the backend's default candidate, in a few words."""
-    w, d = entry.get("winner"), entry.get("default") or {}
-    if not w:
+    w, d = entry.winner, entry.default
+    if not w or w.step_ms is None:
         return "-"
-    if entry.get("tie"):
+    if entry.tie:
         return "default kept (tie)"
     if not d:
         return "no default"
-    if d.get("failed"):
+    if d.failed:
         return "default failed"
-    if d.get("step_ms") is None:
+    if d.step_ms is None:
         return "default not timed"
     if _candidate_text(w) == _candidate_text(d):
         return "is the default"
-    return f"{d['step_ms'] / w['step_ms']:.2f}× faster"
+    return f"{d.step_ms / w.step_ms:.2f}× faster"
 
 
-def _candidate_text(c: Mapping[str, Any]) -> str:
+def _candidate_text(c: CandidateResult) -> str:
     """``backend page_size=128 kv_splits=auto``: a candidate in words that a column can wrap."""
-    config = c.get("config") or {}
-    return f"{c['backend']} {config_text(config)}" if config else str(c["backend"])
+    return f"{c.backend} {config_text(c.config)}" if c.config else c.backend
 
 
-def _interval(c: Mapping[str, Any] | None) -> str:
-    iv = (c or {}).get("interval")
+def _interval(c: CandidateResult | None) -> str:
+    iv = c.interval if c else None
     return escape(f"[{ms_text(iv['lo_ms'])}, {ms_text(iv['hi_ms'])}] n={iv['samples']}") if iv else ""
 
 

@@ -389,19 +389,20 @@ def _point(
 
 def points_from_table(path: str | Path, registry: Registry) -> list[CalibrationPoint]:
     """Every measured candidate of a tuned table (step time and GB/s give the bytes read)."""
+    from attnbench.tuning.table_schema import validate_entries
+
     data = yaml.safe_load(Path(path).read_text()) or {}
     out = []
-    for row, entry in (data.get("entries") or {}).items():
-        at = entry.get("measured_at") or {}
-        for c in entry.get("candidates") or []:
-            if c.get("step_ms") is None or c.get("gbps") is None:
+    for row, entry in validate_entries(data.get("entries") or {}).items():
+        at = entry.measured_at
+        for c in entry.candidates:
+            if c.step_ms is None or c.gbps is None:
                 continue
-            step_s = c["step_ms"] / 1e3
+            step_s = c.step_ms / 1e3
             p = _point(
-                registry, backend=c["backend"], model=entry["model"], dtype=entry["dtype"],
-                batch=int(at.get("batch", entry.get("batch_bucket"))),
-                context=int(at.get("context", entry.get("context_bucket"))),
-                kv_bytes=c["gbps"] * 1e9 * step_s, step_s=step_s, layers=None, source=f"tune:{row}",
+                registry, backend=c.backend, model=entry.model, dtype=entry.dtype,
+                batch=int(at.get("batch", entry.batch_bucket)), context=int(at.get("context", entry.context_bucket)),
+                kv_bytes=c.gbps * 1e9 * step_s, step_s=step_s, layers=None, source=f"tune:{row}",
             )  # fmt: skip
             if p is not None:
                 out.append(p)

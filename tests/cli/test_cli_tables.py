@@ -85,9 +85,8 @@ def _tune_entries(*, dtypes: tuple[str, ...] = ("bf16",)) -> dict[str, dict[str,
     winning, a long plugin config, and a bucket where nothing passed."""
     from attnbench.core.workload import Workload
     from attnbench.tuning import (
-        Candidate,
+        CandidateResult,
         KeyResult,
-        TrialRecord,
         TuneOptions,
         backend_refs,
         plan_studies,
@@ -118,16 +117,16 @@ def _tune_entries(*, dtypes: tuple[str, ...] = ("bf16",)) -> dict[str, dict[str,
                 [workload], backend_refs(only=["flash", "naive"]), profile=profile, options=TuneOptions()
             )
             records, times = [], {}
-            for n, ((backend, config), ms) in enumerate(steps):
-                cand = Candidate(backend, config)
-                ok = ms is not None
-                attrs = (
-                    {"gbps": 6.42, "pct_of_bandwidth": 23.6} if ok else {"check": {"error": {"rel_l2": 0.2}}}
-                )
-                why = ("", "") if ok else ("gate", "rel_l2 0.2 > bound 0.0098")
-                records.append(TrialRecord(n, cand, ok, ms / 1e3 if ok else None, *why, attrs))
-                if ok:
-                    times[cand.label()] = Interval(ms, ms * 0.985, ms * 1.02, 45)
+            for (backend, config), ms in steps:
+                if ms is None:
+                    why = "rel_l2 0.2 > bound 0.0098"
+                    record = CandidateResult(
+                        backend, config, failed="gate", reason=why, error={"rel_l2": 0.2}
+                    )
+                else:
+                    record = CandidateResult(backend, config, step_ms=ms, gbps=6.42, pct_of_bandwidth=23.6)
+                    times[record.candidate.label()] = Interval(ms, ms * 0.985, ms * 1.02, 45)
+                records.append(record)
             result = KeyResult(plan, records)
             entry = summarize(result, profile=profile, retimed=PointMeasurement(times) if times else None)
             entries[result.key.row] = entry

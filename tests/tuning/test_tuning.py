@@ -174,7 +174,7 @@ def test_broken_backends_fail_their_trials_and_the_study_picks_a_correct_one(tmp
     # every failure is also on its Optuna trial, with the reason
     study = optuna.load_study(study_name=entry["study"], storage=open_storage(None, results_dir=tmp_path))
     failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
-    assert len(failed) == 7 and all(t.user_attrs["reason"] for t in failed)
+    assert len(failed) == 7 and all(t.user_attrs["result"]["reason"] for t in failed)
 
 
 def test_interrupted_study_resumes_without_repeating_finished_trials(tmp_path, profile, monkeypatch, request):

@@ -10,6 +10,7 @@ from attnbench.backends.naive import NaiveBackend
 from attnbench.core.backend import Tunable
 from attnbench.core.workload import Workload, workload_to_dict
 from attnbench.tuning import (
+    CandidateResult,
     Outcome,
     TuneOptions,
     TuningKey,
@@ -101,7 +102,8 @@ class _FakeWorker:
         self.calls.append(task.config)
         c = task.config
         value = 1.0 + (c.get("a", 3) - 1) ** 2 + (c.get("b", 3) - 2) ** 2 + (c.get("c") != "z")
-        return Outcome(ok=True, value=value, kind="ok", attrs={"gbps": 1.0})
+        result = CandidateResult(task.backend, task.config, step_ms=value * 1e3, gbps=1.0)
+        return Outcome(ok=True, value=value, kind="ok", result=result)
 
 
 def test_large_space_uses_seeded_tpe_after_the_enqueued_defaults(tmp_path):
@@ -159,7 +161,26 @@ def test_worker_loads_backends_by_import_path_or_registry_name():
         "naive", {}, workload_to_dict(Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp32"))
     )
     verdict = evaluate(task.as_dict() | {"repeats": 3, "warmup": 1})
-    assert verdict["ok"] and verdict["value"] > 0 and verdict["attrs"]["check"]["passed"]
+    assert verdict["ok"] and verdict["value"] > 0
+
+
+def test_the_worker_answers_one_trial_record_that_reaches_the_table_unchanged():
+    """The worker's verdict carries the trial's CandidateResult; its dict reads back as the same record
+    (worker pipe, study attribute and table file use this one pair), measured or failed."""
+    from planted import NewestDropped
+
+    w = workload_to_dict(Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32"))
+    good = evaluate(WorkerTask("naive", {}, w, repeats=3, warmup=1, backend="naive").as_dict())
+    record = CandidateResult.from_dict(good["result"], where="worker")
+    assert record.ok and record.backend == "naive" and record.step_ms == round(good["value"] * 1e3, 4)
+    assert record.gate is not None and record.gate["error"]["rel_l2"] < 1e-3  # the gate's numbers kept
+    assert record.search_interval().lo_ms <= record.step_ms <= record.search_interval().hi_ms
+    assert CandidateResult.from_dict(record.as_dict(), where="again") == record
+    ref = f"{NewestDropped.__module__}:NewestDropped"
+    bad = evaluate(WorkerTask(ref, {}, w, repeats=3, warmup=1, backend="planted").as_dict())
+    failed = CandidateResult.from_dict(bad["result"], where="worker")
+    assert not bad["ok"] and failed.failed == "gate" == failed.kind and not failed.ok
+    assert failed.backend == "planted" and failed.error and failed.error["rel_l2"] > 1e-3
 
 
 def test_backend_refs_name_unknown_backends_and_refuse_local_classes():
