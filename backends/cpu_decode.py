@@ -354,11 +354,7 @@ class CpuDecodeBackend(Backend):
             page_size=int(cfg["page_size"]),
             kv_splits=cfg["kv_splits"],
             prefetch=int(cfg["prefetch"]),
-            workload=workload,
-            geometry=workload.geometry(self.kv_form),
-            config=cfg,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
+            **self.cache_fields(workload, cfg, num_layers, max_seq_len),
         )
 
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> CpuDecodePlan:

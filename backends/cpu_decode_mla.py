@@ -141,11 +141,7 @@ class CpuDecodeMLABackend(Backend):
         cfg = dict(res.config)
         g = workload.geometry("latent")
         cache = CpuDecodeMLACache(
-            workload=workload,
-            geometry=g,
-            config=cfg,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
+            **self.cache_fields(workload, cfg, num_layers, max_seq_len),
             page_size=cfg["page_size"],
             page_order="random",
             share_v=True,

@@ -112,11 +112,7 @@ class FlashBackend(Backend):
     ) -> FlashCache:
         impl = self.resolve(workload).require().implementation
         cache = FlashCache(
-            workload=workload,
-            geometry=workload.geometry(self.kv_form),
-            config=config,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
+            **self.cache_fields(workload, config, num_layers, max_seq_len),
             heads_first=impl == SDPA_FLASH,
         )
         cache.implementation = impl

@@ -188,11 +188,7 @@ class FP8Backend(Backend):
         path = "triton" if res.implementation.startswith("triton") else "torch"
         g = workload.geometry(self.kv_form)
         cache = FP8KVCache(
-            workload=workload,
-            geometry=g,
-            config=cfg,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
+            **self.cache_fields(workload, cfg, num_layers, max_seq_len),
             page_size=cfg["page_size"],
             granularity=cfg["scale"],
             static_scale=self.static_scale,

@@ -188,11 +188,7 @@ class MLABackend(Backend):
         res = self.resolve(workload, config).require()
         cfg = dict(res.config)
         cache = LatentCache(
-            workload=workload,
-            geometry=workload.geometry("latent"),
-            config=cfg,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
+            **self.cache_fields(workload, cfg, num_layers, max_seq_len),
             page_size=cfg["page_size"],
             page_order="random",  # a fragmented pool, as in a long-running server
             share_v=True,

@@ -112,11 +112,7 @@ class TritonPagedBackend(Backend):
         cfg = dict(res.config)
         g = workload.geometry(self.kv_form)
         cache = PagedKVCache(
-            workload=workload,
-            geometry=g,
-            config=cfg,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
+            **self.cache_fields(workload, cfg, num_layers, max_seq_len),
             page_size=cfg["page_size"],
             page_order=self.page_order,
         )

@@ -361,6 +361,16 @@ class Backend(ABC):
     ) -> KVCache:
         """Allocate an empty cache for ``workload.batch`` sequences of up to ``max_seq_len`` tokens."""
 
+    def cache_fields(
+        self, workload: Workload, config: Mapping[str, Any], num_layers: int, max_seq_len: int
+    ) -> dict[str, Any]:
+        """The arguments every :class:`KVCache` takes: ``workload`` (in this backend's KV form), ``config``
+        and the sizes ``create_cache`` was given; a cache class adds its own."""
+        g = workload.geometry(self.kv_form)
+        return dict(
+            workload=workload, geometry=g, config=config, num_layers=num_layers, max_seq_len=max_seq_len
+        )
+
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:
         """Build the step's shared metadata (host work, once per step). Override to add fields.
 

@@ -75,11 +75,7 @@ class ContiguousBackend(Backend):
         self, workload: Workload, *, config: Mapping[str, Any], num_layers: int, max_seq_len: int
     ) -> ContiguousKVCache:
         return ContiguousKVCache(
-            workload=workload,
-            geometry=workload.geometry(self.kv_form),
-            config=config,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
+            **self.cache_fields(workload, config, num_layers, max_seq_len),
             heads_first=self.heads_first,
         )
 

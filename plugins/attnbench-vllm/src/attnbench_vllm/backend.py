@@ -219,11 +219,7 @@ class VllmCpuBackend(Backend):
         return VllmKVCache(
             isa=isa,
             kv_cache_dtype=self.kv_cache_dtype,
-            workload=workload,
-            geometry=g,
-            config=cfg,
-            num_layers=num_layers,
-            max_seq_len=max_seq_len,
+            **self.cache_fields(workload, cfg, num_layers, max_seq_len),
         )
 
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> VllmStepPlan:
