@@ -130,6 +130,7 @@ def tune(
     measured: dict[str, tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]] = {}
     task_profile = {k: v for k, v in profile.as_dict().items() if k != "id"}
     with Worker(memory_limit_bytes=options.memory_limit_bytes) as worker:
+        retimer = _Retimer(worker, options, task_profile, samples)
         for plan in plans:
             try:
                 result = run_study(
@@ -150,9 +151,7 @@ def tune(
             if samples and not result.interrupted:
                 fins = _finalists(plan, result.records, old, everyone)
                 try:
-                    retimed = _retime(
-                        worker, fins, plan.workload, options, task_profile, samples, check=False
-                    )
+                    retimed = retimer(fins, plan.workload, check=False)
                 except KeyboardInterrupt:
                     report.interrupted = True
                 if retimed is not None:
@@ -174,18 +173,7 @@ def tune(
                 break
         if measured and not report.interrupted:
             try:
-                _maps(
-                    report,
-                    measured,
-                    worker,
-                    options,
-                    task_profile,
-                    samples,
-                    margin,
-                    refine,
-                    resolution,
-                    on_point,
-                )
+                _maps(report, measured, retimer, margin, refine, resolution, on_point)
             except KeyboardInterrupt:
                 report.interrupted = True
     if report.maps:
@@ -224,42 +212,40 @@ def _finalists(
     return out
 
 
-def _retime(
-    worker: Worker,
-    fins: dict[str, Finalist],
-    workload: Workload,
-    options: TuneOptions,
-    profile: dict[str, Any],
-    samples: int,
-    *,
-    check: bool,
-) -> PointMeasurement:
-    return retime(
-        worker,
-        list(fins.values()),
-        workload=workload,
-        samples=samples,
-        warmup=options.warmup,
-        check=check,
-        num_layers=options.num_layers,
-        materialise_bytes=options.materialise_bytes,
-        error_multiple=options.error_multiple,
-        accuracy_budget=options.accuracy_budget,
-        profile=profile,
-        timeout_s=options.timeout_s,
-        seed=options.seed,
-        clock=options.clock,
-        timing=options.timing,
-    )
+@dataclass
+class _Retimer:
+    """Times finalists interleaved in the worker with the tune's options (the gate first if asked)."""
+
+    worker: Worker
+    options: TuneOptions
+    profile: dict[str, Any]
+    samples: int
+
+    def __call__(self, fins: dict[str, Finalist], workload: Workload, *, check: bool) -> PointMeasurement:
+        names = ("warmup", "num_layers", "materialise_bytes", "error_multiple", "accuracy_budget")
+        names += ("timeout_s", "seed", "clock", "timing")
+        settings = {k: getattr(self.options, k) for k in names}
+        return retime(
+            self.worker, list(fins.values()), workload=workload, samples=self.samples, check=check,
+            profile=self.profile, **settings,
+        )  # fmt: skip
+
+    def measurer(
+        self, known: dict[str, Finalist], like: Workload
+    ) -> Callable[[int, int, Sequence[str] | None], PointMeasurement]:
+        """Measure a new grid point of ``like``'s shape and dtype: the gate first, then interleaved."""
+
+        def measure(b: int, c: int, labels: Sequence[str] | None) -> PointMeasurement:
+            w = Workload(like.shape, (c,) * b, like.dtype, like.device)
+            return self({k: known[k] for k in (labels or known) if k in known}, w, check=True)
+
+        return measure
 
 
 def _maps(
     report: TuneReport,
     measured: dict[str, tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]],
-    worker: Worker,
-    options: TuneOptions,
-    profile: dict[str, Any],
-    samples: int,
+    retimer: _Retimer,
     margin: float,
     refine: bool,
     resolution: float,
@@ -290,7 +276,7 @@ def _maps(
             )
         m.refinement = {"evaluations": sum(got.evaluations for _, got, _ in items)}
 
-        measure = _measurer(worker, known, plan0.workload, options, profile, samples)
+        measure = retimer.measurer(known, plan0.workload)
         # A finalist found by one point's study is measured at every coarse point: a candidate missing
         # at a corner cannot be interpolated in that cell (seen: a config that wins below 600 tokens,
         # found only by the batch-8 study, was never offered at batch 1). The point is re-timed whole,
@@ -307,21 +293,3 @@ def _maps(
         if refine:
             report.evaluations["refined"] += refine_map(m, measure, resolution=resolution, on_point=on_point)
         report.maps.append(m)
-
-
-def _measurer(
-    worker: Worker,
-    known: dict[str, Finalist],
-    like: Workload,
-    options: TuneOptions,
-    profile: dict[str, Any],
-    samples: int,
-) -> Callable[[int, int, Sequence[str] | None], PointMeasurement]:
-    """Measure a new grid point of ``like``'s shape and dtype: the gate first, then interleaved."""
-
-    def measure(b: int, c: int, labels: Sequence[str] | None) -> PointMeasurement:
-        w = Workload(like.shape, (c,) * b, like.dtype, like.device)
-        fins = {k: known[k] for k in (labels or known) if k in known}
-        return _retime(worker, fins, w, options, profile, samples, check=True)
-
-    return measure
