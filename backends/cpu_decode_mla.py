@@ -38,15 +38,7 @@ import torch
 
 from attnbench.backends.cpu_decode import _DTYPE_CODES, _ISA_CODES, MAX_SPLITS, _splits, load_kernel
 from attnbench.backends.mla import LatentCache
-from attnbench.core.backend import (
-    DEFAULT_TOLERANCES,
-    Backend,
-    KVCache,
-    Resolution,
-    StepPlan,
-    Tolerance,
-    Tunable,
-)
+from attnbench.core.backend import Backend, KVCache, Resolution, StepPlan, Tunable
 from attnbench.core.workload import Workload
 from attnbench.kernels.paged import PagedStepPlan
 
@@ -124,9 +116,6 @@ class CpuDecodeMLABackend(Backend):
             implementation=f"cpu_decode.c[{variant}, MLA latent]",
             tunables=tunables,
         )
-
-    def tolerance(self, dtype: torch.dtype) -> Tolerance:
-        return DEFAULT_TOLERANCES[dtype]
 
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
         """The default, 2: P is rounded to bf16 for P·V (as the bf16 cpu_decode kernel rounds it), the
