@@ -237,7 +237,7 @@ def write_report(out: str | Path, report: Mapping[str, Any], markdown: str, *, i
     out.with_suffix(".md").write_text(markdown)
 
 
-def new_tokens_from_args(args: argparse.Namespace) -> int:
+def tokens_to_generate(args: argparse.Namespace) -> int:
     """``--new-tokens`` as a count, refused below 2 (one token from prefill, then decode steps)."""
     new_tokens = parse_tokens(args.new_tokens, field="--new-tokens")
     if new_tokens < 2:

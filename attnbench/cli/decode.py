@@ -34,9 +34,9 @@ from attnbench.cli.common import (
     command_line,
     console,
     emit_json,
-    new_tokens_from_args,
     print_table,
     run_options,
+    tokens_to_generate,
 )
 from attnbench.core.backend import Backend
 from attnbench.core.device import load_profile
@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prompt_len = parse_tokens(args.prompt_len, field="--prompt-len")
-    new_tokens = new_tokens_from_args(args)
+    new_tokens = tokens_to_generate(args)
     batch = parse_tokens(args.batch, field="--batch")
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers = {args.layers} must be ≥ 1")

@@ -38,9 +38,9 @@ from attnbench.cli.common import (
     command_line,
     console,
     emit_json,
-    new_tokens_from_args,
     print_table,
     run_record,
+    tokens_to_generate,
 )
 from attnbench.core.shapes import parse_dtype
 from attnbench.core.workload import parse_tokens
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
     batches = _list(args.batch, field="--batch")
     prompts = _list(args.prompt, field="--prompt")
-    new_tokens = new_tokens_from_args(args)
+    new_tokens = tokens_to_generate(args)
     dtype = parse_dtype(args.dtype, field="--dtype")
     if args.plot:  # refused before the runs, not after minutes of them
         _plot_module()
