@@ -49,7 +49,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -125,30 +125,15 @@ class DecodeMeasurement:
         return self.step.median_s / self.num_layers if self.step and self.num_layers else math.nan
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "config": self.config,
-            "implementation": self.implementation,
-            "workload": self.workload,
-            "dtype": self.dtype,
-            "batch": self.batch,
-            "context": self.context,
-            "num_layers": self.num_layers,
-            "layers_materialised": self.layers_materialised,
-            "llc_flushed": self.llc_flushed,
-            "timed": self.timed,
-            "note": self.note,
-            "step": self.step.as_dict() if self.step else None,
-            "timing": self.timing,
-            "eager_step": self.eager_step.as_dict() if self.eager_step else None,
-            "graph_step": self.graph_step.as_dict() if self.graph_step else None,
-            "kv_bytes": self.kv_bytes,
+        """Every field (timings and checks as their dicts; ``gbps`` ``None`` when not timed) and the
+        check's ``lossy``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("step", "eager_step", "graph_step", "check", "timed_check"):
+            out[name] = out[name].as_dict() if out[name] is not None else None
+        lossy = self.check.lossy if self.check else ""
+        return out | {
             "gbps": None if math.isnan(self.gbps) else self.gbps,
-            "pct_of_bandwidth": self.pct_of_bandwidth,
-            "check": self.check.as_dict() if self.check else None,
-            "timed_check": self.timed_check.as_dict() if self.timed_check else None,
-            "gate_s": self.gate_s,
-            "lossy": self.check.lossy if self.check else "",
+            "lossy": lossy,
             "load_avg": list(self.load_avg),
         }
 
