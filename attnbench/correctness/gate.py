@@ -189,13 +189,8 @@ class CheckResult:
         return f"{text} seed={self.seed} ({verdict})"
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "config": self.config,
-            "workload": self.workload,
-            "seed": self.seed,
-            "passed": self.passed,
-            "failures": self.failures,
+        head = ("backend", "config", "workload", "seed", "passed", "failures")  # as they are, in this order
+        return {key: getattr(self, key) for key in head} | {
             "error": self.error.as_dict(),
             "calibration": self.calibration.as_dict() if self.calibration else None,
             "multiple": self.multiple,
