@@ -37,7 +37,7 @@ from attnbench.tuning.key import TuningKey
 from attnbench.tuning.space import BackendRef, Candidate, SearchSpace, build_space
 from attnbench.tuning.storage import JOURNAL_NAME, fail_stale, heartbeat, heartbeats_enabled, open_storage
 from attnbench.tuning.table_schema import CandidateResult
-from attnbench.tuning.worker import Outcome, Worker, WorkerTask
+from attnbench.tuning.worker import MEASURE_SETTINGS, Outcome, Worker, WorkerTask
 
 __all__ = [
     "JOURNAL_NAME",
@@ -283,15 +283,8 @@ def run_study(
             config=dict(cand.config),
             workload=workload_to_dict(plan.workload),
             profile={k: v for k, v in profile.as_dict().items() if k != "id"},
-            warmup=options.warmup,
-            repeats=options.repeats,
-            max_seconds=options.max_seconds,
-            num_layers=options.num_layers,
-            materialise_bytes=options.materialise_bytes,
-            error_multiple=options.error_multiple,
-            accuracy_budget=options.accuracy_budget,
-            timing=options.timing,
             backend=cand.backend,
+            **{k: getattr(options, k) for k in MEASURE_SETTINGS},
         )
         try:
             with heartbeat(study._storage, trial._trial_id):

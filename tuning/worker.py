@@ -40,7 +40,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Outcome", "Worker", "WorkerTask", "evaluate"]
 
+_ERROR_KEYS = ("max_abs", "rel_l2", "cosine", "nonfinite")  # a failed candidate's error, in its record
 _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "outofmemoryerror")
+
+
+#: the settings of a measurement that a task carries from the tune's options to ``measure_decode``
+MEASURE_SETTINGS = ("warmup", "repeats", "max_seconds", "num_layers", "materialise_bytes", "error_multiple")
+MEASURE_SETTINGS += ("accuracy_budget", "timing")
 
 
 @dataclass(frozen=True)
@@ -107,18 +113,10 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     name, config = task.get("backend") or task["backend_ref"], task["config"]
 
     def failed(kind: str, reason: str, check: Any = None, **attrs: Any) -> dict[str, Any]:
-        gate = _gate_summary(check)
-        error = (check or {}).get("error")
+        error = {k: v for k, v in ((check or {}).get("error") or {}).items() if k in _ERROR_KEYS} or None
+        gate, lossy = _gate_summary(check), (check or {}).get("lossy") or None
         result = CandidateResult(
-            name,
-            config,
-            failed=kind,
-            reason=reason,
-            gate=gate,
-            lossy=(check or {}).get("lossy"),
-            error={k: error[k] for k in ("max_abs", "rel_l2", "cosine", "nonfinite") if k in error}
-            if error
-            else None,
+            name, config, failed=kind, reason=reason, gate=gate, lossy=lossy, error=error
         )
         return {"ok": False, "kind": kind, "reason": reason, "result": result.as_dict(), "attrs": attrs}
 
@@ -129,21 +127,9 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         if not resolution.runnable:
             return failed("unsupported", "; ".join(resolution.reasons))
         profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
+        settings = {k: task.get(k) for k in MEASURE_SETTINGS}
         m = measure_decode(
-            backend,
-            workload,
-            config=config,
-            resolution=resolution,
-            profile=profile,
-            warmup=task["warmup"],
-            repeats=task["repeats"],
-            max_seconds=task["max_seconds"],
-            check=True,
-            num_layers=task["num_layers"],
-            materialise_bytes=task["materialise_bytes"],
-            error_multiple=task.get("error_multiple"),
-            timing=task.get("timing"),
-            accuracy_budget=task.get("accuracy_budget"),
+            backend, workload, config=config, resolution=resolution, profile=profile, check=True, **settings
         )
     except CheckFailed as err:
         return failed("nan" if err.check.error.nonfinite else "gate", str(err), err.check.as_dict())
