@@ -15,40 +15,22 @@ import sys
 import warnings
 from types import ModuleType
 
+#: Each subpackage and the old modules (under ``attnbench.``) now in it, ``old:new`` where renamed.
+_NOW_IN = {
+    "core": "shapes workload resolution backend kvcache registry device locations timing probe:plugin_call "
+    "costmodel:traffic",
+    "kernels": "triton_decode triton_utils paged split_kv fp8:fp8_cache",
+    "correctness": "reference probes:needles gate triton_decode_aot:aot",
+    "measure": "synthetic decode graph_step bench",
+    "cost": "calibration:fit gpuspec estimate",
+    "selection": "select_tuned:tuned select_heuristic:heuristic calibrated:fitted choice",
+    "models": "mla",
+}
 #: Old module (under ``attnbench.``) → its place now.
 MOVED: dict[str, str] = {
-    "shapes": "core.shapes",
-    "workload": "core.workload",
-    "resolution": "core.resolution",
-    "backend": "core.backend",
-    "kvcache": "core.kvcache",
-    "registry": "core.registry",
-    "device": "core.device",
-    "locations": "core.locations",
-    "timing": "core.timing",
-    "probe": "core.plugin_call",
-    "costmodel": "core.traffic",
-    "triton_decode": "kernels.triton_decode",
-    "triton_utils": "kernels.triton_utils",
-    "paged": "kernels.paged",
-    "split_kv": "kernels.split_kv",
-    "fp8": "kernels.fp8_cache",
-    "reference": "correctness.reference",
-    "probes": "correctness.needles",
-    "gate": "correctness.gate",
-    "triton_decode_aot": "correctness.aot",
-    "synthetic": "measure.synthetic",
-    "decode": "measure.decode",
-    "graph_step": "measure.graph_step",
-    "bench": "measure.bench",
-    "calibration": "cost.fit",
-    "gpuspec": "cost.gpuspec",
-    "estimate": "cost.estimate",
-    "select_tuned": "selection.tuned",
-    "select_heuristic": "selection.heuristic",
-    "calibrated": "selection.fitted",
-    "choice": "selection.choice",
-    "mla": "models.mla",
+    old: f"{package}.{new or old}"
+    for package, names in _NOW_IN.items()
+    for old, _, new in (name.partition(":") for name in names.split())
 }
 
 
