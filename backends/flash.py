@@ -22,6 +22,7 @@ import torch
 
 from attnbench.core.backend import Backend, KVCache, Resolution, StepPlan, Tunable, base_plan
 from attnbench.core.kvcache import ContiguousKVCache
+from attnbench.core.shapes import KVForm
 from attnbench.core.workload import Workload
 
 FLASH_ATTN = "flash_attn.flash_attn_with_kvcache"
@@ -52,7 +53,7 @@ def _sdpa_flash_error(device_type: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _implementation(workload: Workload, kv_form: str) -> tuple[str | None, list[str]]:
+def _implementation(workload: Workload, kv_form: KVForm) -> tuple[str | None, list[str]]:
     """The implementation that would run ``workload``, or ``None`` and the reasons."""
     reasons: list[str] = []
     g = workload.geometry(kv_form)

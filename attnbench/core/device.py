@@ -247,7 +247,7 @@ def load_profile(
             return profile
     copy_bw, read_bw, size = measure_bandwidth(device, nbytes=nbytes)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    profile = DeviceProfile(fp, copy_bw, read_bw, size, now, tuple(os.getloadavg()))
+    profile = DeviceProfile(fp, copy_bw, read_bw, size, now, os.getloadavg())
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
         json.dump(profile.as_dict(), tmp, indent=2)

@@ -27,7 +27,7 @@ class ContiguousKVCache(KVCache):
         g, b, num_layers, max_seq_len = self.geometry, self.batch, self.num_layers, self.max_seq_len
         self.heads_first = heads_first
         dims = (b, g.num_kv_heads, max_seq_len) if heads_first else (b, max_seq_len, g.num_kv_heads)
-        kw = {"dtype": self.dtype, "device": self.device}
+        kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
         # zeros, not empty: masked slots are multiplied by a zero weight, and 0 * NaN garbage is NaN
         self.k = torch.zeros(num_layers, *dims, g.qk_head_dim, **kw)
         self.v = torch.zeros(num_layers, *dims, g.v_head_dim, **kw)

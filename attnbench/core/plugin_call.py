@@ -72,8 +72,9 @@ def _decode(data: dict[str, Any], workload: Workload) -> Resolution:
     return Resolution.from_dict(fields, workload=workload)
 
 
-def _failed(cls: type[Backend], workload: Workload, reason: str) -> Resolution:
-    """A refusal built without asking the backend again (it hung, raised or would not load)."""
+def _failed(cls: type, workload: Workload, reason: str) -> Resolution:
+    """A refusal built without asking the backend again (it hung, raised or would not load); ``cls``
+    is only read for its name, lossiness and form (the abstract :class:`Backend` where none loaded)."""
     name = getattr(cls, "name", cls.__qualname__)
     return Resolution(
         backend=name,

@@ -397,7 +397,7 @@ def code_hash(classes: Iterable[type[Backend]]) -> str:
     h = hashlib.sha256()
     for cls in sorted(set(classes), key=lambda c: c.name):
         try:
-            source = inspect.getsource(inspect.getmodule(cls))  # type: ignore[arg-type]
+            source = inspect.getsource(inspect.getmodule(cls))  # type: ignore[arg-type]  # None: TypeError below
         except (OSError, TypeError):
             source = f"{cls.__module__}:{cls.__qualname__}"
         h.update(cls.name.encode() + b"\0" + source.encode() + b"\0")

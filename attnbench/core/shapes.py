@@ -27,6 +27,7 @@ import yaml
 
 __all__ = [
     "AttentionGeometry",
+    "KVForm",
     "ModelShape",
     "ShapeError",
     "dtype_bytes",
@@ -42,6 +43,8 @@ DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
 }
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+#: the form of a KV cache: per-head K/V, or MLA's absorbed latent (one shared KV head)
+KVForm = Literal["expanded", "latent"]
 
 
 class ShapeError(ValueError):
@@ -149,8 +152,8 @@ class ModelShape:
         if mla and len(mla) != len(_MLA_FIELDS):
             missing = [f for f in _MLA_FIELDS if getattr(self, f) is None]
             raise self._fail(missing[0], None, f"MLA shapes need all of {', '.join(_MLA_FIELDS)}")
-        if mla:
-            want = self.qk_nope_head_dim + self.qk_rope_head_dim  # type: ignore[operator]
+        if self.qk_nope_head_dim is not None and self.qk_rope_head_dim is not None:  # MLA
+            want = self.qk_nope_head_dim + self.qk_rope_head_dim
             if self.head_dim != want:
                 raise self._fail(
                     "head_dim",
@@ -170,7 +173,7 @@ class ModelShape:
         """Parameters a decode step reads at batch 1 (MoE: the activated ones)."""
         return self.active_params or self.num_params
 
-    def geometry(self, form: Literal["expanded", "latent"] = "expanded") -> AttentionGeometry:
+    def geometry(self, form: KVForm = "expanded") -> AttentionGeometry:
         """The attention geometry a backend sees.
 
         ``expanded`` is per-head K/V (for MLA: decompressed ``nope+rope`` keys and ``v_head_dim``
@@ -178,13 +181,14 @@ class ModelShape:
         of ``kv_lora_rank + qk_rope_head_dim`` for keys and ``kv_lora_rank`` for values.
         """
         if form == "latent":
-            if not self.is_mla:
+            rank, rope = self.kv_lora_rank, self.qk_rope_head_dim  # both set or neither (__post_init__)
+            if rank is None or rope is None:
                 raise ValueError(f"model shape {self.name!r} is not MLA; the latent form needs kv_lora_rank")
             return AttentionGeometry(
                 num_q_heads=self.num_heads,
                 num_kv_heads=1,
-                qk_head_dim=self.kv_lora_rank + self.qk_rope_head_dim,  # type: ignore[operator]
-                v_head_dim=self.kv_lora_rank,  # type: ignore[arg-type]
+                qk_head_dim=rank + rope,
+                v_head_dim=rank,
                 scale=1.0 / math.sqrt(self.head_dim),
             )
         if form != "expanded":
@@ -193,7 +197,7 @@ class ModelShape:
             num_q_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             qk_head_dim=self.head_dim,
-            v_head_dim=self.v_head_dim if self.is_mla else self.head_dim,  # type: ignore[arg-type]
+            v_head_dim=self.head_dim if self.v_head_dim is None else self.v_head_dim,  # set for MLA only
             scale=1.0 / math.sqrt(self.head_dim),
         )
 

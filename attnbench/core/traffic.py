@@ -182,8 +182,9 @@ def decode_cost(
     weight_bytes = 0
     if projections and form == "latent":
         nope, v, rank = shape.qk_nope_head_dim, shape.v_head_dim, shape.kv_lora_rank
-        flops += 2 * b * g.num_q_heads * rank * (nope + v) * layers  # type: ignore[operator]
-        weight_bytes = g.num_q_heads * rank * (nope + v) * act * layers  # type: ignore[operator]
+        assert nope is not None and v is not None and rank is not None  # the latent form: an MLA shape
+        flops += 2 * b * g.num_q_heads * rank * (nope + v) * layers
+        weight_bytes = g.num_q_heads * rank * (nope + v) * act * layers
     return StepCost(form=form, kv_bytes=kv, io_bytes=io, weight_bytes=weight_bytes, flops=flops)
 
 

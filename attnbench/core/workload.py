@@ -6,11 +6,11 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from attnbench.core.shapes import AttentionGeometry, ModelShape, dtype_name, load_shape, parse_dtype
+from attnbench.core.shapes import AttentionGeometry, KVForm, ModelShape, dtype_name, load_shape, parse_dtype
 
 __all__ = ["Workload", "bucket", "parse_int_list", "parse_tokens"]
 
@@ -120,8 +120,8 @@ class Workload:
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
 
-    def geometry(self, form: str = "expanded") -> AttentionGeometry:
-        return self.shape.geometry(form)  # type: ignore[arg-type]
+    def geometry(self, form: KVForm = "expanded") -> AttentionGeometry:
+        return self.shape.geometry(form)
 
     def cpu_reasons(self, kernel: str) -> list[str]:
         """Why a host kernel cannot take this workload (``kernel``: "the cpu_decode kernel runs", the
@@ -133,11 +133,13 @@ class Workload:
             reasons.append(f"dtype {self.dtype_name} not in (fp32, fp16, bf16)")
         return reasons
 
-    def kv_bytes_per_step(self, form: str = "auto", *, kv_dtype: torch.dtype | str | None = None) -> int:
+    def kv_bytes_per_step(
+        self, form: KVForm | Literal["auto"] = "auto", *, kv_dtype: torch.dtype | str | None = None
+    ) -> int:
         """Bytes of KV cache one decode step reads over all layers (each cached token once)."""
         from attnbench.core.traffic import kv_bytes_per_step
 
-        per_token = self.shape.kv_bytes_per_token(kv_dtype or self.dtype, form)  # type: ignore[arg-type]
+        per_token = self.shape.kv_bytes_per_token(kv_dtype or self.dtype, form)
         return int(kv_bytes_per_step(per_token, tokens=self.total_tokens + self.batch))
 
     def describe(self) -> str:

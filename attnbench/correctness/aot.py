@@ -41,17 +41,17 @@ __all__ = [
 
 TL_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "block_table_ptr", "lens_ptr", "out_ptr")
-_POINTERS += ("part_o_ptr", "part_lse_ptr")
+_POINTERS: tuple[str, ...] = ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "block_table_ptr", "lens_ptr")
+_POINTERS += ("out_ptr", "part_o_ptr", "part_lse_ptr")
 _STRIDES = (
     "stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp", "stride_vt", "stride_vh",
     "stride_sp", "stride_st", "stride_sh", "stride_bt", "stride_ob", "stride_oh", "stride_lb", "stride_lh",
 )  # fmt: skip
 #: what the JIT sees as multiples of 16 at run time for head_dim 128 / DeepSeek-V3's latent rows
 #: (torch pointers are 16-byte aligned); the scale and block-table strides are not
-_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "out_ptr", "part_o_ptr", "part_lse_ptr")
-_ALIGNED += ("stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_vp", "stride_vt", "stride_ob")
-_ALIGNED += ("stride_oh", "stride_lb", "stride_lh")
+_ALIGNED: tuple[str, ...] = ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "out_ptr", "part_o_ptr")
+_ALIGNED += ("part_lse_ptr", "stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_vp", "stride_vt")
+_ALIGNED += ("stride_ob", "stride_oh", "stride_lb", "stride_lh")
 
 
 def specialization(spec: DecodeSpec, dtype: torch.dtype) -> dict[str, Any]:

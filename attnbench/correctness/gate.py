@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from attnbench.core.backend import DEFAULT_ERROR_MULTIPLE, Backend, Resolution, Tolerance
-from attnbench.core.shapes import AttentionGeometry
+from attnbench.core.shapes import AttentionGeometry, KVForm
 from attnbench.core.workload import Workload
 from attnbench.correctness.needles import GateInputs, Probe, build_gate_inputs
 from attnbench.correctness.reference import ErrorStats, compare, reference_pair
@@ -364,7 +364,7 @@ class GateCase:
 def prepare_case(
     workload: Workload,
     *,
-    form: str = "expanded",
+    form: KVForm = "expanded",
     num_layers: int = 2,
     decode_steps: int | None = None,
     seed: int | None = None,

@@ -159,7 +159,7 @@ def build_gate_inputs(
     history, steps = [], []
     for layer in range(num_layers):
         k = hist_k[layer].to(device=device, dtype=dtype)
-        v = k[..., : g.v_head_dim] if form == "latent" else hist_v[layer].to(device=device, dtype=dtype)
+        v = k[..., : g.v_head_dim] if (hv := hist_v[layer]) is None else hv.to(device=device, dtype=dtype)
         history.append((k, v))
     for s in range(decode_steps):
         row = []

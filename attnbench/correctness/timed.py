@@ -12,6 +12,7 @@ from typing import Any
 
 from attnbench.core.backend import DEFAULT_ERROR_MULTIPLE, Backend
 from attnbench.core.device import DeviceProfile
+from attnbench.core.shapes import KVForm
 from attnbench.core.workload import Workload
 from attnbench.correctness.gate import CheckResult
 
@@ -44,7 +45,7 @@ class CheckFailed(RuntimeError):
 
 
 def check_workload(
-    workload: Workload, *, form: str = "expanded", budget_bytes: int = CHECK_BUDGET_BYTES
+    workload: Workload, *, form: KVForm = "expanded", budget_bytes: int = CHECK_BUDGET_BYTES
 ) -> Workload:
     """The workload the gate runs for ``workload``: the same one when it fits ``budget_bytes``.
 
