@@ -137,7 +137,8 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
             return [f"variant {isa} with fp8 K/V does not take dtype {workload.dtype_name}"]
         return []
 
-    def _isa(self, dtype: torch.dtype, kernel: Any, group: int = 1) -> str | None:  # type: ignore[override]
+    # answers None where no variant reads fp8: this class's _variant and _variant_reasons check for it
+    def _isa(self, dtype: torch.dtype, kernel: Any, group: int = 1) -> str | None:  # type: ignore[override]  # see above
         """The forced variant, else AMX (GQA groups up to 16) or AVX-512 BF16 where they read fp8
         (bf16 only), else none."""
         if self.force_isa is not None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -59,7 +59,7 @@ from attnbench.kernels.fp8_cache import (
 from attnbench.kernels.paged import PagedStepPlan, cdiv
 from attnbench.kernels.split_kv import SplitKVPlan, attach_split_kv, decode_split_kv, plan_split_kv
 from attnbench.kernels.triton_decode import DecodeSpec
-from attnbench.kernels.triton_utils import triton_mode
+from attnbench.kernels.triton_utils import TritonMode, triton_mode
 
 # -- the search space, as data ------------------------------------------------------------------------
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -110,7 +110,7 @@ class FP8Backend(Backend):
     #: the per-tensor scale of ``scale = "tensor"`` (vLLM's default when a checkpoint has none)
     static_scale: ClassVar[float] = 1.0
     #: page hand-out order; "random" catches kernels that assume a sequence's pages are contiguous
-    page_order: ClassVar[str] = "random"
+    page_order: ClassVar[Literal["sequential", "random"]] = "random"
     #: the Triton path's decode steps replay as CUDA graphs (the torch path's do not)
     capturable: ClassVar[bool] = True
 
@@ -200,7 +200,7 @@ class FP8Backend(Backend):
                 group=g.group_size, dk=g.qk_head_dim, dv=g.v_head_dim, page_size=cfg["page_size"],
                 block_n=cfg["block_n"], kv_fp8=True, num_warps=NUM_WARPS[cfg["block_n"]], num_stages=NUM_STAGES,
             )  # fmt: skip
-            mode = "interpreted" if res.interpreted else "native"
+            mode: TritonMode = "interpreted" if res.interpreted else "native"
             attach_split_kv(
                 cache, spec=spec, mode=mode, num_splits=cfg["num_splits"], max_splits=max(NUM_SPLITS)
             )
@@ -249,7 +249,7 @@ def _plan_torch(cache: FP8KVCache, base: PagedStepPlan) -> FP8TorchPlan:
     n_pages = cdiv(max(base.seq_lens_after), cache.page_size)
     s = n_pages * cache.page_size
     pages = cache.page_index[: b * n_pages]
-    pages.view(b, n_pages).copy_(base.block_table[:, :n_pages])
+    pages.view(b, n_pages).copy_(cache.block_table[:, :n_pages])
     masked = cache.pad_buffer[: b * s].view(b, 1, 1, s)
     torch.ge(cache.columns[None, :s], base.device_lens[:, None], out=masked[:, 0, 0])
     views: dict[str, torch.Tensor] = {}
@@ -264,6 +264,7 @@ def _dequant_pages(cache: FP8KVCache, plan: FP8TorchPlan, layer: int, name: str,
     """Gather one layer's K or V pages of the step → ``[B, Hkv, S, D]`` in ``work`` (value / 256)."""
     pages = cache.k_pages if name == "k" else cache.v_pages
     raw = pages[layer].view(torch.int8).flatten(2)  # [P, page_size, Hkv * D]
+    assert plan.pages is not None
     gathered = torch.index_select(raw, 0, plan.pages, out=getattr(plan, f"{name}8"))
     out16 = getattr(plan, f"{name}16")
     b, hkv, s, d = out16.shape
@@ -277,6 +278,7 @@ def _gather_scales(cache: FP8KVCache, plan: FP8TorchPlan, layer: int) -> tuple[t
         return cache.k_scales[layer], cache.v_scales[layer]
     b, hkv = cache.batch, cache.geometry.num_kv_heads
     idx = plan.pages
+    assert idx is not None
     ks = cache.k_scales[layer].index_select(0, idx).view(b, -1, hkv).transpose(1, 2)[:, :, None, :]
     vs = cache.v_scales[layer].index_select(0, idx).view(b, -1, hkv).transpose(1, 2)[:, :, None, :]
     return ks, vs
@@ -287,6 +289,7 @@ _P_LIFT = 2.0**13
 
 
 def _decode_torch(cache: FP8KVCache, plan: FP8TorchPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
+    assert plan.masked is not None
     g = cache.geometry
     b = q.shape[0]
     work = torch.float32 if q.dtype == torch.float32 else torch.float16

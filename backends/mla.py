@@ -49,7 +49,7 @@ from attnbench.core.workload import Workload
 from attnbench.kernels.paged import PagedKVCache, PagedStepPlan, cdiv
 from attnbench.kernels.split_kv import SplitKVPlan, attach_split_kv, decode_split_kv, plan_split_kv
 from attnbench.kernels.triton_decode import DecodeSpec
-from attnbench.kernels.triton_utils import triton_mode
+from attnbench.kernels.triton_utils import TritonMode, triton_mode
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class MLABackend(Backend):
     kv_form = "latent"
     #: the Triton path's decode steps replay as CUDA graphs (the torch path's do not)
     capturable: ClassVar[bool] = True
-    tunables = (
+    tunables: ClassVar[tuple[Tunable, ...]] = (
         Tunable("page_size", (16, 32, 64, 128), 64, "tokens per cache page"),
         Tunable(
             "kernel", KERNELS, "auto", "auto: triton where it runs (CUDA, or the interpreter), else torch"
@@ -200,7 +200,7 @@ class MLABackend(Backend):
                 cfg["tile"], workload.dtype, heads=g.num_q_heads, dk=g.qk_head_dim, dv=g.v_head_dim,
                 page_size=cache.page_size,
             )  # fmt: skip
-            mode = "interpreted" if res.interpreted else "native"
+            mode: TritonMode = "interpreted" if res.interpreted else "native"
             attach_split_kv(
                 cache, spec=spec, mode=mode, num_splits=cfg["num_splits"], max_splits=max(SPLIT_CHOICES)
             )
@@ -235,7 +235,7 @@ class MLABackend(Backend):
         cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
         if isinstance(plan, SplitKVPlan):
             return decode_split_kv(cache, plan, q=q, k_pages=cache.k_pages[layer], v_pages=None)
-        assert isinstance(plan, MLATorchPlan) and plan.pages is not None
+        assert isinstance(plan, MLATorchPlan) and plan.pages is not None and plan.pad is not None
         g = cache.geometry
         b = q.shape[0]
         rows = cache.k_pages[layer][plan.pages].view(b, -1, g.qk_head_dim)  # [B, S_pad, D]

@@ -26,7 +26,7 @@ and sm_90 in the tests (:mod:`attnbench.correctness.aot`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -35,7 +35,7 @@ from attnbench.core.workload import Workload
 from attnbench.kernels.paged import PagedKVCache
 from attnbench.kernels.split_kv import SplitKVPlan, attach_split_kv, decode_split_kv, plan_split_kv
 from attnbench.kernels.triton_decode import DecodeSpec
-from attnbench.kernels.triton_utils import triton_mode
+from attnbench.kernels.triton_utils import TritonMode, triton_mode
 
 # -- the search space, as data ------------------------------------------------------------------------
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -73,7 +73,7 @@ class TritonPagedBackend(Backend):
     capturable: ClassVar[bool] = True
     #: order in which pages are handed out; "random" models a long-running server and catches kernels
     #: that assume a sequence's pages are contiguous
-    page_order: ClassVar[str] = "random"
+    page_order: ClassVar[Literal["sequential", "random"]] = "random"
 
     # -- availability ----------------------------------------------------------------------------
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
@@ -125,7 +125,7 @@ class TritonPagedBackend(Backend):
             num_warps=NUM_WARPS[cfg["block_n"]],
             num_stages=NUM_STAGES,
         )
-        mode = "interpreted" if res.interpreted else "native"
+        mode: TritonMode = "interpreted" if res.interpreted else "native"
         attach_split_kv(cache, spec=spec, mode=mode, num_splits=cfg["num_splits"], max_splits=MAX_SPLITS)
         return cache
 

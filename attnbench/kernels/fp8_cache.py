@@ -26,7 +26,7 @@ divided by 2**8, subnormals included (:func:`fp8_bits_to_fp16`); the 2**8 is fol
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -142,14 +142,14 @@ class FP8KVCache(PagedKVCache):
         page_size: int,
         granularity: str = "token_head",
         static_scale: float = 1.0,
-        page_order: str = "random",
+        page_order: Literal["sequential", "random"] = "random",
         implementation: str = "torch",
         **base: Any,
     ) -> None:
         super().__init__(
             **base,
             page_size=page_size,
-            page_order=page_order,  # type: ignore[arg-type]
+            page_order=page_order,
             kv_dtype=FP8_DTYPE,
         )
         if granularity not in GRANULARITIES:
@@ -159,7 +159,7 @@ class FP8KVCache(PagedKVCache):
         geometry, num_layers = self.geometry, self.num_layers
         self.granularity = granularity
         self.static_scale = float(static_scale)
-        f32 = {"dtype": torch.float32, "device": self.device}
+        f32: dict[str, Any] = {"dtype": torch.float32, "device": self.device}
         if granularity == "token_head":
             shape = (num_layers, self.num_pages, page_size, geometry.num_kv_heads)
             self.k_scales = torch.zeros(shape, **f32)
@@ -173,7 +173,7 @@ class FP8KVCache(PagedKVCache):
         self.implementation = implementation
         if implementation == "torch":
             tokens = self.batch * self.pages_per_seq * page_size
-            dev = {"device": self.device}
+            dev: dict[str, Any] = {"device": self.device}
             self.page_index = torch.zeros(self.batch * self.pages_per_seq, dtype=torch.int64, **dev)
             self.pad_buffer = torch.zeros(tokens, dtype=torch.bool, **dev)
             self.columns = torch.arange(self.pages_per_seq * page_size, **dev)
@@ -191,7 +191,7 @@ class FP8KVCache(PagedKVCache):
         ``defer_check=True``: no sync; flag the layer and let :meth:`commit` raise.
         """
         assert isinstance(plan, PagedStepPlan) and plan.slots is not None
-        kw = {"granularity": self.granularity, "static_scale": self.static_scale}
+        kw: dict[str, Any] = {"granularity": self.granularity, "static_scale": self.static_scale}
         kq, ks, kmax = quantize(k, **kw)
         vq, vs, vmax = quantize(v, **kw)
         amax = torch.stack([kmax, vmax], -1)  # [B, T, Hkv, 2]

@@ -117,7 +117,7 @@ class PagedKVCache(KVCache):
         self.seed = seed
         self.share_v = share_v
         self.kv_dtype = kv_dtype or self.dtype
-        kw = {"dtype": self.kv_dtype, "device": self.device}
+        kw: dict[str, Any] = {"dtype": self.kv_dtype, "device": self.device}
         # zeros, not empty: a reader that multiplies a masked row by a zero weight must not meet NaN
         self.k_pages = torch.zeros(num_layers, self.num_pages, page_size, g.num_kv_heads, g.qk_head_dim, **kw)
         if share_v:
@@ -128,7 +128,7 @@ class PagedKVCache(KVCache):
             )
         self.block_table = torch.zeros(self.batch, self.pages_per_seq, dtype=torch.int32, device=self.device)
         # the plan's slot mapping, for up to every token of every sequence (a prompt), allocated once
-        idx = {"dtype": torch.int64, "device": self.device}
+        idx: dict[str, Any] = {"dtype": torch.int64, "device": self.device}
         self.slot_buffer = torch.zeros(self.batch * max_seq_len, **idx)
         self.src_buffer = torch.zeros(self.batch * max_seq_len, **idx)
         #: split-KV kernel state (launch shape, partial buffers) of a Triton-family reader, else None

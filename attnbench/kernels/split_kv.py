@@ -26,6 +26,7 @@ from attnbench.kernels.triton_decode import (
     device_programs,
     launch_decode,
 )
+from attnbench.kernels.triton_utils import TritonMode
 
 __all__ = ["SplitKV", "SplitKVPlan", "attach_split_kv", "decode_split_kv", "plan_split_kv"]
 
@@ -35,7 +36,7 @@ class SplitKV:
     """What a cache read by the split-KV kernels needs besides its pages (allocated once)."""
 
     spec: DecodeSpec
-    mode: str  # "native" or "interpreted" (attnbench.kernels.triton_utils.triton_mode)
+    mode: TritonMode  # attnbench.kernels.triton_utils.triton_mode
     configured_splits: int  # the config's num_splits; 0: chosen per context bucket
     part_o: torch.Tensor  # [B, Hq, capacity, Dv] float32 scratch
     part_lse: torch.Tensor  # [B, Hq, capacity] float32 scratch
@@ -64,7 +65,7 @@ class SplitKVPlan(PagedStepPlan):
 
 
 def attach_split_kv(
-    cache: PagedKVCache, *, spec: DecodeSpec, mode: str, num_splits: int, max_splits: int
+    cache: PagedKVCache, *, spec: DecodeSpec, mode: TritonMode, num_splits: int, max_splits: int
 ) -> SplitKV:
     """Give ``cache`` its split-KV state; the partial buffers hold the most splits any bucket up to
     ``cache.max_seq_len`` can use (allocates, once)."""
@@ -73,7 +74,7 @@ def attach_split_kv(
     capacity = probe.splits_for(
         batch=cache.batch, kv_heads=g.num_kv_heads, bucket=cache.max_seq_len, device=cache.device
     )
-    f32 = {"dtype": torch.float32, "device": cache.device}
+    f32: dict[str, Any] = {"dtype": torch.float32, "device": cache.device}
     cache.split_kv = SplitKV(
         spec=spec,
         mode=mode,

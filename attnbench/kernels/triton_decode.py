@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnbench.kernels.triton_utils import kernel_for
+from attnbench.kernels.triton_utils import TritonMode, kernel_for
 
 __all__ = [
     "MAX_SPLITS",
@@ -391,7 +391,7 @@ def auto_splits(
 def launch_decode(
     *,
     spec: DecodeSpec,
-    mode: str,
+    mode: TritonMode,
     plan: Any,
     q: torch.Tensor,
     scale: float,

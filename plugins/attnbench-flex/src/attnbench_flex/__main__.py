@@ -36,7 +36,7 @@ def report(
     gate = check(backend, workload, config=config, num_layers=num_layers)
     g = workload.geometry(backend.kv_form)
     gen = torch.Generator().manual_seed(0)
-    kw = {"dtype": workload.dtype, "device": workload.device, "generator": gen}
+    kw: dict[str, Any] = {"dtype": workload.dtype, "device": workload.device, "generator": gen}
     lens = list(workload.context_lens)
     plan = backend.plan(cache, num_new=lens)
     for layer in range(num_layers):

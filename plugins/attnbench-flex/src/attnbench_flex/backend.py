@@ -100,7 +100,7 @@ class FlexKVCache(ContiguousKVCache):
         b, dev = self.batch, self.device
         self.block_size = block_size
         num_blocks = self.max_seq_len // block_size
-        i32 = {"dtype": torch.int32, "device": dev}
+        i32: dict[str, Any] = {"dtype": torch.int32, "device": dev}
         self.lens = torch.zeros(b, **i32)
         self.kv_num_blocks = torch.zeros(b, 1, 1, **i32)
         self.kv_indices = torch.zeros(b, 1, 1, num_blocks, **i32)
