@@ -237,7 +237,7 @@ def run_prefill_turns(
         scale=geom.scale,
         multiple=backend.error_multiple(workload.dtype, config=cfg),
     )
-    history: list[list[torch.Tensor]] = [[], []]  # per layer: each sequence's K and V so far
+    history: list[list[list[torch.Tensor]]] = [[], []]  # per layer: each sequence's K and V so far
     worst = {"rel_l2": 0.0, "max_abs": 0.0}
     for turn, new in enumerate((first, second)):
         plan = backend.plan(cache, num_new=new)
@@ -258,20 +258,20 @@ def run_prefill_turns(
             hk = [
                 torch.cat([history[layer][0][i], k[i, :n]]) if turn else k[i, :n] for i, n in enumerate(new)
             ]
-            hv = [hk_i[..., : geom.v_head_dim] if form == "latent" else None for hk_i in hk]
+            hv = [hk_i[..., : geom.v_head_dim] for hk_i in hk]  # latent: V is the first Dv columns of K
             if form != "latent":
                 hv = [
                     torch.cat([history[layer][1][i], v[i, :n]]) if turn else v[i, :n]
                     for i, n in enumerate(new)
                 ]
-            history[layer] = [hk, hv]  # type: ignore[list-item]
+            history[layer] = [hk, hv]
             # every prompt row as a decode query over the keys it may see
             rows = [(i, r) for i, n in enumerate(new) for r in range(n)]
             lens = tuple(plan.positions[i] + r + 1 for i, r in rows)
             width = max(lens)
             qk = torch.stack([q[i, r] for i, r in rows])
             kk = torch.stack([_pad_rows(hk[i][: lens[j]], width) for j, (i, _) in enumerate(rows)])
-            vk = torch.stack([_pad_rows(hv[i][: lens[j]], width) for j, (i, _) in enumerate(rows)])  # type: ignore[index]
+            vk = torch.stack([_pad_rows(hv[i][: lens[j]], width) for j, (i, _) in enumerate(rows)])
             got = torch.stack([out[i, r] for i, r in rows])
             ref = reference_decode(qk, kk, vk, lens, scale=geom.scale)
             stats = compare(got, ref)

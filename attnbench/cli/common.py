@@ -195,7 +195,7 @@ def command_line(
     for action in options:
         value = getattr(args, action.dest, action.default)
         default = action.default
-        if isinstance(default, str) and action.type is not None:
+        if isinstance(default, str) and callable(action.type):
             default = action.type(default)  # argparse converts a string default the same way
         if value == default:
             continue

@@ -178,7 +178,9 @@ def _real_model(checkpoint: Path, backend: Backend, *, batch: int, dtype: torch.
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint))
     except (OSError, KeyError) as err:
         raise ValueError(f"--model {str(checkpoint)!r}: transformers cannot load it: {err}") from None
-    return TransformersDecodeModel(hf.to(device=device, dtype=dtype).eval(), backend, batch=batch)
+    # transformers declares PreTrainedModel.to through functools.wraps, which mypy cannot bind as a method
+    model = hf.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]  # see above
+    return TransformersDecodeModel(model, backend, batch=batch)
 
 
 def _print(out: Console, r: dict[str, Any]) -> None:

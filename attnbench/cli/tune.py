@@ -182,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     workloads = workloads_from_args(args)
     for w in workloads:  # --timing graph off CUDA: one line, before anything is measured
         timing_mode(args.timing, w.device)
+    host = args.host_id or os.environ.get("ATTNBENCH_HOST_ID")
+    fleet: dict[str, Any] = {"host_id": host} if host else {}  # else TuneOptions' default: this machine
     options = TuneOptions(
         allow_lossy=gate.allow_lossy,
         accuracy_budget=gate.accuracy_budget,
@@ -196,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         retry_failed=args.retry_failed,
         num_layers=args.layers,
         heartbeat_s=args.heartbeat,
-        **({"host_id": host} if (host := args.host_id or os.environ.get("ATTNBENCH_HOST_ID")) else {}),
+        **fleet,
     )
     out = console()
     command = command_line(args)

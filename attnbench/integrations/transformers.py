@@ -351,7 +351,7 @@ def use_backend(
         refuse(reasons)
     shape = model_shape(model, layers, name)
     workload = Workload(shape, (max_seq_len,) * batch, model.dtype, str(model.device))
-    reasons = instance.resolve(workload, resolved).reasons
+    reasons = list(instance.resolve(workload, resolved).reasons)
     if reasons:
         refuse([f"{r}: every layer" for r in reasons])
     kv = instance.create_cache(workload, config=resolved, num_layers=len(layers), max_seq_len=max_seq_len)

@@ -214,7 +214,8 @@ def load_hf_model(source: str, *, dtype: torch.dtype, device: str = "cpu", seed:
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.eos_token_id = None  # random weights: generate every token, never stop early
-    return model.to(device).eval(), name
+    # transformers declares PreTrainedModel.to through functools.wraps, which mypy cannot bind as a method
+    return model.to(device).eval(), name  # type: ignore[arg-type]  # see above
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ class GraphedDecodeStep:
 
     def _layers(self, plan: Any) -> torch.Tensor:
         m, backend, cache = self.model, self.model.backend, self.model.cache
+        assert cache is not None  # the model is set up
         out = None
         for layer in range(m.num_layers):
             q, k, v = self.inputs[layer]

@@ -204,7 +204,7 @@ class SyntheticModel:
         slot = layer % m
         lens = list(self.workload.context_lens)
         total = max(lens) + step + 1
-        kw = {"dtype": self.workload.dtype, "device": self.device}
+        kw: dict[str, Any] = {"dtype": self.workload.dtype, "device": self.device}
         hk = torch.zeros(self.batch, total, g.num_kv_heads, g.qk_head_dim, **kw)
         hv = (
             hk[..., : g.v_head_dim]
@@ -245,7 +245,10 @@ class SyntheticModel:
         # one (q, k, v) per layer and input set: [B, Hq, Dk], [B, Hkv, Dk], [B, Hkv, Dv]
         gen = self._generator("decode")
         self._decode_inputs = [
-            [tuple(t[:, 0] for t in self._random(1, generator=gen)) for _ in range(self.num_layers)]  # type: ignore[misc]
+            [
+                (q[:, 0], k[:, 0], v[:, 0])
+                for q, k, v in (self._random(1, generator=gen) for _ in range(self.num_layers))
+            ]
             for _ in range(self.input_sets)
         ]
         self._step = 0

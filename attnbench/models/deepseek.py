@@ -55,6 +55,7 @@ class DeepseekDecoder(Decoder):
     """DeepSeek-V3 MLA decoder with dense MLPs only; see the module docstring."""
 
     family = "deepseek"
+    interleaved: bool  # rope_interleave: RoPE pairs dims (0, 1), (2, 3), ...
 
     @classmethod
     def from_weights(

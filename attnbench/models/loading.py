@@ -28,7 +28,7 @@ from attnbench.models.deepseek import DEEPSEEK_FAMILY, DeepseekDecoder
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "from_transformers", "load_model", "read_checkpoint"]
 
-_DECODERS: dict[str, type[Decoder]] = dict.fromkeys(DEEPSEEK_FAMILY, DeepseekDecoder)
+_DECODERS: dict[str, type[DeepseekDecoder]] = dict.fromkeys(DEEPSEEK_FAMILY, DeepseekDecoder)
 #: ``model_type`` values :func:`load_model` accepts.
 SUPPORTED_MODEL_TYPES = tuple(_DECODERS)
 
