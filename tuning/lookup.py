@@ -23,31 +23,10 @@ from attnbench.tuning.margin import Interval, decide
 if TYPE_CHECKING:
     from attnbench.tuning.dispatch import GridPoint, MapCandidate
 
-__all__ = ["Basis", "Cell", "Lazy", "Lookup", "answer", "make_cell"]
+__all__ = ["Basis", "Cell", "Lookup", "answer", "make_cell"]
 
 #: what a time from the map is (see :attr:`Lookup.basis`)
 Basis = Literal["measured", "interpolated", "extrapolated"]
-
-
-class Lazy:
-    """A dataclass string field that may be set to a function making it, called on first read (an
-    explanation ``select()`` makes per call and is rarely read). The field has no default: reading it
-    on the class raises ``AttributeError``, which tells ``dataclasses`` so."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name, self.slot = name, f"_{name}"
-
-    def __get__(self, obj: object | None, owner: type | None = None) -> str:
-        if obj is None:
-            raise AttributeError(self.name)
-        d = obj.__dict__
-        value = d[self.slot]
-        if callable(value):  # made once (two threads may both make it, equal strings)
-            value = d[self.slot] = value()
-        return value
-
-    def __set__(self, obj: object, value: str | Callable[[], str]) -> None:
-        obj.__dict__[self.slot] = value
 
 
 @dataclass(frozen=True)
@@ -65,10 +44,10 @@ class Lookup:
     label: str | None
     candidate: MapCandidate | None
     tie: bool
+    reason: str
     extrapolated: bool
     cell: tuple[int, int, int, int]
     corners: tuple[GridPoint, ...]
-    reason: Lazy = Lazy()  # decide()'s reason, made when read (required: see Lazy)
     point: tuple[int, int] | None = None
     chosen: Interval | None = None
     #: what the times are: ``"measured"`` (the point is a tuned grid point: its own measurements),
@@ -241,24 +220,6 @@ def _deciders(medians: dict[str, Median], default: str | None, margin: float) ->
     return {k: d if k == default else made[k] for k in medians if k == default or k in made}
 
 
-def _verdict(times: Mapping[str, Interval], default: str | None, margin: float) -> tuple[str | None, bool]:
-    """:func:`~attnbench.tuning.margin.decide`'s winner and tie, by its comparisons (the first of the
-    lowest medians; a challenger beats the default when ``default.lo ≥ (1 + margin) · challenger.hi``),
-    without writing its reason (:func:`answer` has ``decide`` write that when it is read)."""
-    fastest, best = None, math.inf
-    for k, t in times.items():
-        if fastest is None or t.median_ms < best:
-            fastest, best = k, t.median_ms
-    if default is None or default not in times or fastest == default:
-        return fastest, False
-    lo, scale = times[default].lo_ms, 1 + margin
-    winner, best = None, math.inf
-    for k, t in times.items():
-        if k != default and lo >= scale * t.hi_ms and (winner is None or t.median_ms < best):
-            winner, best = k, t.median_ms
-    return (winner, False) if winner is not None else (default, True)
-
-
 def make_cell(
     corners: tuple[GridPoint, ...],
     logs: Sequence[Mapping[str, tuple[float, float, float, int]] | None],
@@ -324,13 +285,14 @@ def answer(
         def interpolate() -> dict[str, Interval]:
             return {k: interval(row, w) for k, (_, row, w) in medians.items()}
 
-    label, tie = _verdict(deciders, default, margin)
+    verdict = decide(deciders, default=default, margin=margin)
+    label = verdict.winner
     on_lines = wb in (0.0, 1.0) and wc in (0.0, 1.0)  # a batch line and a context line: a grid point
     found = dict(
         label=label,
         candidate=candidates.get(label) if label else None,
-        tie=tie,
-        reason=lambda: decide(deciders, default=default, margin=margin).reason,
+        tie=verdict.tie,
+        reason=verdict.reason,
         extrapolated=extrapolated,
         cell=lines,
         corners=cell.corners,
@@ -342,6 +304,5 @@ def answer(
     if not _PLAIN_LOOKUP:
         return Lookup(**found)  # type: ignore[arg-type]
     made = object.__new__(Lookup)  # the frozen __init__ sets each field through a check: skipped
-    found["_reason"] = found.pop("reason")  # where the Lazy field keeps it
     made.__dict__.update(found)
     return made

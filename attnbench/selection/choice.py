@@ -16,7 +16,6 @@ from attnbench.core.backend import Backend
 from attnbench.core.registry import Registry, load_registry
 from attnbench.core.workload import Workload
 from attnbench.tuning.dispatch import Basis, Lookup
-from attnbench.tuning.lookup import Lazy
 
 __all__ = ["Choice", "Rejected"]
 
@@ -84,7 +83,7 @@ class Choice:
     config: dict[str, Any]
     source: Literal["tuned", "calibrated", "heuristic"]
     workload: Workload
-    reason: Lazy = Lazy()  # noqa: RUF009 (a descriptor: a str; the dispatch map's written when read)
+    reason: str
     #: the candidates not chosen, and why (completed on first read, see :meth:`reject_later`)
     rejected: _Completable = _Completable()
     measured: list[dict[str, Any]] = field(default_factory=list)  # tuned candidates with their times

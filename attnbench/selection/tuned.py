@@ -157,7 +157,7 @@ class TunedIndex:
             config=dict(look.candidate.config),
             source="tuned",
             workload=workload,
-            reason=lambda: f"dispatch map ({look.basis}): {look.reason}",
+            reason=f"dispatch map ({look.basis}): {look.reason}",
             rejected=self.refusals(m, refused) if rejected is None else rejected,
             step_ms=chosen.median_ms,
             table=source_name,
