@@ -126,7 +126,11 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
                     materialise_bytes=task.get("materialise_bytes"),
                 )
                 model.fill(extra_tokens=warmup + 4 * samples + 1)
-                step = GraphedDecodeStep(model) if graph and model.cache.capturable else model.decode_step
+                step = (
+                    GraphedDecodeStep(model)
+                    if graph and getattr(model.cache, "capturable", False)
+                    else model.decode_step
+                )
                 for _ in range(max(warmup, 1 if graph else 0)):  # a graph is captured in its first step
                     step()
                 models[label], steps[label] = model, step

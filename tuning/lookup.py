@@ -302,7 +302,7 @@ def answer(
         interpolate=interpolate,
     )
     if not _PLAIN_LOOKUP:
-        return Lookup(**found)  # type: ignore[arg-type]
+        return Lookup(**found)  # type: ignore[arg-type]  # found holds each field with its own type
     made = object.__new__(Lookup)  # the frozen __init__ sets each field through a check: skipped
     made.__dict__.update(found)
     return made

@@ -262,8 +262,9 @@ def run_study(
                     study.enqueue_trial(plan.space.params(c))
             enqueued_defaults = True
         trial = study.ask()
-        if heartbeats_enabled(study._storage):  # at once: a tuner killed from here on is found stale
-            study._storage.record_heartbeat(trial._trial_id)
+        beating: Any = study._storage  # an RDB storage with heartbeats records them (optuna's BaseHeartbeat)
+        if heartbeats_enabled(beating):  # at once: a tuner killed from here on is found stale
+            beating.record_heartbeat(trial._trial_id)
         cand = plan.space.suggest(trial)
         trial.set_user_attr("backend", cand.backend)
         trial.set_user_attr("config", dict(cand.config))

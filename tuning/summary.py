@@ -86,7 +86,7 @@ def summarize(
     for c in mergeable(prior, code_hashes) if prior else []:
         label = c.candidate.label()
         if label not in cands:  # re-timed then, not in this run's interleaved measurement
-            cands[label] = replace(c, retimed=False, merged=str(prior.get("tuned_at", "earlier")))  # type: ignore[union-attr]
+            cands[label] = replace(c, retimed=False, merged=str((prior or {}).get("tuned_at", "earlier")))
             merged.append(label)
     if retimed is not None:
         times = dict(retimed.times)

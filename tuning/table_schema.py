@@ -249,7 +249,7 @@ class TableEntry:
             runner_up=cand("runner_up"),
             margin=c.number("margin", required=False),
             default=cand("default"),
-            switch_margin=c.number("switch_margin"),
+            switch_margin=c.number("switch_margin") or 0.0,  # required: never None here
             candidates=candidates,
             excluded=list(c.get("excluded", list)),
             complete=c.get("complete", bool),
@@ -292,7 +292,7 @@ class TableEntry:
 def _interval(data: Mapping[str, Any], *, where: str) -> None:
     c = _Check(data, where)
     med, lo, hi = (c.number(k, positive=k == "median_ms") for k in ("median_ms", "lo_ms", "hi_ms"))
-    if not lo <= med <= hi:  # type: ignore[operator]
+    if not lo <= med <= hi:  # type: ignore[operator]  # required numbers: never None
         raise TableError(f"field '{where}' = {dict(data)!r}: needs lo_ms ≤ median_ms ≤ hi_ms")
 
 

@@ -222,8 +222,8 @@ class _Retimer:
     samples: int
 
     def __call__(self, fins: dict[str, Finalist], workload: Workload, *, check: bool) -> PointMeasurement:
-        names = ("warmup", "num_layers", "materialise_bytes", "error_multiple", "accuracy_budget")
-        names += ("timeout_s", "seed", "clock", "timing")
+        names: tuple[str, ...] = ("warmup", "num_layers", "materialise_bytes", "error_multiple")
+        names += ("accuracy_budget", "timeout_s", "seed", "clock", "timing")
         settings = {k: getattr(self.options, k) for k in names}
         return retime(
             self.worker, list(fins.values()), workload=workload, samples=self.samples, check=check,

@@ -45,8 +45,8 @@ _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memor
 
 
 #: the settings of a measurement that a task carries from the tune's options to ``measure_decode``
-MEASURE_SETTINGS = ("warmup", "repeats", "max_seconds", "num_layers", "materialise_bytes", "error_multiple")
-MEASURE_SETTINGS += ("accuracy_budget", "timing")
+MEASURE_SETTINGS: tuple[str, ...] = ("warmup", "repeats", "max_seconds", "num_layers", "materialise_bytes")
+MEASURE_SETTINGS += ("error_multiple", "accuracy_budget", "timing")
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         if not resolution.runnable:
             return failed("unsupported", "; ".join(resolution.reasons))
         profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
-        settings = {k: task.get(k) for k in MEASURE_SETTINGS}
+        settings: dict[str, Any] = {k: task.get(k) for k in MEASURE_SETTINGS}
         m = measure_decode(
             backend, workload, config=config, resolution=resolution, profile=profile, check=True, **settings
         )

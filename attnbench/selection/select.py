@@ -190,7 +190,7 @@ class Selector:
                 source_name=name,
             )
             if choice is not None:  # the gate's numbers live in the table entry of the bucket
-                gkey = ("gate", choice.lookup.label, rkey)  # type: ignore[union-attr]
+                gkey = ("gate", choice.lookup.label, rkey)  # type: ignore[union-attr]  # a map answer has its lookup
                 if gkey not in files.templates:
                     files.templates[gkey] = index.gate_of(workload, shape_hash, choice.backend, choice.config)
                 choice.gate = files.templates[gkey]
@@ -310,7 +310,7 @@ class Selector:
             return tuple([env.get(n) for n in names])
         keys = self._env_keys.get(names)
         if keys is None:
-            keys = self._env_keys[names] = tuple(env.encodekey(n) for n in names)  # type: ignore[attr-defined]
+            keys = self._env_keys[names] = tuple(env.encodekey(n) for n in names)
         return tuple([data.get(k) for k in keys])
 
     # -- the files -------------------------------------------------------------------------------
@@ -348,7 +348,7 @@ class Selector:
             listed = []
             for e in reg:
                 res = ask(e.cls, workload)
-                geometry = geometry_key(e.cls, workload) if res.runnable else ""  # type: ignore[arg-type]
+                geometry = geometry_key(e.cls, workload) if res.runnable else ""  # type: ignore[arg-type]  # reads class attributes only
                 listed.append((e.name, res, e.cls.default_config(), geometry))
             if len(self._resolved) > 4096:  # and what was learnt from them
                 self._resolved.clear()
@@ -429,7 +429,7 @@ class Selector:
         if key in self._engine:
             return self._engine[key]
         try:
-            setting = str(reg.get(choice.backend).engine_setting(choice.config))  # type: ignore[attr-defined]
+            setting = str(reg.get(choice.backend).engine_setting(choice.config))  # type: ignore[attr-defined]  # engine backends only; caught below
         except Exception as err:  # e.g. the installed engine lacks the name: say so, keep the choice
             choice.warnings.append(
                 f"{choice.backend}: cannot name its engine setting ({type(err).__name__}: {err})"
