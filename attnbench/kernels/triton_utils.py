@@ -300,7 +300,7 @@ def aot_compile_many(requests: Sequence[Mapping[str, Any]]) -> list[AotResult | 
     refs = [{**full[i], "kernel": _kernel_ref(full[i]["kernel"])} for i in todo]
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "requests.pkl", Path(tmp) / "results.pkl"
-        src.write_bytes(pickle.dumps(refs))
+        src.write_bytes(pickle.dumps((sys.path, refs)))  # the child imports what this process can
         env = {**os.environ, "TRITON_INTERPRET": "0"}
         run = run_child(["-c", _WORKER, str(src), str(dst)], env=env, timeout=1800, stderr_bytes=2000)
         if run.returncode or not dst.exists():
@@ -369,7 +369,8 @@ def _load_kernel(ref: Mapping[str, str]) -> Any:
 
 def _worker_main(args: list[str]) -> None:
     src, dst = Path(args[0]), Path(args[1])
-    requests = pickle.loads(src.read_bytes())
+    path, requests = pickle.loads(src.read_bytes())
+    sys.path += [p for p in path if p not in sys.path]
     results: list[AotResult | Exception] = []
     for r in requests:
         try:
