@@ -22,7 +22,9 @@ from attnbench.tuning.dispatch import load_maps, map_key
 #: the virtual clock of the finalists' re-timing: the planted backends advance it by their planted
 #: cost instead of sleeping, so the planted timings hold on a loaded machine (studies use real time)
 CLOCK = "test_tuning_map:virtual_clock"
-OPTIONS = TuneOptions(timeout_s=30.0, warmup=1, repeats=3, num_layers=1, clock=CLOCK)
+# a generous per-trial timeout: a planted backend never hangs, and a trial that times out on a loaded
+# machine would let a planted slow candidate in as a finalist by the minimum-three rule
+OPTIONS = TuneOptions(timeout_s=120.0, warmup=1, repeats=3, num_layers=1, clock=CLOCK)
 _ELAPSED = [0.0]  # seconds of planted cost in this process (monotonic, never reset)
 
 
