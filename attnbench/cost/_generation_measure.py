@@ -63,7 +63,9 @@ def time_linears(
     At ``batches`` rows (a decode step's GEMVs) the weights cycle over copies worth twice the
     last-level cache, so every call reads them from memory as a step of the real model does; the
     median of the timed calls, which stop after ``cap()`` seconds. At ``rows`` rows (prefill GEMMs,
-    seconds each) one call after a warm-up on 16 rows. The LM head includes the loop's ``argmax``.
+    seconds each) the median of 3 calls after one warm-up call at the same shape: a GEMM's first call
+    at a new shape builds its kernel (oneDNN), which a prompt of the real model pays once, not per
+    layer. The LM head includes the loop's ``argmax``.
     """
     llc = last_level_cache_bytes(device)
     distinct = {(x.in_features, x.out_features, x.bias): x for x in reversed(model.layer_linears())}
@@ -90,9 +92,9 @@ def time_linears(
                     rotate=copies, max_seconds=cap(),
                 )  # fmt: skip
                 seconds = timing.median_s
-            else:
-                call(0, x[:16])
-                seconds = _once(functools.partial(call, 0, x), device)
+            else:  # a warm-up at this very shape (its first call builds the GEMM's kernel), then 3 calls
+                call(0, x)
+                seconds = float(np.median([_once(functools.partial(call, 0, x), device) for _ in range(3)]))
             out.append(LinearTime(layer.name, layer.in_features, layer.out_features, layer.bias, r, seconds))
         mine = ", ".join(f"{t.rows} rows {t.seconds * 1e3:.3g} ms" for t in out if t.name == layer.name)
         say(f"linear {layer.name} {layer.in_features}→{layer.out_features}: {mine}")
