@@ -11,7 +11,9 @@ registered only in a test's registry, or by a plugin, is found by the worker the
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,32 +113,19 @@ class SearchSpace:
     def candidates(self) -> list[Candidate]:
         """The full grid: the default candidate first, then each backend's default, then the rest."""
         out: list[Candidate] = []
-        for name in self.backends:
-            cls = self.backends[name].cls
-            base = cls.default_config()
-            tunables = self.tunables[name]
-            grid: list[dict[str, Any]] = [{}]
-            for t in tunables:
-                grid = [{**g, t.name: c} for g in grid for c in t.choices]
-            out += [Candidate(name, {**base, **g}) for g in grid]
+        for name, ref in self.backends.items():
+            base, names = ref.cls.default_config(), [t.name for t in self.tunables[name]]
+            grid = itertools.product(*(t.choices for t in self.tunables[name]))
+            out += [Candidate(name, {**base, **dict(zip(names, g, strict=True))}) for g in grid]
         first = [self.default_candidate()] if self.default_backend else []
         defaults = [Candidate(n, self.backends[n].cls.default_config()) for n in self.backends]
-        seen: set[str] = set()
-        ordered = []
+        ordered: dict[str, Candidate] = {}  # by ident, the first of each
         for c in [*first, *defaults, *out]:
-            if c.ident() not in seen:
-                seen.add(c.ident())
-                ordered.append(c)
-        return ordered
+            ordered.setdefault(c.ident(), c)
+        return list(ordered.values())
 
     def size(self) -> int:
-        total = 0
-        for name in self.backends:
-            n = 1
-            for t in self.tunables[name]:
-                n *= len(t.choices)
-            total += n
-        return total
+        return sum(math.prod(len(t.choices) for t in self.tunables[name]) for name in self.backends)
 
     def default_candidate(self) -> Candidate:
         if self.default_backend is None:
@@ -229,13 +218,10 @@ def build_space(
         lossy = answers.lossy
         if not reasons and lossy and not allow_lossy:
             reasons = [f"lossy ({lossy}): competes only with --allow-lossy or --accuracy-budget"]
-        if not reasons:
-            tunables[ref.name] = answers.tunables
         if reasons:
             excluded.append(Excluded(ref.name, tuple(reasons)))
         else:
-            backends[ref.name] = ref
-    default = next((n for n in DEFAULT_BACKENDS if n in backends), None)
-    if default is None and backends:
-        default = next(iter(backends))
+            backends[ref.name], tunables[ref.name] = ref, answers.tunables
+    # the first default backend that can run it, else the first backend that can
+    default = next((n for n in (*DEFAULT_BACKENDS, *backends) if n in backends), None)
     return SearchSpace(workload, backends, tunables, excluded, default)
