@@ -57,13 +57,7 @@ def round_order(n: int, r: int, *, seed: int = 0) -> list[int]:
     """
     if n <= 0:
         return []
-    base, lo, hi = [0], 1, n - 1
-    while len(base) < n:
-        base.append(lo)
-        lo += 1
-        if len(base) < n:
-            base.append(hi)
-            hi -= 1
+    base = [0, *((k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n))]  # 0, 1, n-1, 2, n-2, …
     rows = n if n % 2 == 0 else 2 * n
     cycle, j = divmod(r, rows)
     label = list(range(n))

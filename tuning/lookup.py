@@ -191,11 +191,7 @@ def _deciders(medians: dict[str, Median], default: str | None, margin: float) ->
     first in order among equal ones). ``decide`` of these gives the verdict ``decide`` of every
     candidate gives; a candidate whose median alone rules it out (a high end is never below its
     median) gets no interval made."""
-    fastest: str | None = None
-    best = math.inf
-    for k, (med, _, _) in medians.items():
-        if fastest is None or med < best:
-            fastest, best = k, med
+    fastest = min(medians, key=lambda k: medians[k][0], default=None)  # the first of the lowest
     if fastest is None:
         return {}
     if default is None:

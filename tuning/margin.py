@@ -165,11 +165,7 @@ def finalists(
     reach = best.hi_ms + 2 * (best.hi_ms - best.lo_ms)
     out = [k for k in order if times[k].lo_ms <= reach or times[k].median_ms <= best.median_ms * 1.05]
     out = out[:maximum]
-    for k in order:
-        if len(out) >= minimum:
-            break
-        if k not in out:
-            out.append(k)
+    out += [k for k in order if k not in out][: max(0, minimum - len(out))]  # the next fastest, to minimum
     out += [k for k in keep if k in times and k not in out]
     return out
 
