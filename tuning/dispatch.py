@@ -129,10 +129,7 @@ class DispatchMap:
     refinement: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.batches = sorted(set(self.batches))
-        self.contexts = sorted(set(self.contexts))
-        self._lb = [math.log(b) for b in self.batches]
-        self._lc = [math.log(c) for c in self.contexts]
+        self.add_lines()  # sorts the lines, each once, and takes their logs
         self._log_cache: dict[
             tuple[int, int], tuple[GridPoint, dict[str, tuple[float, float, float, int]]]
         ] = {}

@@ -147,12 +147,8 @@ def contenders(p: GridPoint, *, margin: float = SWITCH_MARGIN) -> list[str]:
 def _labels_for(m: DispatchMap, b: int, c: int) -> list[str]:
     """What a new point measures: its neighbours' contenders and the default (always measured, so
     every cell has an answer)."""
-    labels: list[str] = [m.default] if m.default else []
-    for p in _neighbours(m, b, c):
-        for k in contenders(p, margin=m.switch_margin):
-            if k not in labels:
-                labels.append(k)
-    return labels
+    near = (k for p in _neighbours(m, b, c) for k in contenders(p, margin=m.switch_margin))
+    return list(dict.fromkeys([m.default, *near] if m.default else near))
 
 
 def refine_map(

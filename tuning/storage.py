@@ -126,16 +126,12 @@ def repair_journal(path: Path) -> str:
             return ""
         aside = path.with_name(f"{path.name}.torn-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
         aside.write_bytes(torn)
-        _replace_bytes(path, kept)
+        write_atomically(path, kept, mode=path.stat().st_mode & 0o7777)
     lines = kept.count(b"\n")
     return (
         f"study journal {path.name} had a torn write ({len(torn)} bytes, e.g. from a full disk); set it "
         f"aside in {aside.name} and kept the {lines} whole lines (finished trials are kept)"
     )
-
-
-def _replace_bytes(path: Path, data: bytes) -> None:
-    write_atomically(path, data, mode=path.stat().st_mode & 0o7777)
 
 
 # --------------------------------------------------------------------------------------------------
