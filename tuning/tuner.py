@@ -197,18 +197,16 @@ def _finalists(
     ok = {r.candidate.label(): r for r in records if r.ok and r.value}
     default = plan.space.default_candidate().label() if plan.space.default_backend else None
     labels = finalists({k: r.search_interval() for k, r in ok.items()}, keep=[default] if default else [])
-    out: dict[str, Finalist] = {}
-    for label in labels:
-        c = ok[label].candidate
-        ref = plan.space.backends[c.backend]
-        out[label] = Finalist(label, c.backend, ref.ref, dict(c.config), getattr(ref.cls, "lossy", "") or "")
+    picked = [(label, plan.space.backends[ok[label].backend], ok[label].config) for label in labels]
     incumbent = (old or {}).get("winner")
-    if incumbent and candidate_label(incumbent) not in out and incumbent["backend"] in everyone:
-        ref = everyone[incumbent["backend"]]
-        label = candidate_label(incumbent)
-        out[label] = Finalist(
-            label, ref.name, ref.ref, dict(incumbent.get("config") or {}), getattr(ref.cls, "lossy", "") or ""
+    if incumbent and incumbent["backend"] in everyone:
+        picked.append(
+            (candidate_label(incumbent), everyone[incumbent["backend"]], incumbent.get("config") or {})
         )
+    out: dict[str, Finalist] = {}
+    for label, ref, config in picked:  # the incumbent only when no finalist has its label
+        lossy = getattr(ref.cls, "lossy", "") or ""
+        out.setdefault(label, Finalist(label, ref.name, ref.ref, dict(config), lossy))
     return out
 
 

@@ -294,8 +294,7 @@ class Worker:
             "memory_limit_bytes": self.memory_limit_bytes,
             "threads": _torch_threads(),
         }
-        self._send(init)
-        reply = self._receive(self.start_timeout)
+        reply = self._ask(init, self.start_timeout)
         if reply is None or not reply.get("ready"):
             tail = self.stderr_tail()
             self.close()
@@ -322,13 +321,11 @@ class Worker:
             text = text.partition("\n")[2]
         return "\n".join(text.strip().splitlines()[-lines:])
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _ask(self, message: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """Send ``message``; its answer (one JSON line), or ``None`` on EOF or timeout (``self.eof``
+        tells which)."""
         assert self.child is not None
         self.child.send(message)
-
-    def _receive(self, timeout: float) -> dict[str, Any] | None:
-        """One JSON line, or ``None`` on EOF or timeout (``self.eof`` tells which)."""
-        assert self.child is not None
         reply = self.child.receive(timeout)
         self.eof = self.child.eof
         return reply
@@ -343,8 +340,7 @@ class Worker:
             self.start()
         t0 = time.monotonic()
         try:
-            self._send(message)
-            reply = self._receive(timeout)
+            reply = self._ask(message, timeout)
         except BrokenPipeError:
             reply, self.eof = None, True
         except KeyboardInterrupt:
@@ -364,16 +360,14 @@ class Worker:
                 else None,
             )
         assert self.child is not None
+        kind = "crash" if self.eof else "timeout"
         if not self.eof:  # no answer by the deadline and the pipe still open: a hang
-            kind, reason = (
-                "timeout",
-                f"no result after {timeout:.3g} s (hang or too slow); worker killed and replaced",
-            )
+            reason = f"no result after {timeout:.3g} s (hang or too slow); worker killed and replaced"
         else:  # the pipe closed: the process is dying or dead (EOF can come before it is reaped)
             try:
-                kind, reason = "crash", _death_reason(self.child.wait(timeout=10))
+                reason = _death_reason(self.child.wait(timeout=10))
             except subprocess.TimeoutExpired:
-                kind, reason = "crash", "worker closed its pipe but did not exit; killed and replaced"
+                reason = "worker closed its pipe but did not exit; killed and replaced"
         tail = self.stderr_tail()
         self.close()
         return Outcome(
