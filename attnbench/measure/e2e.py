@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from attnbench.core.timing import synchronize
+
 __all__ = [
     "STOCK_PATHS",
     "GenerationPath",
@@ -168,15 +170,13 @@ class PathRun:
         return self.prompt_len + self.new_tokens // 2
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out |= {
+        return asdict(self) | {
             "itl_p50_s": self.itl_p50_s,
             "itl_p90_s": self.itl_p90_s,
             "itl_mean_s": self.itl_mean_s,
             "e2e_s": self.e2e_s,
             "attention_share": self.attention_share,
         }
-        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PathRun:
@@ -242,11 +242,6 @@ def timed_attention(implementation: str, sink: list[float]) -> Iterator[None]:
         yield
     finally:
         ALL_ATTENTION_FUNCTIONS[implementation] = inner
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _Session:
@@ -315,19 +310,25 @@ class _Running:
         return len(self.itl) >= self.new_tokens - 1
 
 
+def _forward(model: Any, run: _Running, input_ids: torch.Tensor, i: int, sink: list[float]) -> float:
+    """``input_ids`` through the model into ``run``'s cache, the greedy choice as new token ``i``: the
+    seconds it took (the switch to ``run``'s path is not timed; ``sink[0]``: the attention's share)."""
+    assert run.tokens is not None
+    run.session.activate()
+    sink[0] = 0.0
+    synchronize(input_ids.device)
+    t0 = time.perf_counter()
+    logits = model(input_ids=input_ids, past_key_values=run.cache, use_cache=True, logits_to_keep=1).logits
+    run.tokens[:, i] = logits[:, -1].argmax(-1)
+    synchronize(input_ids.device)
+    return time.perf_counter() - t0
+
+
 @torch.inference_mode()
 def _prefill(model: Any, run: _Running, prompt: torch.Tensor, sink: list[float]) -> None:
     """The prompt through the model into ``run``'s cache; the first token; TTFT."""
-    device = prompt.device
-    run.session.activate()
-    run.tokens = torch.empty(prompt.shape[0], run.new_tokens, dtype=torch.long, device=device)
-    sink[0] = 0.0
-    _sync(device)
-    t0 = time.perf_counter()
-    logits = model(input_ids=prompt, past_key_values=run.cache, use_cache=True, logits_to_keep=1).logits
-    run.tokens[:, 0] = logits[:, -1].argmax(-1)
-    _sync(device)
-    run.ttft = time.perf_counter() - t0
+    run.tokens = torch.empty(prompt.shape[0], run.new_tokens, dtype=torch.long, device=prompt.device)
+    run.ttft = _forward(model, run, prompt, 0, sink)
     run.prefill_attention = sink[0]
 
 
@@ -336,17 +337,7 @@ def _decode_step(model: Any, run: _Running, sink: list[float]) -> None:
     """One greedy decode step of ``run``, timed (the switch to its path is not)."""
     assert run.tokens is not None
     i = len(run.itl) + 1
-    run.session.activate()
-    device = run.tokens.device
-    sink[0] = 0.0
-    _sync(device)
-    t0 = time.perf_counter()
-    logits = model(
-        input_ids=run.tokens[:, i - 1 : i], past_key_values=run.cache, use_cache=True, logits_to_keep=1
-    ).logits
-    run.tokens[:, i] = logits[:, -1].argmax(-1)
-    _sync(device)
-    run.itl.append(time.perf_counter() - t0)
+    run.itl.append(_forward(model, run, run.tokens[:, i - 1 : i], i, sink))
     run.attention.append(sink[0])
 
 
@@ -467,11 +458,11 @@ def run_path(
 def compare_tokens(run: PathRun, reference: PathRun) -> None:
     """Set ``run``'s token comparison against ``reference`` (same prompt, greedy)."""
     run.reference = reference.path
-    mismatch = None
-    for a, b in zip(run.tokens, reference.tokens, strict=True):
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            if x != y:
-                mismatch = i if mismatch is None else min(mismatch, i)
-                break
-    run.tokens_match = mismatch is None
-    run.first_mismatch = mismatch
+    differ = [
+        i
+        for a, b in zip(run.tokens, reference.tokens, strict=True)
+        for i, (x, y) in enumerate(zip(a, b, strict=True))
+        if x != y
+    ]
+    run.tokens_match = not differ
+    run.first_mismatch = min(differ, default=None)
