@@ -43,7 +43,7 @@ from attnbench.cli.common import (
     tokens_to_generate,
 )
 from attnbench.core.shapes import parse_dtype
-from attnbench.core.workload import parse_tokens
+from attnbench.core.workload import parse_int_list
 from attnbench.measure.bench import CheckFailed
 from attnbench.measure.e2e import STOCK_PATHS, GenerationPath, PathRun, compare_tokens, parse_path, run_paths
 
@@ -99,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _list(text: str, *, field: str) -> list[int]:
-    values = [parse_tokens(x, field=field) for x in str(text).split(",") if x.strip()]
+    values = parse_int_list(text, field=field)
     if not values or min(values) < 1:
         raise ValueError(f"{field} {text!r}: expected positive integers, comma-separated (k suffix accepted)")
     return values
@@ -422,15 +422,11 @@ def markdown(report: dict[str, Any]) -> str:
             if r["tokens_match"] is None
             else ("same" if r["tokens_match"] else f"differ from step {r['first_mismatch']}")
         )
+        predicted = f"{pred['ttft_s']:.2f} | {pred['itl_s'] * 1e3:.1f}" if "ttft_s" in pred else "— | —"
         lines.append(
             f"| {r['batch']} | {r['prompt_len']} | {r['path']} | {r['implementation']} | {r['ttft_s']:.2f} | "
             f"{r['itl_p50_s'] * 1e3:.1f} | {r['itl_p90_s'] * 1e3:.1f} | {r['e2e_s']:.2f} | {r['attention_share']:.0%} | "
-            f"{_ratio_to_stock(r, rows):.2f} | {tokens} | "
-            f"{pred['ttft_s']:.2f} | {pred['itl_s'] * 1e3:.1f} |"
-            if "ttft_s" in pred
-            else f"| {r['batch']} | {r['prompt_len']} | {r['path']} | {r['implementation']} | {r['ttft_s']:.2f} | "
-            f"{r['itl_p50_s'] * 1e3:.1f} | {r['itl_p90_s'] * 1e3:.1f} | {r['e2e_s']:.2f} | {r['attention_share']:.0%} | "
-            f"{_ratio_to_stock(r, rows):.2f} | {tokens} | — | — |"
+            f"{_ratio_to_stock(r, rows):.2f} | {tokens} | {predicted} |"
         )
     lines += ["", *[f"- {line}" for line in summary_lines(report.get("summary", []))], ""]
     return "\n".join(lines)
