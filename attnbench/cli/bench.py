@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from attnbench.cli.common import (
@@ -41,6 +40,7 @@ from attnbench.cli.common import (
     emit_json,
     ms_text,
     print_table,
+    progress_bar,
     run_options,
     timing_options,
     workloads_from_args,
@@ -131,14 +131,7 @@ def run(args: argparse.Namespace) -> int:
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     load_start = os.getloadavg()
     rows: list[dict[str, Any]] = []
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    )
+    progress = progress_bar(console=err, transient=True)
     total = len(workloads) * len(backends)
 
     def make_report(complete: bool) -> dict[str, Any]:
@@ -360,17 +353,13 @@ def _table(report: dict[str, Any], *, wide: bool = True) -> Table:
 def _untimed_notes(report: dict[str, Any]) -> list[str]:
     """Why each row that has no step time has none, one line per backend and reason."""
     why = {"unsupported": "cannot run", "failed-check": "failed the correctness gate", "error": "error"}
-    lines: list[str] = []
+    lines: dict[str, None] = {}  # each line once, in the order of the rows
     for r in report["results"]:
         if r["status"] in why:
-            line = f"{r['backend']}: {why[r['status']]}: {'; '.join(r['reasons'])}"
+            lines[f"{r['backend']}: {why[r['status']]}: {'; '.join(r['reasons'])}"] = None
         elif not r.get("timed", True) and r.get("note"):
-            line = f"{r['backend']}: {r['note']}"
-        else:
-            continue
-        if line not in lines:
-            lines.append(line)
-    return lines
+            lines[f"{r['backend']}: {r['note']}"] = None
+    return list(lines)
 
 
 def _print_notes(out: Console, report: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from attnbench.cli.tables import (  # re-exported: the commands import the table helpers from here
     add_wide_option,
@@ -45,6 +46,7 @@ __all__ = [
     "json_stdout",
     "ms_text",
     "print_table",
+    "progress_bar",
     "render_text",
     "run_options",
     "run_record",
@@ -74,6 +76,13 @@ def add_command(
 def console() -> Console:
     """Rich console on stderr-safe stdout; plain text when not a terminal."""
     return Console(highlight=False, soft_wrap=True)
+
+
+def progress_bar(**kwargs: Any) -> Progress:
+    """The progress bar of a long command: what runs now, the bar, done/total, time elapsed."""
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), **kwargs
+    )
 
 
 def add_model_option(
@@ -375,6 +384,3 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
-
-
-_ = parse_tokens  # re-exported for subcommands

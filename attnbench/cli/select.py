@@ -62,13 +62,12 @@ def step_cell(c: Choice) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    choices = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the warnings are printed with the choice below
-        for w in workloads_from_args(args):
-            choices.append(
-                select(w, results_dir=args.results, table=args.table, allow_lossy=args.allow_lossy)
-            )
+        choices = [
+            select(w, results_dir=args.results, table=args.table, allow_lossy=args.allow_lossy)
+            for w in workloads_from_args(args)
+        ]
     if args.json:
         emit_json([c.as_dict() for c in choices])
         return 0

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from attnbench.cli.common import (
@@ -23,6 +22,7 @@ from attnbench.cli.common import (
     emit_json,
     ms_text,
     print_table,
+    progress_bar,
     run_options,
     timing_options,
     workloads_from_args,
@@ -202,15 +202,7 @@ def run(args: argparse.Namespace) -> int:
     )
     out = console()
     command = command_line(args)
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console() if not args.json else None,
-        disable=args.json,
-        transient=False,
-    )
+    progress = progress_bar(console=console() if not args.json else None, disable=args.json, transient=False)
     state: dict = {}
 
     def on_plan(plans: list) -> None:
@@ -386,13 +378,10 @@ def _interval(c: CandidateResult | None) -> str:
 
 def spread_advice(entries: dict) -> list[str]:
     """One line per entry whose spread was too wide to decide, with what to do about it."""
-    out = []
-    for row, entry in entries.items():
-        spread = entry.get("spread")
-        if spread:
-            out.append(
-                f"{row}: the spread of {', '.join(spread['too_wide'])} is too wide to decide "
-                f"(load average {entry['load_avg'][0]:.2g}); rerun on a quieter machine with more "
-                "--samples (e.g. --samples 45), or fewer --threads than the machine has cores"
-            )
-    return out
+    return [
+        f"{row}: the spread of {', '.join(entry['spread']['too_wide'])} is too wide to decide "
+        f"(load average {entry['load_avg'][0]:.2g}); rerun on a quieter machine with more "
+        "--samples (e.g. --samples 45), or fewer --threads than the machine has cores"
+        for row, entry in entries.items()
+        if entry.get("spread")
+    ]
