@@ -11,7 +11,19 @@ __all__ = ["GateOptions", "add_gate_options", "gate_options"]
 def add_gate_options(p: argparse.ArgumentParser, *, multiple: bool = True, lossy: bool = True) -> None:
     """``--allow-lossy`` and ``--accuracy-budget`` (``lossy=True``), ``--tolerance-multiple`` (``multiple=True``)."""
     if lossy:
-        _add_lossy_options(p)
+        p.add_argument(
+            "--allow-lossy",
+            action="store_true",
+            help="let lossy KV caches (fp8 e4m3 K/V) compete; they are checked against exact attention with "
+            "their declared bound and reported as lossy (default: exact caches only)",
+        )
+        p.add_argument(
+            "--accuracy-budget",
+            type=str,
+            metavar="REL",
+            help="let lossy caches compete when their rel_l2 against exact attention is at most REL "
+            "(e.g. 0.05); implies --allow-lossy",
+        )
     if multiple:
         p.add_argument(
             "--tolerance-multiple",
@@ -20,22 +32,6 @@ def add_gate_options(p: argparse.ArgumentParser, *, multiple: bool = True, lossy
             help="the gate accepts M × the error of a calibration reference that rounds as carefully as "
             "the dtype allows, per metric (default 2; backends that declare a larger multiple keep it)",
         )
-
-
-def _add_lossy_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--allow-lossy",
-        action="store_true",
-        help="let lossy KV caches (fp8 e4m3 K/V) compete; they are checked against exact attention with "
-        "their declared bound and reported as lossy (default: exact caches only)",
-    )
-    p.add_argument(
-        "--accuracy-budget",
-        type=str,
-        metavar="REL",
-        help="let lossy caches compete when their rel_l2 against exact attention is at most REL "
-        "(e.g. 0.05); implies --allow-lossy",
-    )
 
 
 class GateOptions(argparse.Namespace):
