@@ -130,10 +130,9 @@ class DecodeMeasurement:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("step", "eager_step", "graph_step", "check", "timed_check"):
             out[name] = out[name].as_dict() if out[name] is not None else None
-        lossy = self.check.lossy if self.check else ""
         return out | {
             "gbps": None if math.isnan(self.gbps) else self.gbps,
-            "lossy": lossy,
+            "lossy": self.check.lossy if self.check else "",
             "load_avg": list(self.load_avg),
         }
 
@@ -386,9 +385,7 @@ def _timed_run(
         check_start = time.perf_counter()
         checked = None
         if multiple is not None:
-            checked = _check_timed_step(
-                model.backend, model, dict(model.config), first=eager.warmup, rng=spot, multiple=multiple
-            )
+            checked = _check_timed_step(model, first=eager.warmup, rng=spot, multiple=multiple)
         check_s = time.perf_counter() - check_start
         if on_cuda and getattr(model.cache, "capturable", False):
             graph = timed(GraphedDecodeStep(model))
@@ -420,13 +417,7 @@ def _timed_run(
 
 
 def _check_timed_step(
-    backend: Backend,
-    model: SyntheticModel,
-    config: dict[str, Any],
-    *,
-    first: int,
-    rng: random.Random,
-    multiple: float,
+    model: SyntheticModel, *, first: int, rng: random.Random, multiple: float
 ) -> CheckResult | None:
     """Check one timed step (the recorded layer's output, a step chosen at random) against float64.
 
@@ -439,11 +430,11 @@ def _check_timed_step(
         return None
     step, out = rng.choice(timed)
     q, hk, hv, lens = model.history_for(layer, step)
-    dtype = model.workload.dtype
+    backend, config = model.backend, dict(model.config)
     judge = Judge(
         backend=backend,
         config=config,
-        dtype=dtype,
+        dtype=model.workload.dtype,
         scale=model.geometry.scale,
         multiple=multiple,
     )

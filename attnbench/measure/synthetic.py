@@ -275,8 +275,9 @@ class SyntheticModel:
         output at the last position, ``[B, Hq, Dv]`` (there are no logits)."""
         cache = self._require_cache()
         t = tokens.shape[1]
-        if not self._prefill_inputs or self._prefill_inputs[0][0].shape[1] != t:
-            raise ValueError(f"prefill: prompt of {t} tokens but setup() prepared {self._prefill_len()}")
+        prepared = int(self._prefill_inputs[0][0].shape[1]) if self._prefill_inputs else 0
+        if not self._prefill_inputs or prepared != t:
+            raise ValueError(f"prefill: prompt of {t} tokens but setup() prepared {prepared}")
         cache.reset()
         plan = self.backend.plan(cache, num_new=[t] * self.batch)
         out = None
@@ -346,6 +347,3 @@ class SyntheticModel:
         if self.cache is None:
             raise RuntimeError("SyntheticModel: call setup() or fill() before prefill()/decode_step()")
         return self.cache
-
-    def _prefill_len(self) -> int:
-        return int(self._prefill_inputs[0][0].shape[1]) if self._prefill_inputs else 0
