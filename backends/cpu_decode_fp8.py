@@ -137,18 +137,17 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
             return [f"variant {isa} with fp8 K/V does not take dtype {workload.dtype_name}"]
         return []
 
-    # answers None where no variant reads fp8: this class's _variant and _variant_reasons check for it
-    def _isa(self, dtype: torch.dtype, kernel: Any, group: int = 1) -> str | None:  # type: ignore[override]  # see above
+    def _variant(self, workload: Workload) -> str | None:
         """The forced variant, else AMX (GQA groups up to 16) or AVX-512 BF16 where they read fp8
-        (bf16 only), else none."""
+        (bf16 only), else none (``None``: :meth:`_variant_reasons` says why)."""
         if self.force_isa is not None:
             return self.force_isa
-        if dtype != torch.bfloat16 or kernel.fp8_level < 1:
+        kernel = load_kernel()
+        assert not isinstance(kernel, str)
+        if workload.dtype != torch.bfloat16 or kernel.fp8_level < 1:
             return None
+        group = workload.geometry(self.kv_form).group_size
         return "c-amx" if kernel.fp8_level >= 2 and group <= 16 else "c-avx512bf16"
-
-    def _variant(self, workload: Workload) -> str | None:
-        return self._isa(workload.dtype, load_kernel(), workload.geometry(self.kv_form).group_size)
 
     def kv_bytes_per_token(self, workload: Workload, *, config: Mapping[str, Any]) -> int:
         """One byte per K/V value plus two float32 scales per KV head, over every layer."""
