@@ -235,20 +235,16 @@ class Backend(ABC):
         with :meth:`resolution`; the four hooks then read from it, so they can never disagree with it.
         A bad config raises :class:`ConfigError`.
         """
-        cfg = self.resolve_config(config)
+        cfg = self.resolve_config(config)  # a bad config raises before any hook runs
         reasons = tuple(self.supports(workload))
-        runnable = not reasons
-        return Resolution(
-            backend=self.name,
-            workload=workload,
-            config=cfg,
-            reasons=reasons,
-            implementation=self.implementation(workload) if runnable else _unavailable(reasons),
-            interpreted=bool(self.interpreted(workload)) if runnable else False,
-            tunables=tuple(self.tunables_for(workload)) if runnable else (),
-            kv_bytes_per_token=self.kv_bytes_per_token(workload, config=cfg),
-            lossy=self.lossy,
-            kv_form=self.kv_form,
+        if reasons:  # a refused workload's other hooks are not asked
+            return self.resolution(workload, cfg, reasons=reasons, implementation="")
+        return self.resolution(
+            workload,
+            cfg,
+            implementation=self.implementation(workload),
+            interpreted=bool(self.interpreted(workload)),
+            tunables=self.tunables_for(workload),
         )
 
     def resolution(
