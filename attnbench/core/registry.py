@@ -180,8 +180,7 @@ class Registry:
                 raise TypeError(
                     f"attnbench_backends() returned {type(result).__name__}; expected a list of classes"
                 )
-            for cls in result:
-                new.append(_validate_backend(cls, source))
+            new += [_validate_backend(cls, source) for cls in result]
         seen: dict[str, BackendEntry] = {}
         for e in new:
             other = self.entries.get(e.name) or seen.get(e.name)
@@ -204,7 +203,7 @@ def _validate_backend(cls: Any, source: Source) -> BackendEntry:
     if isinstance(api, bool) or not isinstance(api, int) or not lo <= api <= hi:
         raise PluginAPIError(
             f"backend {name!r} ({cls.__module__}.{cls.__qualname__}) declares plugin_api {cls.plugin_api!r}; "
-            f"this attnbench {_core_version()} supports {_range_text()}"
+            f"this attnbench {__version__} supports {_range_text()}"
         )
     if cls.kv_form not in ("expanded", "latent"):
         raise ValueError(f"backend {name!r}: kv_form {cls.kv_form!r} not in ('expanded', 'latent')")
@@ -299,30 +298,26 @@ def load_plugin(reg: Registry, ep: EntryPoint) -> None:
         )
         fail(
             "api-version",
-            f"{source} {what}, but this attnbench {_core_version()} supports {_range_text()}: "
+            f"{source} {what}, but this attnbench {__version__} supports {_range_text()}: "
             f"install a release of {dist} written for that API, or an attnbench that supports its API",
         )
         return
+    registered = False
     try:
         reg.manager.register(plugin, name=f"plugin:{ep.name}")
-    except BaseException as err:
-        if isinstance(err, KeyboardInterrupt):
-            raise
-        fail("register", err)
-        return
-    try:
+        registered = True
         reg._add_from(plugin, source)
     except BaseException as err:
         if isinstance(err, KeyboardInterrupt):
             raise
-        reg.manager.unregister(plugin)
+        if registered:
+            reg.manager.unregister(plugin)
         fail("api-version" if isinstance(err, PluginAPIError) else "register", err)
 
 
 def _import_key(ep: EntryPoint) -> str:
     """What decides whether an earlier bounded import still holds: the entry point, its distribution's
     name and version, and the size and mtime of the module's top-level file (found without importing)."""
-    import hashlib
     import importlib.util
 
     top = ep.value.partition(":")[0].split(".")[0]
@@ -373,10 +368,6 @@ def _import_hangs(ep: EntryPoint) -> str:
 def _range_text() -> str:
     lo, hi = SUPPORTED_PLUGIN_API
     return f"{lo}..{hi}"
-
-
-def _core_version() -> str:
-    return __version__
 
 
 def load_backend_class(ref: str) -> type[Backend]:
