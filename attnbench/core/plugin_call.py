@@ -29,7 +29,7 @@ from typing import Any
 
 from attnbench.core.backend import Backend, Resolution
 from attnbench.core.child import Child
-from attnbench.core.workload import Workload, bucket
+from attnbench.core.workload import Workload, bucket, workload_from_dict, workload_to_dict
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Answers", "ask", "ask_many"]
 
@@ -108,7 +108,6 @@ def _cache_file(cls: type[Backend], workload: Workload) -> Path:
     import torch
 
     from attnbench.core.device import cache_dir
-    from attnbench.core.workload import workload_to_dict
 
     try:
         from attnbench.core.registry import code_hash
@@ -165,7 +164,12 @@ def ask_many(
         done = len(answered)
         if done < len(pending):  # the next one hung or the child died: say so, go on after it
             i = pending[done]
-            out[i] = _no_answer(classes[i], workload, timeout)
+            out[i] = _failed(
+                classes[i],
+                workload,
+                f"plugin backend {classes[i].name!r} gave no answer to supports() within {timeout:g} s "
+                "(hangs, or its process died); left out (ATTNBENCH_PLUGIN_TIMEOUT sets the limit)",
+            )
             # remembered for a while, so a hanging plugin does not cost every call its timeout
             _store(_cache_file(classes[i], workload), _encode(out[i]) | {"expires": time.time() + _RETRY_S})
             done += 1
@@ -183,19 +187,8 @@ def _store(path: Path, data: dict[str, Any]) -> None:
         pass  # an unwritable cache only costs time
 
 
-def _no_answer(cls: type[Backend], workload: Workload, timeout: float) -> Resolution:
-    return _failed(
-        cls,
-        workload,
-        f"plugin backend {cls.name!r} gave no answer to supports() within {timeout:g} s (hangs, or "
-        "its process died); left out (ATTNBENCH_PLUGIN_TIMEOUT sets the limit)",
-    )
-
-
 def _ask_child(classes: Sequence[type[Backend]], workload: Workload, *, timeout: float) -> list[Resolution]:
     """Answers from one child process, one line each, until one takes longer than ``timeout``."""
-    from attnbench.core.workload import workload_to_dict
-
     request = {
         "sys_path": sys.path,
         "refs": [_ref(c) for c in classes],
@@ -223,7 +216,6 @@ def main() -> None:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     from attnbench.core.registry import load_backend_class
-    from attnbench.core.workload import workload_from_dict
 
     workload = workload_from_dict(request["workload"])
     proto.write('{"ready": true}\n')
