@@ -122,8 +122,7 @@ class FlashBackend(Backend):
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> FlashPlan:
         """Host work once per step; may allocate (the int32 lengths, a ragged batch's mask)."""
         assert isinstance(cache, FlashCache)
-        base = base_plan(cache, num_new)
-        plan = base.extend(FlashPlan)
+        plan = base_plan(cache, num_new).extend(FlashPlan)
         if cache.implementation == FLASH_ATTN:
             plan.cache_seqlens = plan.device_positions.to(torch.int32)
         elif len(set(plan.seq_lens_after)) > 1:

@@ -65,8 +65,7 @@ class NaiveBackend(ContiguousBackend):
 
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> NaivePlan:
         """Host work once per step; allocates the ragged-batch mask on CUDA (not capturable)."""
-        base = base_plan(cache, num_new)
-        plan = base.extend(NaivePlan)
+        plan = base_plan(cache, num_new).extend(NaivePlan)
         s = max(plan.seq_lens_after)
         if cache.device.type == "cuda" and len(set(plan.seq_lens_after)) > 1:
             # ragged batch on the batched path: mask the tail of shorter sequences, once per step

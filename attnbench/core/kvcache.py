@@ -35,34 +35,27 @@ class ContiguousKVCache(KVCache):
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def _tokens_first(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s ``k [B, S, Hkv, Dk]`` and ``v [B, S, Hkv, Dv]`` in either layout (views)."""
+        kc, vc = self.k[layer], self.v[layer]
+        return (kc.transpose(1, 2), vc.transpose(1, 2)) if self.heads_first else (kc, vc)
+
     def read(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k [length, Hkv, Dk]``, ``v [length, Hkv, Dv]``: sequence ``seq``'s first tokens (views when ``heads_first`` is off)."""
-        if self.heads_first:
-            return self.k[layer, seq, :, :length].transpose(0, 1), self.v[layer, seq, :, :length].transpose(
-                0, 1
-            )
-        return self.k[layer, seq, :length], self.v[layer, seq, :length]
+        """``k [length, Hkv, Dk]``, ``v [length, Hkv, Dv]``: sequence ``seq``'s first tokens (views)."""
+        kc, vc = self._tokens_first(layer)
+        return kc[seq, :length], vc[seq, :length]
 
     def write(self, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k [B, T, Hkv, Dk]``, ``v [B, T, Hkv, Dv]`` at ``plan.positions``."""
-        kc, vc = self.k[layer], self.v[layer]
+        kc, vc = self._tokens_first(layer)
         if plan.max_new == 1:  # decode: one vectorised scatter, no host loop
             rows = torch.arange(self.batch, device=self.device)
-            pos = plan.device_positions
-            if self.heads_first:
-                kc[rows, :, pos] = k[:, 0]
-                vc[rows, :, pos] = v[:, 0]
-            else:
-                kc[rows, pos] = k[:, 0]
-                vc[rows, pos] = v[:, 0]
+            kc[rows, plan.device_positions] = k[:, 0]
+            vc[rows, plan.device_positions] = v[:, 0]
             return
         for i, (p, n) in enumerate(zip(plan.positions, plan.num_new, strict=True)):
-            if self.heads_first:
-                kc[i, :, p : p + n] = k[i, :n].transpose(0, 1)
-                vc[i, :, p : p + n] = v[i, :n].transpose(0, 1)
-            else:
-                kc[i, p : p + n] = k[i, :n]
-                vc[i, p : p + n] = v[i, :n]
+            kc[i, p : p + n] = k[i, :n]
+            vc[i, p : p + n] = v[i, :n]
 
 
 class ContiguousBackend(Backend):
