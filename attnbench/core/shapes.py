@@ -62,10 +62,7 @@ def parse_dtype(value: str | torch.dtype, *, field: str = "dtype") -> torch.dtyp
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
-    return str(dtype).removeprefix("torch.")
+    return next((name for name, dt in DTYPES.items() if dt == dtype), str(dtype).removeprefix("torch."))
 
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:
@@ -312,7 +309,7 @@ class ModelShape:
             "source": f"config.json ({config.get('model_type', 'unknown model_type')})",
         }
         if config.get("kv_lora_rank"):
-            for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            for key in _MLA_FIELDS:
                 data[key] = need(key)
             if config.get("q_lora_rank"):
                 data["q_lora_rank"] = need("q_lora_rank")

@@ -85,22 +85,15 @@ def merge_specialization(dv: int, dtype: torch.dtype) -> dict[str, Any]:
         "out_ptr": f"*{TL_DTYPE[dtype]}",
         "num_splits": "i32",
     }
-    sig |= dict.fromkeys(("stride_lb", "stride_lh", "stride_ob", "stride_oh"), "i32")
+    strides = ("stride_lb", "stride_lh", "stride_ob", "stride_oh")
+    sig |= dict.fromkeys(strides, "i32")
     return {
         "kernel": split_merge_kernel,
         "signature": sig | dict.fromkeys(constexprs, "constexpr"),
         "constexprs": constexprs,
         "num_warps": MERGE_WARPS,
         "num_stages": 2,
-        "aligned": (
-            "part_o_ptr",
-            "part_lse_ptr",
-            "out_ptr",
-            "stride_lb",
-            "stride_lh",
-            "stride_ob",
-            "stride_oh",
-        ),
+        "aligned": ("part_o_ptr", "part_lse_ptr", "out_ptr", *strides),
     }
 
 

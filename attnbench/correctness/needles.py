@@ -103,13 +103,10 @@ def needle_positions(
         k += 1
     if n > 2:
         out += [(rng.randrange(1, n - 1), "middle") for _ in range(middles)]
-    seen: set[int] = set()
-    unique = []
+    unique: dict[int, str] = {}  # each position once, with its first (most important) label
     for p, lab in out:
-        if p not in seen:
-            seen.add(p)
-            unique.append((p, lab))
-    return unique
+        unique.setdefault(p, lab)
+    return list(unique.items())
 
 
 def build_gate_inputs(

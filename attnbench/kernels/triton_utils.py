@@ -29,6 +29,7 @@ shipped in the triton wheel is found, the cubin's registers, local memory (spill
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,10 +225,7 @@ class AotResult:
         registers), ``LDGSTS.E.BYPASS.128`` (16-byte ``cp.async`` to shared memory), ``LDG.E.U16``..."""
         if self.sass is None:
             return {}
-        counts: dict[str, int] = {}
-        for op in re.findall(r"\b(LDGSTS\.[.\w]*|LDG\.E[.\w]*)", self.sass):
-            counts[op] = counts.get(op, 0) + 1
-        return counts
+        return dict(Counter(re.findall(r"\b(LDGSTS\.[.\w]*|LDG\.E[.\w]*)", self.sass)))
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -346,10 +345,8 @@ def _kernel_ref(kernel: Any) -> dict[str, str]:
 def _load_kernel(ref: Mapping[str, str]) -> Any:
     module = None
     if ref["module"] not in ("__main__", None):
-        try:
+        with contextlib.suppress(ImportError):
             module = importlib.import_module(ref["module"])
-        except ImportError:
-            module = None
     if module is None or not hasattr(module, ref["name"]):
         spec = importlib.util.spec_from_file_location(f"_aot_kernels_{abs(hash(ref['file']))}", ref["file"])
         if spec is None or spec.loader is None:
