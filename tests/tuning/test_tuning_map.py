@@ -168,7 +168,11 @@ def test_a_finalist_of_one_coarse_point_is_measured_at_every_coarse_point(tmp_pa
         for key, entry in report.entries.items()
         if entry.get("retimed")
     }
-    assert len(finalists) == 2 and len(set.union(*finalists.values())) == 4, finalists
+    studied = {  # what each study measured, for the message when a finalist set is not the planted one
+        key: [(c["backend"], c.get("step_ms"), c.get("kind")) for c in entry.get("candidates", [])]
+        for key, entry in report.entries.items()
+    }
+    assert len(finalists) == 2 and len(set.union(*finalists.values())) == 4, (finalists, studied)
     assert any("planted_late_bloomer" not in f for f in finalists.values())
     m = report.maps[0]
     for point in m.points.values():  # every coarse point has every finalist, so every cell can use it
