@@ -168,8 +168,11 @@ def test_a_finalist_of_one_coarse_point_is_measured_at_every_coarse_point(tmp_pa
         for key, entry in report.entries.items()
         if entry.get("retimed")
     }
-    studied = {  # what each study measured, for the message when a finalist set is not the planted one
-        key: [(c["backend"], c.get("step_ms"), c.get("kind")) for c in entry.get("candidates", [])]
+    studied = {  # what each study measured (real time) or why a trial failed, for the failure message
+        key: [
+            (c["backend"], c.get("study_ms") or c.get("step_ms"), c.get("failed"), c.get("reason"))
+            for c in entry.get("candidates", [])
+        ]
         for key, entry in report.entries.items()
     }
     assert len(finalists) == 2 and len(set.union(*finalists.values())) == 4, (finalists, studied)
