@@ -75,6 +75,23 @@ def test_a_step_faster_than_the_read_bandwidth_is_refused(profile) -> None:
     assert plausibility(kv_bytes=10**9, seconds=1.0, profile=profile, flops=1e10, peak_flops=1e11) == ""
 
 
+def test_a_stale_profile_is_checked_against_the_bandwidth_measured_again_now() -> None:
+    """A profile cached at a slow moment (here: a stated 1 MB/s over a buffer past the last-level
+    cache) does not refuse an honest step: the read bandwidth is measured again before refusing."""
+    import dataclasses
+
+    from tuning_helpers import stated_profile
+
+    from attnbench.core.device import last_level_cache_bytes
+
+    stale = dataclasses.replace(
+        stated_profile(1e6), buffer_bytes=max(2 * last_level_cache_bytes("cpu"), 2**26)
+    )
+    assert plausibility(kv_bytes=10**8, seconds=1.0, profile=stale) == ""  # 0.1 GB/s: any memory reads that
+    why = plausibility(kv_bytes=10**15, seconds=1.0, profile=stale)  # 1 PB/s: no memory does
+    assert "over 1.5 × the measured read bandwidth 0.0 GB/s (measured again now: " in why
+
+
 def test_neither_the_evader_nor_the_inflated_backend_wins_a_tune(tmp_path, profile) -> None:
     reg = planted_registry(NaiveBackend, Evader, Inflated)
     report = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile)
