@@ -1,7 +1,8 @@
 """``attnbench calibrate`` — fit per-backend step-time models from tuned tables and bench runs.
 
 Fit, per backend and dtype (and per attention geometry with enough points), the step-time model t =
-layers · (t0 + t_seq · batch) + kv_bytes / bw_eff to the decode steps this device's tuned table and
+layers · (t0 + t_seq · batch) + kv_bytes / bw_eff (with a knee where it fits better; see
+:mod:`attnbench.cost.fit`) to the decode steps this device's tuned table and
 the given bench JSON files measured (≥ 5 points spanning ≥ 16× in batch × context per fit), and
 write calibration-<device>.yaml beside the tuned table. `attnbench estimate --gpu this` and select()
 beyond the tuned region then use it; docs/latency-model.md explains the model.
@@ -131,20 +132,25 @@ def run(args: argparse.Namespace) -> int:
 def calibration_table(cal: Calibration, *, device: str, wide: bool = False) -> Table:
     """The fits of ``cal`` as a table that fits 80 columns: backend, dtype, geometry (in words), the
     fitted t0, t_seq and bw_eff, and the rms error of the fit over its measured points; ``wide`` adds
-    the number of points, their span in batch × context and the largest error."""
+    the knee (where one was fitted, :mod:`attnbench.cost.fit`: one sequence's K/V of a layer in MiB, and
+    the cost it adds per byte for each doubling past it), the number of points, their span in
+    batch × context and the largest error."""
     title = escape(
         f"step-time models fitted to {device}'s measured decode steps: t = layers · (t0 + t_seq · batch) "
-        "+ kv_bytes / bw_eff"
+        "+ kv_bytes / bw_eff (+ a knee past the caches where one was fitted: --wide)"
     )
     columns = ["backend", "dtype", "geometry", "t0 µs/layer", "t_seq µs/seq/layer", "bw_eff GB/s"]
-    columns += ["points", "span", "rms error", "max error"] if wide else ["rms error"]
+    columns += ["knee MiB", "ps/B per 2×", "points", "span", "rms error", "max error"] if wide else ["rms error"]  # fmt: skip
     table = cli_table(title, columns, right=columns[3:])
     for f in cal.fits:
         geometry = f.geometry if wide else _geometry_words(f.geometry)
         cells = [f.backend, f.dtype, geometry or "all", _num(1e6 * f.t0_s), _num(1e6 * f.t_seq_s)]
         cells.append(_num(f.bw_eff / 1e9))
         if wide:
-            cells += [str(f.points), f"{f.span:.0f}×"]
+            knee = (
+                [_num(f.knee_bytes / 2**20), _num(1e12 * f.s_knee_per_byte)] if f.knee_bytes else ["-", "-"]
+            )
+            cells += [*knee, str(f.points), f"{f.span:.0f}×"]
         cells.append(f"{100 * f.rms_rel_error:.1f}%")
         if wide:
             cells.append(f"{100 * f.max_rel_error:.1f}%")

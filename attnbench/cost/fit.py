@@ -11,6 +11,17 @@ reaches — or its arithmetic per byte, for a backend that is compute-bound in b
 fitted by non-negative least squares on *relative* errors over at least :data:`MIN_POINTS` points
 spanning at least :data:`MIN_SPAN` × in batch × context, and stored with its fit error.
 
+Some backends read a byte more slowly once one sequence's K/V of a layer outgrows the caches (torch
+SDPA on a CPU reads a KV head once per query head; past the last-level cache those reads go to
+memory): their cost per byte grows with the log of that size past a knee. With at least
+:data:`KNEE_MIN_POINTS` points over enough sizes, the fit also tries a knee at each geometric midpoint
+between the sizes it has (``knee_bytes``) with a term ``kv_bytes · s_knee · log2(seq_bytes / knee)``
+beyond it, and keeps the best one only when it cuts the rms error by :data:`KNEE_GAIN` × or more::
+
+    t = layers · (t0 + t_seq · batch) + kv_bytes · (1 / bw_eff + s_knee · log2⁺(seq_bytes / knee_bytes))
+
+where ``seq_bytes = kv_bytes / (layers · batch)`` (one sequence, one layer).
+
 Fits are made for each (backend, dtype) over every geometry measured, and for each (backend, dtype,
 geometry) with enough points of its own; a prediction uses the geometry's own fit when there is one.
 The points come from what ``attnbench tune`` (the tuned table: each candidate's step time and GB/s)
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
@@ -53,7 +65,11 @@ __all__ = [
 FORMAT = 1
 MIN_POINTS = 5
 MIN_SPAN = 16.0
-MODEL = "t = layers · (t0 + t_seq · batch) + kv_bytes / bw_eff"
+MODEL = "t = layers · (t0 + t_seq · batch) + kv_bytes · (1 / bw_eff + s_knee · log2⁺(seq_bytes / knee_bytes))"
+#: a knee is tried only over this many points, with two sizes or more beyond it …
+KNEE_MIN_POINTS = 8
+#: … and kept only when it divides the fit's rms relative error by this much
+KNEE_GAIN = 1.5
 
 
 class CalibrationError(ValueError):
@@ -87,7 +103,8 @@ class CalibrationPoint:
 
 @dataclass(frozen=True)
 class Fit:
-    """``t = layers · (t0_s + t_seq_s · batch) + kv_bytes · s_per_byte`` for one (backend, dtype[, geometry])."""
+    """``t = layers · (t0_s + t_seq_s · batch) + kv_bytes · (s_per_byte + s_knee_per_byte ·
+    log2⁺(seq_bytes / knee_bytes))`` for one (backend, dtype[, geometry]); no knee: ``knee_bytes`` 0."""
 
     backend: str
     dtype: str
@@ -99,6 +116,8 @@ class Fit:
     span: float  # max / min of batch × context over the points
     rms_rel_error: float
     max_rel_error: float
+    s_knee_per_byte: float = 0.0  # seconds per byte per doubling of seq_bytes past the knee
+    knee_bytes: float = 0.0  # one sequence's K/V in one layer where the knee starts (0: no knee)
 
     @property
     def bw_eff(self) -> float:
@@ -106,19 +125,34 @@ class Fit:
         return 1.0 / self.s_per_byte if self.s_per_byte > 0 else float("inf")
 
     def predict_s(self, *, batch: int, kv_bytes: float, layers: int) -> float:
-        return layers * (self.t0_s + self.t_seq_s * batch) + kv_bytes * self.s_per_byte
+        """The step time of ``layers`` layers over ``batch`` sequences reading ``kv_bytes`` in all."""
+        per_byte = self.s_per_byte
+        if self.knee_bytes > 0 and layers > 0 and batch > 0:
+            per_byte += self.s_knee_per_byte * _past_knee(kv_bytes / (layers * batch), self.knee_bytes)
+        return layers * (self.t0_s + self.t_seq_s * batch) + kv_bytes * per_byte
 
     def describe(self) -> str:
         where = self.geometry or "all geometries"
+        knee = ""
+        if self.knee_bytes > 0:
+            knee = (
+                f", past {self.knee_bytes / 2**20:.3g} MiB per sequence and layer "
+                f"+{1e12 * self.s_knee_per_byte:.3g} ps/byte per doubling"
+            )
         return (
             f"{self.backend}/{self.dtype} ({where}): t0 {1e6 * self.t0_s:.3g} µs/layer, t_seq "
-            f"{1e6 * self.t_seq_s:.3g} µs/seq/layer, bw_eff {self.bw_eff / 1e9:.3g} GB/s; fit error "
+            f"{1e6 * self.t_seq_s:.3g} µs/seq/layer, bw_eff {self.bw_eff / 1e9:.3g} GB/s{knee}; fit error "
             f"{100 * self.rms_rel_error:.1f}% rms over {self.points} points ({self.span:.0f}× span)"
         )
 
 
+def _past_knee(seq_bytes: float, knee: float) -> float:
+    """``log2(seq_bytes / knee)`` beyond the knee, 0 before it."""
+    return math.log2(seq_bytes / knee) if seq_bytes > knee else 0.0
+
+
 def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with non-negative coefficients (exact for three unknowns: every active set)."""
+    """Least squares with non-negative coefficients (exact for a few unknowns: every active set)."""
     best, best_res = np.zeros(a.shape[1]), float(np.sum(y**2))
     for k in range(1, a.shape[1] + 1):
         for cols in itertools.combinations(range(a.shape[1]), k):
@@ -151,10 +185,16 @@ def fit_points(points: list[CalibrationPoint], *, geometry: str | None = None) -
             f"points spanning ≥ {MIN_SPAN:g}×"
         )
     t = np.array([p.step_s for p in points])
-    a = np.array([[p.layers, p.layers * p.batch, p.kv_bytes] for p in points], dtype=float)
-    scale = a.max(axis=0)  # condition the columns, then weight each row by 1 / t (relative errors)
-    coef = _nnls(a / scale / t[:, None], np.ones_like(t)) / scale
-    rel = (a @ coef) / t - 1
+    coef, rel = _fit_knee(points, t, 0.0)
+    knee = 0.0
+    sizes = sorted({p.kv_bytes / (p.layers * p.batch) for p in points})
+    if len(points) >= KNEE_MIN_POINTS:
+        best = float(np.sqrt(np.mean(rel**2))) / KNEE_GAIN
+        for lo, hi in itertools.pairwise(sizes[:-1]):  # two sizes or more beyond every knee tried
+            c, r = _fit_knee(points, t, math.sqrt(lo * hi))
+            rms = float(np.sqrt(np.mean(r**2)))
+            if c[3] > 0 and rms < best:
+                best, coef, rel, knee = rms, c, r, math.sqrt(lo * hi)
     backend, dtype = next(iter(names))
     return Fit(
         backend=backend,
@@ -167,7 +207,23 @@ def fit_points(points: list[CalibrationPoint], *, geometry: str | None = None) -
         span=float(span),
         rms_rel_error=float(np.sqrt(np.mean(rel**2))),
         max_rel_error=float(np.max(np.abs(rel))),
+        s_knee_per_byte=float(coef[3]) if knee else 0.0,
+        knee_bytes=knee,
     )
+
+
+def _fit_knee(points: list[CalibrationPoint], t: np.ndarray, knee: float) -> tuple[np.ndarray, np.ndarray]:
+    """Coefficients (t0, t_seq, s, s_knee) with the knee at ``knee`` bytes (0: none), relative errors."""
+    a = np.array(
+        [
+            [p.layers, p.layers * p.batch, p.kv_bytes, p.kv_bytes * _past_knee(p.kv_bytes / (p.layers * p.batch), knee) if knee else 0.0]
+            for p in points
+        ],
+        dtype=float,
+    )  # fmt: skip
+    scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)  # condition the columns, weight rows by 1 / t
+    coef = _nnls(a / scale / t[:, None], np.ones_like(t)) / scale
+    return coef, (a @ coef) / t - 1
 
 
 # --------------------------------------------------------------------------------------------------

@@ -105,8 +105,12 @@ def calibrated_attention(
     per_token = backend_kv_bytes_per_token(backend, workload)
     if tp > 1 and not shape.is_mla:  # the backend's bytes per token, split like the heads
         per_token = per_token // shape.num_kv_heads * math.ceil(shape.num_kv_heads / tp)
-    per_ctx = fit.predict_s(batch=batch, kv_bytes=batch * per_token, layers=0)
     at0 = fit.predict_s(batch=batch, kv_bytes=batch * per_token, layers=shape.num_layers)
+    # seconds per context token: the secant from one token to `context` (exact without a knee)
+    far = max(context, 1) + 1
+    per_ctx = (
+        fit.predict_s(batch=batch, kv_bytes=batch * per_token * far, layers=shape.num_layers) - at0
+    ) / (far - 1)
     att = CalibratedAttention(
         backend=name, kv_bytes_per_token=per_token, fit=fit.describe(), selected=why, step_s=at0
     )

@@ -387,6 +387,7 @@ def test_calibrate_table_fits_80_columns_and_wide_adds_the_points() -> None:
             fit("triton_paged", "bf16", "expanded:q64/kv8/d128+128", 9.2e-6, 3.1e12),
             fit("mla", "bf16", "latent:q128/kv1/d576+512", 4.35e-4, 1.03e9),
             fit("vllm_cpu_fp8", "fp32", "expanded:q32/kv8/d128+128", 1.39e-4, float("inf")),
+            Fit("flash", "fp32", None, 1.7e-4, 0.0, 1 / 8.6e9, 16, 256.0, 0.154, 0.3, 28.4e-12, 6e6),
         ],
         points=[],
     )
@@ -397,7 +398,7 @@ def test_calibrate_table_fits_80_columns_and_wide_adds_the_points() -> None:
     wide = calibration_table(cal, device=DEVICE, wide=True)
     assert _headers(wide)[-4:] == ["points", "span", "rms error", "max error"]
     _assert_readable(wide, 140)
-    assert {"expanded:q64/kv8/d128+128", "64×", "5.7%"} <= _cells(wide)
+    assert {"expanded:q64/kv8/d128+128", "64×", "5.7%", "5.72", "28.4", "-"} <= _cells(wide)
 
 
 def test_decode_table_fits_80_columns() -> None:

@@ -143,6 +143,35 @@ def test_the_coefficients_are_never_negative() -> None:
     assert fit.t0_s >= 0 and fit.t_seq_s >= 0 and fit.bw_eff == pytest.approx(2e9, rel=1e-6)
 
 
+def test_a_knee_past_the_caches_is_fitted_where_it_is_and_nowhere_else() -> None:
+    """Bytes read more slowly once one sequence's K/V of a layer outgrows a planted 16 MiB (the cost
+    per byte grows with the log of the size past it): the fit finds a knee between the grid's sizes
+    around 16 MiB and predicts held-out points beyond it; linear data get no knee."""
+    knee, slope = 16 * 2**20, 40e-12
+
+    def planted(grid, noise):
+        rng = random.Random(3)
+        out = []
+        for b, c in grid:
+            kv = 2 * b * (c + 1) * 4096.0
+            seq = kv / (2 * b)
+            t = 2 * (50e-6 + 20e-6 * b) + kv * (1 / 5e9 + slope * max(0.0, math.log2(seq / knee)))
+            out.append(
+                CalibrationPoint("flash", "fp32", "g", b, c, 2, kv, t * (1 + rng.uniform(-noise, noise)))
+            )
+        return out
+
+    grid = [(b, c) for b in (1, 4) for c in (512, 2048, 8192, 32768)]
+    fit = fit_points(planted(grid, 0.01), geometry="g")
+    assert 2048 * 4096 < fit.knee_bytes < 8192 * 4096  # between the sizes on either side of 16 MiB
+    assert fit.s_knee_per_byte > 0 and "past " in fit.describe()
+    for p in planted([(2, 16384), (3, 24576), (2, 1024)], 0.0):
+        predicted = fit.predict_s(batch=p.batch, kv_bytes=p.kv_bytes, layers=p.layers)
+        assert predicted == pytest.approx(p.step_s, rel=0.05)
+    plain = fit_points(_points(t0=50e-6, t_seq=20e-6, bw=5e9, noise=0.01, grid=grid), geometry="g")
+    assert plain.knee_bytes == 0 and plain.s_knee_per_byte == 0 and "past " not in plain.describe()
+
+
 # -- the file, --gpu PATH, estimate, select ---------------------------------------------------------------------
 
 
