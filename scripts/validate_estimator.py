@@ -5,7 +5,8 @@ step (:func:`attnbench.measure.bench.measure_decode`, over ``--layers`` layers) 
 batch × context in ONE run, in one seeded random order (interleaved, so load drifts hit both alike):
 
 - the **fit grid** (``--fit-batch`` × ``--fit-context``, what a tune grid measures) — the calibration
-  (:class:`attnbench.cost.fit.Calibration`, ``t = layers · (t0 + t_seq · batch) + kv_bytes / bw_eff``
+  (:class:`attnbench.cost.fit.Calibration`, ``t = layers · (t0 + t_seq · batch) + kv_bytes / bw_eff``,
+  with a knee past the caches where it fits better,
   per backend, dtype and geometry) is fitted on these points only;
 - the **held-out grid** (``--holdout-batch`` × ``--holdout-context``, between and beside the fit
   points) — predicted by that calibration, never part of the fit, and compared with the measurement.
@@ -77,6 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="attention layers per step (default 2)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=4)
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="measure the whole grid this many times, each in its own random order, and keep each "
+        "point's median pass (odd counts; 3 averages out a VM's bandwidth drifting by a third in minutes)",
+    )
     p.add_argument("--max-seconds", type=float, default=4.0, help="timing budget per point")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the interleaved order")
@@ -161,6 +169,18 @@ def measure_point(point: dict[str, Any], *, args: argparse.Namespace, reg: Any, 
         "checked": check,
         "load_avg_before": list(load_before),
     }
+
+
+def median_pass(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One point's row over its passes: the pass with the median step time (the lower one of an even
+    count), with every pass's time in ``passes_s``; the last row when no pass was measured."""
+    measured = sorted((r for r in rows if r["status"] == "measured"), key=lambda r: r["measured_s"])
+    if not measured:
+        return rows[-1]
+    row = dict(measured[(len(measured) - 1) // 2])
+    row["passes_s"] = [r["measured_s"] for r in rows if r["status"] == "measured"]
+    row["wall_s"] = sum(r["wall_s"] for r in rows)
+    return row
 
 
 def _point(r: dict[str, Any]) -> CalibrationPoint:
@@ -248,7 +268,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"at end {doc.get('load_avg_end')}.  ",
         f"Model: `{doc['model']}`, fitted per backend, dtype and geometry on the fit grid only; each step runs "
         f"{doc['args']['layers']} attention layers (the attention part of a step; no weights). Fit and "
-        "held-out points were measured interleaved in one seeded random order.",
+        f"held-out points were measured interleaved in seeded random orders, {doc['args'].get('passes', 1)} "
+        "pass(es) over the grid; a point's figure is its median pass.",
         "",
     ]
     if s.get("holdout"):
@@ -304,13 +325,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)  # before the profile: the fingerprint records the threads
     reg = load_registry()
-    profile = load_profile()
+    profile = load_profile(remeasure=True)  # the bandwidths of now: a VM's move by half within hours
     cpu = torch.device("cpu")
     device = device_entry(
         profile, flops=measured_flops(cpu, profile_id=profile.id), memory_bytes=device_memory_bytes(cpu)
     )
+    if args.passes < 1:
+        raise SystemExit(f"--passes {args.passes}: give 1 or more (an odd count: 1, 3, 5)")
     points = grid(args, reg)
-    random.Random(args.seed).shuffle(points)  # fit and held-out points interleaved
+    schedule = []  # each pass in its own order: fit and held-out points interleaved
+    for k in range(args.passes):
+        order = list(points)
+        random.Random(args.seed + k).shuffle(order)
+        schedule += order
+    passes: dict[str, list[dict[str, Any]]] = {}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python scripts/validate_estimator.py " + shlex.join(sys.argv[1:] if argv is None else argv)
@@ -327,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     checked: set[tuple[str, str, str]] = set()
     failed: dict[tuple[str, str, str], str] = {}
     t_start = time.perf_counter()
-    for i, point in enumerate(points, 1):
+    for i, point in enumerate(schedule, 1):
         combo = (point["model"], point["backend"], point["dtype"])
         t0 = time.perf_counter()
         try:
@@ -345,14 +373,15 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # a failed point is recorded with its error, the run goes on
             row = dict(point) | {"status": "error", "reason": f"{type(err).__name__}: {err}"}
         row["wall_s"] = time.perf_counter() - t0
-        doc["rows"].append(row)
+        passes.setdefault(json.dumps(point, sort_keys=True), []).append(row)
         what = (
             f"{1e3 * row['measured_s']:.2f} ms"
             if row["status"] == "measured"
             else f"{row['status']}: {row.get('reason')}"
         )
-        print(f"[{i}/{len(points)} {time.perf_counter() - t_start:.0f}s] {point['role']} {point['model']} {point['dtype']} "
+        print(f"[{i}/{len(schedule)} {time.perf_counter() - t_start:.0f}s] {point['role']} {point['model']} {point['dtype']} "
               f"{point['backend']} b={point['batch']} ctx={point['context']}: {what}", flush=True)  # fmt: skip
+    doc["rows"] = [median_pass(rows) for rows in passes.values()]
     cal = predict(doc["rows"], device=device, reg=reg, command=command)
     doc["model"] = cal.as_dict()["model"]
     doc["fits"] = [f.describe() for f in cal.fits]
