@@ -46,8 +46,9 @@
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 /* ordered: a CPU that runs one variant runs every variant below it (for the dtypes each takes) */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
-/* fp8 caches only: AMX tile multiplies (with ISA_AVX512BF16's conversions), GQA groups up to 16 */
-enum { ISA_AMX = 4 };
+/* fp8 caches only: AMX tile multiplies (with ISA_AVX512BF16's exact conversions), GQA groups up to 16;
+ * ISA_FP8_SHIFT: ISA_AVX512BF16 with the shift conversion (fp8x64's CV_SHIFT) in place of the lookups */
+enum { ISA_AMX = 4, ISA_FP8_SHIFT = 5 };
 #define TILE 16
 #define MAX_G 64
 
@@ -172,12 +173,11 @@ static inline size_t tile_offset(const item_t *it, int t) {
 
 /* ---- fp8 e4m3 K/V (cpu_decode_fp8) ---------------------------------------------------------------
  * Bytes in the bf16 tile order (K [D/2, 16, 2], V [8, D, 2]), except that within each aligned
- * 64-byte block the two 32-byte halves are interleaved 8 bytes at a time (fp8_phys): one 64-byte load,
- * two byte lookups and the in-lane unpacks of AVX-512 then give the two halves as bf16 rows in order.
+ * 64-byte block the two 32-value rows are interleaved byte by byte (fp8_phys: row 0 in the even bytes,
+ * row 1 in the odd ones): one 64-byte load holds 32 16-bit lanes, each with row 0's value in its low
+ * byte and row 1's in its high byte, so shifts within the lanes give both rows as bf16 in order.
  * A per token-head float32 scale multiplies the score (K) and the probability (V), never the values. */
-static inline size_t fp8_phys(size_t L) {
-    return (L & ~(size_t)63) | (((L & 31) >> 3) << 4) | (((L >> 5) & 1) << 3) | (L & 7);
-}
+static inline size_t fp8_phys(size_t L) { return (L & ~(size_t)63) | ((L & 31) << 1) | ((L >> 5) & 1); }
 
 /* the scale index of token t (its page's slot) in [pages, Hkv, ps] */
 static inline size_t scale_offset(const item_t *it, int t) {
@@ -944,22 +944,39 @@ TGT static void item_avx512(const item_t *it) {
 /* -- fp8 e4m3 K/V into the bf16 dot products ----------------------------------------------------- */
 #define TGT_FP8 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi")))
 
-/* 64 fp8 bytes (fp8_phys order) → two rows of 32 bf16: two byte lookups (vpermt2b) give each value's
- * low and high bf16 byte, the sign is or-ed into the high one, and the in-lane unpacks interleave
- * them; the layout's 8-byte interleave makes the unpacks' lane order the rows' order. Exact for
- * every e4m3 value, subnormals included (they are normal numbers in bf16). tab: FP8_LO, FP8_HI */
-TGT_FP8 INLINE void fp8x64(const uint8_t *p, const __m512i *tab, __m512i *r0, __m512i *r1) {
-    __m512i x = _mm512_loadu_si512((const void *)p);
+/* The two conversions of 64 fp8 bytes (fp8_phys order) into two rows of 32 bf16 (cv):
+ * CV_LOOKUP — exact: two byte lookups (vpermt2b) give each value's low and high bf16 byte, the sign is
+ *   or-ed into the high one, and a shift and a ternary-logic blend per row put each row's two bytes
+ *   into its 16-bit lanes (7 instructions). Every e4m3 value, subnormals included, is a normal bf16.
+ * CV_SHIFT — scaled: an arithmetic shift of each 16-bit lane by 4 (after one by 8 for row 0) and a mask
+ *   put the sign at bit 15 and the 4 exponent and 3 mantissa bits under the bf16 ones (5 instructions):
+ *   the bf16 value is the e4m3 value × 2^-120, exactly for the normal values; the subnormal ones
+ *   (|x| < 2^-6, below 1/28,672 of the largest value a token-head's scale allows) become bf16
+ *   denormals, which vdpbf16ps reads as zero. The caller multiplies q and the weights p by
+ *   FP8_PRE = 2^64 (exact: powers of two) and the scores and p·v by FP8_POST = 2^56.
+ * tab: FP8_LO, FP8_HI (CV_LOOKUP only) */
+enum { CV_LOOKUP = 0, CV_SHIFT = 1 };
+#define FP8_PRE 0x1p64f
+#define FP8_POST 0x1p56f
+TGT_FP8 INLINE void fp8x64(const uint8_t *p, const __m512i *tab, __m512i *r0, __m512i *r1, int cv) {
+    const __m512i x = _mm512_loadu_si512((const void *)p);
+    if (cv == CV_SHIFT) {
+        const __m512i m = _mm512_set1_epi16((short)0x87F0);
+        *r0 = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(x, 8), 4), m);
+        *r1 = _mm512_and_si512(_mm512_srai_epi16(x, 4), m);
+        return;
+    }
     __m512i lo = _mm512_permutex2var_epi8(tab[0], x, tab[1]);
     __m512i hi = _mm512_permutex2var_epi8(tab[2], x, tab[3]);
     hi = _mm512_ternarylogic_epi32(hi, x, _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (x & 0x80) */
-    *r0 = _mm512_unpacklo_epi8(lo, hi);
-    *r1 = _mm512_unpackhi_epi8(lo, hi);
+    const __m512i low = _mm512_set1_epi16(0x00FF);
+    *r0 = _mm512_ternarylogic_epi32(low, lo, _mm512_slli_epi16(hi, 8), 0xCA); /* low ? lo : hi << 8 */
+    *r1 = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(lo, 8), hi, 0xCA); /* low ? lo >> 8 : hi */
 }
 
 /* pv_bf16 over fp8 V (NU even: one 64-byte load is two 16-dim chunks) */
 TGT_FP8 INLINE void pv_fp8(int gn, int nu, int np, const uint8_t *vt, const __m512i *pr, const __m512 *alpha,
-                           float *acc, int D, int c, const __m512i *tab) {
+                           float *acc, int D, int c, const __m512i *tab, int cv) {
     __m512 a[4][4];
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < nu; u++) a[g][u] = _mm512_setzero_ps();
@@ -969,7 +986,7 @@ TGT_FP8 INLINE void pv_fp8(int gn, int nu, int np, const uint8_t *vt, const __m5
         const uint8_t *vp = vt + (size_t)(jp >> 3) * 2 * TILE * D + (size_t)(jp & 7) * 2 * D;
         for (int u = 0; u < nu; u += 2) {
             __m512i v0, v1;
-            fp8x64(vp + 2 * (c + 16 * u), tab, &v0, &v1);
+            fp8x64(vp + 2 * (c + 16 * u), tab, &v0, &v1, cv);
             for (int g = 0; g < gn; g++) {
                 a[g][u] = _mm512_dpbf16_ps(a[g][u], (__m512bh)v0, (__m512bh)b[g]);
                 a[g][u + 1] = _mm512_dpbf16_ps(a[g][u + 1], (__m512bh)v1, (__m512bh)b[g]);
@@ -985,7 +1002,7 @@ TGT_FP8 INLINE void pv_fp8(int gn, int nu, int np, const uint8_t *vt, const __m5
 
 /* tile_bf16 over fp8 K/V: kst, vst the first tile's 16 scales (a second tile's follow them) */
 TGT_FP8 INLINE void tile_fp8(int gn, int nt, const item_t *it, int g0, const uint8_t *kt, const uint8_t *vt,
-                             const float *kst, const float *vst, const __mmask16 *valid, const __m512i *tab) {
+                             const float *kst, const float *vst, const __mmask16 *valid, const __m512i *tab, int cv) {
     const int D = it->D, D2 = D / 2, npart = 4 / nt;
     const uint32_t *qp = (const uint32_t *)it->q + (size_t)g0 * D2;
     __m512 a[4][4];
@@ -995,7 +1012,7 @@ TGT_FP8 INLINE void tile_fp8(int gn, int nt, const item_t *it, int g0, const uin
         for (int u = 0; u < npart; u += 2) {
             for (int t = 0; t < nt; t++) {
                 __m512i k0, k1;
-                fp8x64(kt + (size_t)t * 2 * TILE * D + (size_t)(dp + u) * 32, tab, &k0, &k1);
+                fp8x64(kt + (size_t)t * 2 * TILE * D + (size_t)(dp + u) * 32, tab, &k0, &k1, cv);
                 for (int g = 0; g < gn; g++) {
                     a[g][t * npart + u] = dp_bcast(a[g][t * npart + u], k0, qp + g * D2 + dp + u);
                     a[g][t * npart + u + 1] = dp_bcast(a[g][t * npart + u + 1], k1, qp + g * D2 + dp + u + 1);
@@ -1007,6 +1024,7 @@ TGT_FP8 INLINE void tile_fp8(int gn, int nt, const item_t *it, int g0, const uin
     __m512 alpha[4], ex[12], mx[4], mo[4], mn[4], ksv[2];
     __m512i pr[4];
     const int ns = gn * nt;
+    const __m512 vmul = _mm512_set1_ps(cv == CV_SHIFT ? FP8_PRE : 1.0f); /* the weights' pre-scale */
     for (int t = 0; t < nt; t++) ksv[t] = _mm512_mul_ps(_mm512_loadu_ps(kst + 16 * t), scale);
     for (int g = 0; g < gn; g++) {
         mx[g] = ninf;
@@ -1036,7 +1054,8 @@ TGT_FP8 INLINE void tile_fp8(int gn, int nt, const item_t *it, int g0, const uin
             __m512 p = _mm512_maskz_mov_ps(valid[t], ex[g * nt + t]);
             sum = _mm512_add_ps(sum, p);
             /* the weight of value j is p_j · v_scale_j, rounded to bf16 for the dot product */
-            __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vst + 16 * t)));
+            __m512 w = _mm512_mul_ps(_mm512_mul_ps(p, vmul), _mm512_loadu_ps(vst + 16 * t));
+            __m256i pb = (__m256i)_mm512_cvtneps_pbh(w);
             pr[g] = t ? _mm512_inserti64x4(pr[g], pb, 1) : _mm512_castsi256_si512(pb);
         }
         float *lv = it->lv + (size_t)(g0 + g) * 16;
@@ -1045,11 +1064,13 @@ TGT_FP8 INLINE void tile_fp8(int gn, int nt, const item_t *it, int g0, const uin
     float *acc = it->acc + (size_t)g0 * D;
     const int np = nt * TILE / 2;
     int c = 0;
-    for (; c + 64 <= D; c += 64) pv_fp8(gn, 4, np, vt, pr, alpha, acc, D, c, tab);
-    if (c < D) pv_fp8(gn, 2, np, vt, pr, alpha, acc, D, c, tab); /* D % 32 == 0: 32 dims left */
+    for (; c + 64 <= D; c += 64) pv_fp8(gn, 4, np, vt, pr, alpha, acc, D, c, tab, cv);
+    if (c < D) pv_fp8(gn, 2, np, vt, pr, alpha, acc, D, c, tab, cv); /* D % 32 == 0: 32 dims left */
 }
 
-TGT_FP8 static void item_fp8_avx512(const item_t *it) {
+/* cv: CV_LOOKUP or CV_SHIFT (fp8x64); with CV_SHIFT, q and the weights are pre-scaled by FP8_PRE and
+ * the scores (through the softmax scale) and the item's p·v are multiplied by FP8_POST */
+TGT_FP8 INLINE void item_fp8_avx512(const item_t *it, int cv) {
     const int G = it->G, D = it->D, pf = it->prefetch;
     const uint8_t *kc = (const uint8_t *)it->kc, *vc = (const uint8_t *)it->vc;
     const size_t tile_bytes = (size_t)2 * TILE * D; /* a tile's K and V */
@@ -1058,6 +1079,13 @@ TGT_FP8 static void item_fp8_avx512(const item_t *it) {
                             _mm512_load_si512(FP8_HI + 64)};
     item_t own = *it;
     own.lv = lv;
+    uint16_t *qs = NULL;
+    if (cv == CV_SHIFT) { /* q × FP8_PRE, exact in bf16 */
+        qs = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)G * D);
+        for (int i = 0; i < G * D; i++) qs[i] = f32_to_bf16(bf16_to_f32(((const uint16_t *)it->q)[i]) * FP8_PRE);
+        own.q = qs;
+        own.scale = it->scale * FP8_POST;
+    }
     it = &own;
     for (int g = 0; g < G; g++) {
         it->m[g] = -INFINITY;
@@ -1079,8 +1107,8 @@ TGT_FP8 static void item_fp8_avx512(const item_t *it) {
         const size_t base = tile_offset(it, t), so = scale_offset(it, t);
         for (int g0 = 0; g0 < G; g0 += 4) {
 #define FP8_TILE(gn)                                                                                          \
-    (nt == 2 ? tile_fp8(gn, 2, it, g0, kc + base, vc + base, it->ks + so, it->vs + so, valid, tab)         \
-             : tile_fp8(gn, 1, it, g0, kc + base, vc + base, it->ks + so, it->vs + so, valid, tab))
+    (nt == 2 ? tile_fp8(gn, 2, it, g0, kc + base, vc + base, it->ks + so, it->vs + so, valid, tab, cv)     \
+             : tile_fp8(gn, 1, it, g0, kc + base, vc + base, it->ks + so, it->vs + so, valid, tab, cv))
             switch (G - g0 < 4 ? G - g0 : 4) {
                 case 4: FP8_TILE(4); break;
                 case 3: FP8_TILE(3); break;
@@ -1092,7 +1120,14 @@ TGT_FP8 static void item_fp8_avx512(const item_t *it) {
         t += nt * TILE;
     }
     for (int g = 0; g < G; g++) it->l[g] = _mm512_reduce_add_ps(_mm512_load_ps(lv + 16 * g));
+    if (cv == CV_SHIFT) {
+        for (int i = 0; i < G * D; i++) it->acc[i] *= FP8_POST;
+        free(qs);
+    }
 }
+
+TGT_FP8 static void item_fp8_lookup(const item_t *it) { item_fp8_avx512(it, CV_LOOKUP); }
+TGT_FP8 static void item_fp8_shift(const item_t *it) { item_fp8_avx512(it, CV_SHIFT); }
 
 
 #ifdef CPU_DECODE_AMX
@@ -1171,10 +1206,10 @@ TGT_AMX static void item_fp8_amx(const item_t *it) {
             char *dk = kb + (size_t)u * 32 * D, *dv = vb + (size_t)u * 32 * D;
             for (int i = 0; i < 16 * D; i += 64) {
                 __m512i r0, r1;
-                fp8x64(sk + i, tab, &r0, &r1);
+                fp8x64(sk + i, tab, &r0, &r1, CV_LOOKUP);
                 _mm512_store_si512((void *)(dk + 2 * i), r0);
                 _mm512_store_si512((void *)(dk + 2 * i + 64), r1);
-                fp8x64(sv + i, tab, &r0, &r1);
+                fp8x64(sv + i, tab, &r0, &r1, CV_LOOKUP);
                 _mm512_store_si512((void *)(dv + 2 * i), r0);
                 _mm512_store_si512((void *)(dv + 2 * i + 64), r1);
             }
@@ -1286,8 +1321,8 @@ static void run_item(const item_t *it, int isa) {
         }
 #endif
 #ifdef CPU_DECODE_AVX512
-        if (isa == ISA_AVX512BF16) {
-            item_fp8_avx512(it);
+        if (isa == ISA_AVX512BF16 || isa == ISA_FP8_SHIFT) {
+            (isa == ISA_FP8_SHIFT ? item_fp8_shift : item_fp8_lookup)(it);
             return;
         }
 #endif
@@ -1325,7 +1360,10 @@ static int attend(const void *q, const void *kc, const void *vc, const float *ks
                   const int32_t *block_table, const int32_t *seq_lens, void *out, float *ws, int B, int Hq, int Hkv,
                   int D, int ps, int maxp, int splits, int dt, int isa, int threads, int prefetch, float scale) {
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || ps % TILE || splits < 1) return -1;
-    if (ks && (D % 32 || (isa != ISA_SCALAR && isa != ISA_AVX512BF16 && isa != ISA_AMX))) return -1;
+    if (ks && (D % 32 || (isa != ISA_SCALAR && isa != ISA_AVX512BF16 && isa != ISA_AMX && isa != ISA_FP8_SHIFT)))
+        return -1;
+    if (!ks && isa == ISA_FP8_SHIFT) return -1;
+    if (isa == ISA_FP8_SHIFT && dt != DT_BF16) return -2;
     if (isa == ISA_AMX && (!ks || !amx_request() || Hq / Hkv > 16 || dt != DT_BF16)) return -3;
     if (isa == ISA_AVX512BF16 && dt != DT_BF16) return -2;
     if (isa == ISA_AVX512 && dt == DT_BF16) return -2;

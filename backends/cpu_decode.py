@@ -175,6 +175,11 @@ class CpuDecodeCache(KVCache):
     def page_dtype(self) -> torch.dtype:
         return self.dtype
 
+    @property
+    def isa_code(self) -> int:
+        """The variant's code in ``cpu_decode.c`` (the kernel's ``isa`` argument)."""
+        return _ISA_CODES[self.isa]
+
     def __init__(
         self, *, isa: str, page_size: int, kv_splits: str | int, prefetch: int, seed: int = 0, **kwargs: Any
     ) -> None:
@@ -426,7 +431,7 @@ class CpuDecodeBackend(Backend):
         rc = getattr(kernel.lib, self.kernel_functions[1])(
             q.data_ptr(), *cache.layer_ptrs[layer], cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(),
             out.data_ptr(), cache.workspace.data_ptr(), cache.batch, g.num_q_heads, g.num_kv_heads, g.qk_head_dim,
-            cache.page_size, cache.pages_per_seq, plan.splits, _DTYPE_CODES[cache.dtype], _ISA_CODES[cache.isa],
+            cache.page_size, cache.pages_per_seq, plan.splits, _DTYPE_CODES[cache.dtype], cache.isa_code,
             plan.threads, cache.prefetch, g.scale,
         )  # fmt: skip
         if rc != 0:

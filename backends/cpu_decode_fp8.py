@@ -7,17 +7,22 @@ kernel's writer quantises in C and a test checks it byte for byte against
 :func:`attnbench.kernels.fp8_cache.quantize`), so the gate's stored-K/V reference applies unchanged:
 
     pages:    [L, pages, Hkv, page_size / 16, 2, 16 · D]  uint8   # the bf16 tile order (K [D/2, 16, 2],
-                                                                  # V [8, D, 2]), 8-byte interleaved
-                                                                  # within each 64-byte block
+                                                                  # V [8, D, 2]); each 64-byte block's
+                                                                  # two 32-value rows byte-interleaved
     k_scales, v_scales: [L, pages, Hkv, page_size]         float32
 
 For head_dim 128 a token of one KV head takes 2 · 128 + 8 = 264 bytes against bf16's 512 (0.52×).
 
 Variants (bf16 compute unless plain C): ``c-avx512bf16`` (a CPU with AVX512_BF16 and AVX512_VBMI):
-each 64-byte load of fp8 bytes becomes two rows of bf16 by two byte lookups (``vpermt2b``, exact for
-every e4m3 value, subnormals included) and two unpacks, then the same ``vdpbf16ps`` dot products as
+each 64-byte load of fp8 bytes becomes two rows of bf16, then the same ``vdpbf16ps`` dot products as
 the bf16 kernel; the K scale multiplies the 16 scores of a tile, the V scale the probabilities before
-they are rounded to bf16 for p·v (the denominator sums the unrounded ones). ``c-amx`` (where the CPU
+they are rounded to bf16 for p·v (the denominator sums the unrounded ones). The conversion is the
+tunable ``convert``: ``shift`` (default) puts each byte's sign, exponent and mantissa under bf16's with
+three shifts and two masks per 64 bytes — the value × 2^-120, which q and the weights' pre-scale of
+2^64 and the scores' and p·v's post-scale of 2^56 undo exactly — and reads e4m3's subnormals
+(|x| < 2^-6, under 1/28,672 of a token-head's largest value) as zero, since ``vdpbf16ps`` treats bf16
+denormals as zero; ``lookup`` is exact for every e4m3 value: two byte lookups (``vpermt2b``) and two
+blends per 64 bytes. ``c-amx`` (where the CPU
 has AMX-BF16 and the OS grants the tile data; GQA groups up to 16): the same lookups convert a page's
 tiles into a bf16 scratch buffer and AMX tile multiplies compute the scores and p·v of up to 128 keys
 a step; the softmax stays in AVX-512, fp32. ``c-scalar`` (plain C, any compute dtype) runs the same
@@ -45,7 +50,7 @@ from attnbench.backends.cpu_decode import (
     load_kernel,
 )
 from attnbench.backends.fp8 import EXACT_TOLERANCE, STORED_TOLERANCE
-from attnbench.core.backend import Tolerance
+from attnbench.core.backend import Tolerance, Tunable
 from attnbench.core.workload import Workload
 from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 
@@ -53,10 +58,15 @@ from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 _FP8_DTYPES = {"c-amx": (torch.bfloat16,), "c-avx512bf16": (torch.bfloat16,), "c-scalar": tuple(_DTYPE_CODES)}
 
 
+#: the C kernel's code for ``c-avx512bf16`` with the shift conversion (``ISA_FP8_SHIFT``)
+_SHIFT_CODE = 5
+
+
 def fp8_phys(n: int) -> torch.Tensor:
-    """Byte position of logical element ``L`` (bf16 tile order) for ``L < n``: ``cpu_decode.c``'s fp8_phys."""
+    """Byte position of logical element ``L`` (bf16 tile order) for ``L < n``: ``cpu_decode.c``'s fp8_phys
+    (the two 32-value rows of each 64-byte block interleaved byte by byte)."""
     L = torch.arange(n)
-    return (L & ~63) | (((L & 31) >> 3) << 4) | (((L >> 5) & 1) << 3) | (L & 7)
+    return (L & ~63) | ((L & 31) << 1) | ((L >> 5) & 1)
 
 
 class CpuDecodeFp8Cache(CpuDecodeCache):
@@ -66,8 +76,9 @@ class CpuDecodeFp8Cache(CpuDecodeCache):
     def page_dtype(self) -> torch.dtype:
         return torch.uint8
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, convert: str = "shift", **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.convert = convert
         self.pair = 2  # the bf16 tile order, in every compute dtype
         shape = (self.num_layers, self.num_pages, self.geometry.num_kv_heads, self.page_size)
         self.k_scales = torch.zeros(shape, dtype=torch.float32)
@@ -78,6 +89,13 @@ class CpuDecodeFp8Cache(CpuDecodeCache):
             (*ptrs, self.k_scales[i].data_ptr(), self.v_scales[i].data_ptr())
             for i, ptrs in enumerate(self.layer_ptrs)
         ]
+
+    @property
+    def isa_code(self) -> int:
+        """``c-avx512bf16`` with ``convert = "shift"`` is its own code in the kernel; else the variant's."""
+        if self.isa == "c-avx512bf16" and self.convert == "shift":
+            return _SHIFT_CODE
+        return super().isa_code
 
     def writer_args(self) -> tuple[int, ...]:
         """The fp8 writer's last argument: the compute dtype's code (it quantises in C)."""
@@ -125,6 +143,29 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
     implementation_note = ", fp8 e4m3 K/V"
     cache_dtype_phrase = "the cache computes in"
     kernel_functions = ("cpu_decode_write_fp8", "cpu_decode_attend_fp8")
+    tunables = (
+        *CpuDecodeBackend.tunables,
+        Tunable(
+            "convert",
+            ("shift", "lookup"),
+            "shift",
+            "fp8 → bf16 in c-avx512bf16: shifts (e4m3 subnormals read as 0) or exact byte lookups",
+        ),
+    )
+
+    def cache_fields(
+        self, workload: Workload, config: Mapping[str, Any], num_layers: int, max_seq_len: int
+    ) -> dict[str, Any]:
+        """The base fields and the conversion (``convert``)."""
+        fields = super().cache_fields(workload, config, num_layers, max_seq_len)
+        return fields | {"convert": str(self.resolve_config(config)["convert"])}
+
+    def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
+        """The base class's, and ``convert`` only where the variant that runs is ``c-avx512bf16``."""
+        out = super().tunables_for(workload)
+        if self._variant(workload) == "c-avx512bf16":
+            return out
+        return tuple(t for t in out if t.name != "convert")
 
     def _variant_reasons(self, workload: Workload, kernel: Kernel) -> list[str]:
         isa = self._variant(workload)

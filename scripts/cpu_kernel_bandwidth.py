@@ -63,9 +63,17 @@ def _kernels(
         for ps in page_sizes
         for pf in prefetches
     ]
-    if fp8:  # the fp8 sibling at the same page sizes (its bytes: 1 per value + 8 per token and KV head)
+    if fp8:  # the fp8 sibling at the same page sizes (its bytes: 1 per value + 8 per token and KV head),
+        # with each conversion where its variant is c-avx512bf16 (the tunable `convert`)
+        converts = next(t.choices for t in CpuDecodeFp8Backend.tunables if t.name == "convert")
         out += [
-            (f"cpu_decode_fp8 page_size={ps}", CpuDecodeFp8Backend(), {"page_size": ps}) for ps in page_sizes
+            (
+                f"cpu_decode_fp8 page_size={ps} convert={cv}",
+                CpuDecodeFp8Backend(),
+                {"page_size": ps, "convert": cv},
+            )
+            for ps in page_sizes
+            for cv in converts
         ]
     registry = load_registry()
     if "vllm_cpu" in registry.names():

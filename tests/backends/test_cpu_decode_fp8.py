@@ -80,7 +80,8 @@ def test_the_writer_stores_what_quantize_stores(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(("page_size", "splits"), [(16, 4), (64, 1), (128, 2)])
 def test_the_variants_agree_on_one_cache(page_size: int, splits: int) -> None:
-    """c-amx, c-avx512bf16 and c-scalar decode the same fp8 pages alike (ragged lengths, page ends)."""
+    """c-amx, c-avx512bf16 (both conversions) and c-scalar decode the same fp8 pages alike (ragged
+    lengths, page ends, a few values in e4m3's subnormal range, which the shift conversion reads as 0)."""
     kernel = require_kernel()
     if kernel.fp8_level < 1:
         pytest.skip("this CPU lacks AVX512_BF16 + AVX512_VBMI: only the plain-C variant reads fp8 here")
@@ -91,19 +92,22 @@ def test_the_variants_agree_on_one_cache(page_size: int, splits: int) -> None:
     q = torch.randn(3, 14, 64, generator=gen).to(torch.bfloat16)
     nk = torch.randn(3, 2, 64, generator=gen).to(torch.bfloat16)
     outs = {}
-    variants = (
-        ("c-amx", "c-avx512bf16", "c-scalar") if kernel.fp8_level >= 2 else ("c-avx512bf16", "c-scalar")
-    )
-    for isa in variants:
-        cache.isa = isa
+    variants = ["c-avx512bf16:lookup", "c-avx512bf16:shift", "c-scalar"]
+    if kernel.fp8_level >= 2:
+        variants.insert(0, "c-amx")
+    for name in variants:
+        cache.isa, _, convert = name.partition(":")
+        cache.convert = convert or "shift"
         plan = backend.plan(cache, num_new=[1, 1, 1])
         plan.splits = splits
-        outs[isa] = backend.decode(cache, plan, layer=0, q=q, k=nk, v=nk).float()
+        outs[name] = backend.decode(cache, plan, layer=0, q=q, k=nk, v=nk).float()
     # the AVX-512 and AMX variants round p · v_scale to bf16 for the dot product; all round the output
-    for isa in variants[:-1]:
-        torch.testing.assert_close(outs[isa], outs["c-scalar"], atol=2e-2, rtol=2e-2)
-    if len(variants) == 3:  # the same bf16 products, summed in another order
-        torch.testing.assert_close(outs["c-amx"], outs["c-avx512bf16"], atol=1e-2, rtol=1e-2)
+    for name in variants[:-1]:
+        torch.testing.assert_close(outs[name], outs["c-scalar"], atol=2e-2, rtol=2e-2)
+    # the same bf16 products (the shift's scaled by powers of two, its e4m3 subnormals read as 0)
+    torch.testing.assert_close(outs["c-avx512bf16:shift"], outs["c-avx512bf16:lookup"], atol=1e-2, rtol=1e-2)
+    if "c-amx" in outs:  # the same bf16 products, summed in another order
+        torch.testing.assert_close(outs["c-amx"], outs["c-avx512bf16:lookup"], atol=1e-2, rtol=1e-2)
 
 
 def test_non_finite_kv_are_refused_by_name_and_stored_as_zeros() -> None:
@@ -144,11 +148,15 @@ class Avx512CpuDecodeFp8(CpuDecodeFp8Backend):
 
 
 class TestCpuDecodeFp8Avx512(BackendConformance):
-    """The AVX-512 BF16 variant forced where AMX would run (it runs where AMX is not granted)."""
+    """The AVX-512 BF16 variant forced where AMX would run (it runs where AMX is not granted), with
+    each conversion (the default, shift, runs in TestCpuDecodeFp8 where AMX is not granted)."""
 
     backend = Avx512CpuDecodeFp8
     dtypes = ("bf16",)
-    configs: ClassVar[list[dict[str, Any]]] = [{"page_size": 32, "kv_splits": 4}]
+    configs: ClassVar[list[dict[str, Any]]] = [
+        {"page_size": 32, "kv_splits": 4, "convert": "shift"},
+        {"page_size": 32, "kv_splits": 4, "convert": "lookup"},
+    ]
     cases = CASES[:3]
 
     def _instance_for(
