@@ -1002,13 +1002,21 @@ TGT_FP8 INLINE void pv_fp8(int gn, int nu, int np, const uint8_t *vt, const __m5
 
 /* tile_bf16 over fp8 K/V: kst, vst the first tile's 16 scales (a second tile's follow them) */
 TGT_FP8 INLINE void tile_fp8(int gn, int nt, const item_t *it, int g0, const uint8_t *kt, const uint8_t *vt,
-                             const float *kst, const float *vst, const __mmask16 *valid, const __m512i *tab, int cv) {
+                             const float *kst, const float *vst, const __mmask16 *valid, const __m512i *tab, int cv,
+                             const char *const *pft) {
     const int D = it->D, D2 = D / 2, npart = 4 / nt;
     const uint32_t *qp = (const uint32_t *)it->q + (size_t)g0 * D2;
     __m512 a[4][4];
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < 4; u++) a[g][u] = _mm512_setzero_ps();
     for (int dp = 0; dp < D2; dp += npart) {
+        /* the future tiles (K and V: D / 2 lines each), four lines per iteration, spread over q·k so
+         * that the prefetches never queue up at once (a burst of them stalls the core) */
+        if (pft) {
+            const int L = dp / npart * 4, tl = L / (D / 2);
+            if (pft[tl])
+                for (int k = 0; k < 4; k++) _mm_prefetch(pft[tl] + (size_t)(L % (D / 2) + k) * 64, _MM_HINT_T2);
+        }
         for (int u = 0; u < npart; u += 2) {
             for (int t = 0; t < nt; t++) {
                 __m512i k0, k1;
@@ -1073,7 +1081,6 @@ TGT_FP8 INLINE void tile_fp8(int gn, int nt, const item_t *it, int g0, const uin
 TGT_FP8 INLINE void item_fp8_avx512(const item_t *it, int cv) {
     const int G = it->G, D = it->D, pf = it->prefetch;
     const uint8_t *kc = (const uint8_t *)it->kc, *vc = (const uint8_t *)it->vc;
-    const size_t tile_bytes = (size_t)2 * TILE * D; /* a tile's K and V */
     float lv[MAX_G * 16] __attribute__((aligned(64)));
     const __m512i tab[4] = {_mm512_load_si512(FP8_LO), _mm512_load_si512(FP8_LO + 64), _mm512_load_si512(FP8_HI),
                             _mm512_load_si512(FP8_HI + 64)};
@@ -1096,19 +1103,21 @@ TGT_FP8 INLINE void item_fp8_avx512(const item_t *it, int cv) {
     for (int t = it->t0; t < it->t1;) {
         int nt = it->ps >= 2 * TILE && t % (2 * TILE) == 0 && t + TILE < it->t1 ? 2 : 1;
         __mmask16 valid[2] = {tile_mask(it->t1 - t), tile_mask(it->t1 - t - TILE)};
-        for (int j = 0; j < nt; j++) { /* the tiles pf ahead, whole (K, V and their scales) */
+        const char *pft[2] = {NULL, NULL}; /* the tiles pf ahead: their scales now, K and V during q·k */
+        for (int j = 0; j < nt; j++) {
             int f = t + (pf + j) * TILE;
             if (pf > 0 && f < it->t1) {
-                prefetch_tile((const char *)kc + tile_offset(it, f), tile_bytes);
-                prefetch_tile((const char *)(it->ks + scale_offset(it, f)), 64);
-                prefetch_tile((const char *)(it->vs + scale_offset(it, f)), 64);
+                pft[j] = (const char *)kc + tile_offset(it, f);
+                _mm_prefetch((const char *)(it->ks + scale_offset(it, f)), _MM_HINT_T2);
+                _mm_prefetch((const char *)(it->vs + scale_offset(it, f)), _MM_HINT_T2);
             }
         }
         const size_t base = tile_offset(it, t), so = scale_offset(it, t);
         for (int g0 = 0; g0 < G; g0 += 4) {
+            const char *const *pfg = g0 == 0 ? pft : NULL; /* prefetched during the first heads' q·k */
 #define FP8_TILE(gn)                                                                                          \
-    (nt == 2 ? tile_fp8(gn, 2, it, g0, kc + base, vc + base, it->ks + so, it->vs + so, valid, tab, cv)     \
-             : tile_fp8(gn, 1, it, g0, kc + base, vc + base, it->ks + so, it->vs + so, valid, tab, cv))
+    (nt == 2 ? tile_fp8(gn, 2, it, g0, kc + base, vc + base, it->ks + so, it->vs + so, valid, tab, cv, pfg)  \
+             : tile_fp8(gn, 1, it, g0, kc + base, vc + base, it->ks + so, it->vs + so, valid, tab, cv, pfg))
             switch (G - g0 < 4 ? G - g0 : 4) {
                 case 4: FP8_TILE(4); break;
                 case 3: FP8_TILE(3); break;
