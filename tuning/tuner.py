@@ -193,10 +193,16 @@ def _finalists(
     old: dict[str, Any] | None,
     everyone: dict[str, BackendRef],
 ) -> dict[str, Finalist]:
-    """The candidates to re-time for one key: near the best, at least three, the default, the incumbent."""
+    """The candidates to re-time for one key: near the best, at least three, the default, the incumbent,
+    and — when lossy caches compete — the fastest exact one, so that the dispatch map has a measured
+    choice for ``select()`` without ``allow_lossy`` (else only the default would be left to it)."""
     ok = {r.candidate.label(): r for r in records if r.ok and r.value}
-    default = plan.space.default_candidate().label() if plan.space.default_backend else None
-    labels = finalists({k: r.search_interval() for k, r in ok.items()}, keep=[default] if default else [])
+    times = {k: r.search_interval() for k, r in ok.items()}
+    keep = [plan.space.default_candidate().label()] if plan.space.default_backend else []
+    exact = [k for k, r in ok.items() if not getattr(plan.space.backends[r.backend].cls, "lossy", "")]
+    if exact and len(exact) < len(ok):
+        keep.append(min(exact, key=lambda k: times[k].median_ms))
+    labels = finalists(times, keep=keep)
     picked = [(label, plan.space.backends[ok[label].backend], ok[label].config) for label in labels]
     incumbent = (old or {}).get("winner")
     if incumbent and incumbent["backend"] in everyone:

@@ -303,3 +303,67 @@ def test_every_candidate_runs_in_every_position_and_after_every_other_equally_of
             assert len(places) == n * n and len(set(places.values())) == 1
     # each cycle is relabelled: the step between rounds falls on other pairs in the next cycle
     assert [round_order(6, r, seed=1) for r in range(6)] != [round_order(6, r, seed=1) for r in range(6, 12)]
+
+
+class _Sleeper(_Costed):
+    """A planted cost, and ``sleep_s`` of real time per call: the studies (real time) rank it behind
+    the ones that do not sleep, while the re-timing (the virtual clock) sees its planted cost."""
+
+    sleep_s = 0.0
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        time.sleep(self.sleep_s)
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+class DefaultLaggard(_Sleeper):
+    name = "planted_default_laggard"  # registered first: the default
+    cost = Laggard.cost
+    sleep_s = 0.1
+
+
+class ExactSecond(_Sleeper):
+    """Exact, slower than every lossy one in the study, the fastest exact one in fact."""
+
+    name = "planted_exact"
+    cost = Cost(per_seq_s=0.002)
+    sleep_s = 0.05
+
+
+class _Lossy(_Costed):
+    lossy = "planted: exact values, declared lossy"
+
+
+class LossyA(_Lossy):
+    name = "planted_lossy_a"
+    cost = Cost(per_seq_s=0.0005)
+
+
+class LossyB(_Lossy):
+    name = "planted_lossy_b"
+    cost = Cost(per_seq_s=0.0006)
+
+
+class LossyC(_Lossy):
+    name = "planted_lossy_c"
+    cost = Cost(per_seq_s=0.0007)
+
+
+def test_with_lossy_caches_allowed_the_fastest_exact_candidate_is_a_finalist(tmp_path, profile):
+    """Three lossy candidates fill the finalists by the minimum-three rule; the fastest exact one is
+    re-timed too, so that select() without allow_lossy gets it and not the slow default."""
+    from dataclasses import replace
+
+    reg = planted_registry(DefaultLaggard, ExactSecond, LossyA, LossyB, LossyC)
+    (w,) = _workloads([2])
+    report = tune(
+        [w], registry=reg, results_dir=tmp_path, options=replace(OPTIONS, allow_lossy=True), profile=profile,
+        samples=5, refine=False,
+    )  # fmt: skip
+    (entry,) = report.entries.values()
+    finalists = set(entry["retimed"]["finalists"])
+    assert {"planted_exact", "planted_default_laggard"} <= finalists, finalists
+    exact = select(w, results_dir=tmp_path, registry=reg)
+    assert exact.backend == "planted_exact", exact.explain()
+    lossy = select(w, results_dir=tmp_path, registry=reg, allow_lossy=True)
+    assert lossy.backend == "planted_lossy_a" and lossy.lossy, lossy.explain()
