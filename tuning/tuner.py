@@ -1,8 +1,8 @@
 """``tune()``: one study per key, the finalists re-timed interleaved, the table and the dispatch map.
 
 For every key: the study searches the space (each candidate checked and timed in a worker); then the
-finalists (every candidate within two confidence intervals of the best, at least three, the default
-and the incumbent of an existing entry) are re-timed interleaved in one worker, and the margin policy
+finalists (every candidate within two confidence intervals of the best, at least three, the default,
+the incumbent of an existing entry and, when lossy caches compete, the fastest exact one) are re-timed interleaved in one worker, and the margin policy
 decides the entry's winner. Then, per model and dtype, the tuned (batch, context) points form the
 coarse grid of a dispatch map, refined where neighbouring winners differ.
 """

@@ -83,7 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=15,
         help="after the search, the finalists (every candidate within two confidence intervals of the "
-        "best, at least three, the default and the table's incumbent) are re-timed interleaved, one "
+        "best, at least three, the default, the table's incumbent and, with lossy caches allowed, the "
+        "fastest exact one) are re-timed interleaved, one "
         "step of each in turn, N rounds (up to 4N while an interval is too wide; default 15; 0: no "
         "re-timing and no dispatch map)",
     )
