@@ -246,7 +246,7 @@ class CpuDecodeBackend(Backend):
     description = (
         "attnbench's own paged decode kernel for CPUs (C, AVX-512 BF16 / AVX-512 / AVX2 / scalar, OpenMP)"
     )
-    tunables = (
+    tunables: ClassVar[tuple[Tunable, ...]] = (
         Tunable("page_size", PAGE_SIZES, 128, "tokens per cache page (a multiple of the 16-key tile)"),
         Tunable(
             "kv_splits", ("auto", 1, 4), "auto", "KV splits per sequence (auto: only when B·Hkv < threads)"

@@ -143,7 +143,7 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
     implementation_note = ", fp8 e4m3 K/V"
     cache_dtype_phrase = "the cache computes in"
     kernel_functions = ("cpu_decode_write_fp8", "cpu_decode_attend_fp8")
-    tunables = (
+    tunables: ClassVar[tuple[Tunable, ...]] = (
         *CpuDecodeBackend.tunables,
         Tunable(
             "convert",
