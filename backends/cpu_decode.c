@@ -953,7 +953,8 @@ TGT static void item_avx512(const item_t *it) {
  *   the bf16 value is the e4m3 value × 2^-120, exactly for the normal values; the subnormal ones
  *   (|x| < 2^-6, below 1/28,672 of the largest value a token-head's scale allows) become bf16
  *   denormals, which vdpbf16ps reads as zero. The caller multiplies q and the weights p by
- *   FP8_PRE = 2^64 (exact: powers of two) and the scores and p·v by FP8_POST = 2^56.
+ *   FP8_PRE = 2^64 (exact: powers of two; bf16 holds them below 2^127, so |q| and p · v_scale below
+ *   2^63) and the scores and p·v by FP8_POST = 2^56.
  * tab: FP8_LO, FP8_HI (CV_LOOKUP only) */
 enum { CV_LOOKUP = 0, CV_SHIFT = 1 };
 #define FP8_PRE 0x1p64f
@@ -1372,9 +1373,8 @@ static int attend(const void *q, const void *kc, const void *vc, const float *ks
     if (ks && (D % 32 || (isa != ISA_SCALAR && isa != ISA_AVX512BF16 && isa != ISA_AMX && isa != ISA_FP8_SHIFT)))
         return -1;
     if (!ks && isa == ISA_FP8_SHIFT) return -1;
-    if (isa == ISA_FP8_SHIFT && dt != DT_BF16) return -2;
     if (isa == ISA_AMX && (!ks || !amx_request() || Hq / Hkv > 16 || dt != DT_BF16)) return -3;
-    if (isa == ISA_AVX512BF16 && dt != DT_BF16) return -2;
+    if ((isa == ISA_AVX512BF16 || isa == ISA_FP8_SHIFT) && dt != DT_BF16) return -2;
     if (isa == ISA_AVX512 && dt == DT_BF16) return -2;
     const int G = Hq / Hkv, P = dt == DT_BF16 ? 2 : 1;
     const long items = (long)B * Hkv * splits;

@@ -76,6 +76,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: the kernel's variants, ordered: a CPU that runs one runs every one before it (cpu_decode_isa())
 _ISA_NAMES = {0: "c-scalar", 1: "c-avx2", 2: "c-avx512", 3: "c-avx512bf16", 4: "c-amx"}  # 4: fp8 caches only
 _ISA_CODES = {v: k for k, v in _ISA_NAMES.items()}
+_FP8_SHIFT_CODE = 5  # ISA_FP8_SHIFT: c-avx512bf16 over an fp8 cache with the shift conversion
 #: the dtypes a variant takes where it does not take all three
 _ISA_DTYPES = {"c-avx512": (torch.float32, torch.float16), "c-avx512bf16": (torch.bfloat16,)}
 _ABI = 5

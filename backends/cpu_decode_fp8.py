@@ -43,6 +43,7 @@ import torch
 
 from attnbench.backends.cpu_decode import (
     _DTYPE_CODES,
+    _FP8_SHIFT_CODE,
     _ISA_NAMES,
     CpuDecodeBackend,
     CpuDecodeCache,
@@ -56,10 +57,6 @@ from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 
 #: the variants that read an fp8 cache: the AVX-512 BF16 one (bf16 only) and plain C (any dtype)
 _FP8_DTYPES = {"c-amx": (torch.bfloat16,), "c-avx512bf16": (torch.bfloat16,), "c-scalar": tuple(_DTYPE_CODES)}
-
-
-#: the C kernel's code for ``c-avx512bf16`` with the shift conversion (``ISA_FP8_SHIFT``)
-_SHIFT_CODE = 5
 
 
 def fp8_phys(n: int) -> torch.Tensor:
@@ -94,7 +91,7 @@ class CpuDecodeFp8Cache(CpuDecodeCache):
     def isa_code(self) -> int:
         """``c-avx512bf16`` with ``convert = "shift"`` is its own code in the kernel; else the variant's."""
         if self.isa == "c-avx512bf16" and self.convert == "shift":
-            return _SHIFT_CODE
+            return _FP8_SHIFT_CODE
         return super().isa_code
 
     def writer_args(self) -> tuple[int, ...]:

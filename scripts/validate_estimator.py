@@ -100,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also write the plot here (e.g. docs/img/costmodel-validation-cpu.png)",
     )
     args = p.parse_args(argv)
+    if args.passes < 1:
+        p.error(f"--passes {args.passes}: accepted: a whole number ≥ 1 (odd keeps a true median: 1, 3, 5)")
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
@@ -330,8 +332,6 @@ def main(argv: list[str] | None = None) -> int:
     device = device_entry(
         profile, flops=measured_flops(cpu, profile_id=profile.id), memory_bytes=device_memory_bytes(cpu)
     )
-    if args.passes < 1:
-        raise SystemExit(f"--passes {args.passes}: give 1 or more (an odd count: 1, 3, 5)")
     points = grid(args, reg)
     schedule = []  # each pass in its own order: fit and held-out points interleaved
     for k in range(args.passes):

@@ -2,8 +2,8 @@
 
 For every key: the study searches the space (each candidate checked and timed in a worker); then the
 finalists (every candidate within two confidence intervals of the best, at least three, the default,
-the incumbent of an existing entry and, when lossy caches compete, the fastest exact one) are re-timed interleaved in one worker, and the margin policy
-decides the entry's winner. Then, per model and dtype, the tuned (batch, context) points form the
+the incumbent of an existing entry and, when lossy caches compete, the fastest exact one) are re-timed
+interleaved in one worker, and the margin policy decides the entry's winner. Then, per model and dtype, the tuned (batch, context) points form the
 coarse grid of a dispatch map, refined where neighbouring winners differ.
 """
 
@@ -199,7 +199,7 @@ def _finalists(
     ok = {r.candidate.label(): r for r in records if r.ok and r.value}
     times = {k: r.search_interval() for k, r in ok.items()}
     keep = [plan.space.default_candidate().label()] if plan.space.default_backend else []
-    exact = [k for k, r in ok.items() if not getattr(plan.space.backends[r.backend].cls, "lossy", "")]
+    exact = [k for k, r in ok.items() if not _lossy(plan.space.backends[r.backend])]
     if exact and len(exact) < len(ok):
         keep.append(min(exact, key=lambda k: times[k].median_ms))
     labels = finalists(times, keep=keep)
@@ -211,9 +211,13 @@ def _finalists(
         )
     out: dict[str, Finalist] = {}
     for label, ref, config in picked:  # the incumbent only when no finalist has its label
-        lossy = getattr(ref.cls, "lossy", "") or ""
-        out.setdefault(label, Finalist(label, ref.name, ref.ref, dict(config), lossy))
+        out.setdefault(label, Finalist(label, ref.name, ref.ref, dict(config), _lossy(ref)))
     return out
+
+
+def _lossy(ref: BackendRef) -> str:
+    """What the backend's cache loses (``Backend.lossy``; ``""`` for an exact one)."""
+    return getattr(ref.cls, "lossy", "") or ""
 
 
 @dataclass

@@ -191,10 +191,11 @@ def fit_points(points: list[CalibrationPoint], *, geometry: str | None = None) -
     if len(points) >= KNEE_MIN_POINTS:
         best = float(np.sqrt(np.mean(rel**2))) / KNEE_GAIN
         for lo, hi in itertools.pairwise(sizes[:-1]):  # two sizes or more beyond every knee tried
-            c, r = _fit_knee(points, t, math.sqrt(lo * hi))
+            at = math.sqrt(lo * hi)
+            c, r = _fit_knee(points, t, at)
             rms = float(np.sqrt(np.mean(r**2)))
             if c[3] > 0 and rms < best:
-                best, coef, rel, knee = rms, c, r, math.sqrt(lo * hi)
+                best, coef, rel, knee = rms, c, r, at
     backend, dtype = next(iter(names))
     return Fit(
         backend=backend,
@@ -214,13 +215,11 @@ def fit_points(points: list[CalibrationPoint], *, geometry: str | None = None) -
 
 def _fit_knee(points: list[CalibrationPoint], t: np.ndarray, knee: float) -> tuple[np.ndarray, np.ndarray]:
     """Coefficients (t0, t_seq, s, s_knee) with the knee at ``knee`` bytes (0: none), relative errors."""
-    a = np.array(
-        [
-            [p.layers, p.layers * p.batch, p.kv_bytes, p.kv_bytes * _past_knee(p.kv_bytes / (p.layers * p.batch), knee) if knee else 0.0]
-            for p in points
-        ],
-        dtype=float,
-    )  # fmt: skip
+    rows = []
+    for p in points:
+        past = _past_knee(p.kv_bytes / (p.layers * p.batch), knee) if knee else 0.0
+        rows.append([p.layers, p.layers * p.batch, p.kv_bytes, p.kv_bytes * past])
+    a = np.array(rows, dtype=float)
     scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)  # condition the columns, weight rows by 1 / t
     coef = _nnls(a / scale / t[:, None], np.ones_like(t)) / scale
     return coef, (a @ coef) / t - 1
