@@ -24,6 +24,10 @@ from attnbench.backends.naive import NaiveBackend
 from attnbench.core.workload import Workload
 from attnbench.tuning import JOURNAL_NAME, ResultsTable, TuneOptions, open_storage, tune
 
+# one torch thread (the worker takes the parent's count): with two on a busy machine, back-to-back
+# tiny steps can stall at a thread barrier for longer than the planted sleeps (test_tuning_map.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 WORKLOAD = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32")
 FAST = TuneOptions(timeout_s=20.0, warmup=1, repeats=3)
 SAMPLES = 5  # interleaved re-timing of the finalists: few samples here, it is not what these tests check
