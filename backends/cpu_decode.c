@@ -1508,9 +1508,9 @@ static void latent_item_scalar(const void *q, const void *kc, const int32_t *bt,
     free(qv);
 }
 
-#ifdef CPU_DECODE_AMX
+#ifdef CPU_DECODE_AVX512
 /* 16 × 16 dwords transposed in place: four block-swap stages (distance 8, 4, 2, 1) of vpermt2d */
-TGT_AMX INLINE void transpose16(__m512i *r) {
+TGT INLINE void transpose16(__m512i *r) {
     for (int s = 8; s >= 1; s >>= 1) {
         int lo[16], hi[16];
         for (int e = 0; e < 16; e++) {
@@ -1527,6 +1527,205 @@ TGT_AMX INLINE void transpose16(__m512i *r) {
     }
 }
 
+
+/* The AVX-512 BF16 latent item (bf16; Dk even, Dv % 16 == 0): the AMX item's four stages with
+ * register tiles of vdpbf16ps in place of the matrix unit. A step is the rest of a page (≤ 128 keys).
+ * 1. S^T [keys, heads] = rows · Q^T: 6 keys × 64 heads in 24 accumulators; each of a row's bf16 pairs
+ *    is an embedded broadcast (dp_bcast), each Q^T pair vector (16 heads, built once per item) a load
+ *    shared by 6 keys. Past the step's keys the broadcasts read a zero row.
+ * 2. The online softmax with 16 heads in a vector (no horizontal reduction) and the AMX item's lazy
+ *    rescale; P rounded to bf16 in key pairs, transposed to [head][key pair].
+ * 3. V in key pairs [kp][Dv][2] from the step's rows.
+ * 4. O [H, Dv] fp32 += P · V: 6 heads × 64 dims in 24 accumulators, loaded and stored once per step;
+ *    each P pair is a broadcast, each V pair vector a load shared by 6 heads. */
+#define LAZY 8.0f /* the running max is rescaled only when it grows by more than this (both latent items) */
+#define LAT_KJ 6 /* keys per score tile */
+#define LAT_HJ 6 /* heads per P·V tile */
+TGT_BF16 INLINE void latent_scores_bf16(int hbn, int np, const uint32_t *const *rp, const uint32_t *qt, size_t qs,
+                                        float *st, int Hp) {
+    __m512 acc[LAT_KJ][4];
+    for (int k = 0; k < LAT_KJ; k++)
+        for (int h = 0; h < hbn; h++) acc[k][h] = _mm512_setzero_ps();
+    for (int r = 0; r < np; r++) {
+        __m512i qv[4];
+        for (int h = 0; h < hbn; h++) qv[h] = _mm512_load_si512(qt + h * qs + (size_t)r * 16);
+        for (int k = 0; k < LAT_KJ; k++)
+            for (int h = 0; h < hbn; h++) acc[k][h] = dp_bcast(acc[k][h], qv[h], rp[k] + r);
+    }
+    for (int k = 0; k < LAT_KJ; k++)
+        for (int h = 0; h < hbn; h++) _mm512_storeu_ps(st + (size_t)k * Hp + h * 16, acc[k][h]);
+}
+
+TGT_BF16 INLINE void latent_pv_bf16(int du, int nkp, const uint32_t *pt, const uint32_t *vb, int Dv, float *o) {
+    __m512 acc[LAT_HJ][4];
+    for (int h = 0; h < LAT_HJ; h++)
+        for (int u = 0; u < du; u++) acc[h][u] = _mm512_loadu_ps(o + (size_t)h * Dv + u * 16);
+    for (int kp = 0; kp < nkp; kp++) {
+        __m512i vv[4];
+        for (int u = 0; u < du; u++) vv[u] = _mm512_load_si512(vb + (size_t)kp * Dv + u * 16);
+        for (int h = 0; h < LAT_HJ; h++)
+            for (int u = 0; u < du; u++) acc[h][u] = dp_bcast(acc[h][u], vv[u], pt + (size_t)h * 64 + kp);
+    }
+    for (int h = 0; h < LAT_HJ; h++)
+        for (int u = 0; u < du; u++) _mm512_storeu_ps(o + (size_t)h * Dv + u * 16, acc[h][u]);
+}
+
+TGT_BF16 static void latent_item_bf16(const uint16_t *q, const uint16_t *kc, const int32_t *bt, int t0, int t1, int H,
+                                      int Dk, int Dv, int ps, float scale, float *m, float *l, float *acc) {
+    const int Hp = (H + 15) / 16 * 16, nb = Hp / 16, np = Dk / 2;
+    const int Hq = (Hp + LAT_HJ - 1) / LAT_HJ * LAT_HJ; /* P and O rows: whole P·V tiles (the extra P rows 0) */
+    /* scratch: Q^T pairs [nb][np][16], S^T [128 + LAT_KJ][Hp] fp32, P [Hq][64] dwords, V pairs [64][Dv]
+     * dwords, O [Hq][Dv] fp32, m and l [Hp], a zero row of Dk */
+    const size_t qt_n = (size_t)nb * np * 16, s_n = (size_t)(128 + LAT_KJ) * Hp, p_n = (size_t)Hq * 64,
+                 v_n = (size_t)64 * Dv, o_n = (size_t)Hq * Dv, z_n = (size_t)Dk / 2 + 16;
+    uint32_t *qt = (uint32_t *)aligned_alloc(64, 4 * (qt_n + s_n + p_n + v_n + o_n + 2 * (size_t)Hp + z_n));
+    float *sb = (float *)(qt + qt_n);
+    uint32_t *pt = (uint32_t *)(sb + s_n), *vb = pt + p_n;
+    float *ob = (float *)(vb + v_n), *mr = ob + o_n, *lr = mr + Hp;
+    uint32_t *zrow = (uint32_t *)(lr + Hp);
+    memset(zrow, 0, 4 * z_n);
+    memset(pt, 0, 4 * p_n);
+    for (int hb = 0; hb < nb; hb++) /* Q^T: vector (hb, r) = the pair of dims 2r, 2r + 1 of heads hb·16.. */
+        for (int r = 0; r < np; r++)
+            for (int e = 0; e < 16; e++) {
+                int h = hb * 16 + e;
+                uint32_t v = 0;
+                if (h < H) v = q[(size_t)h * Dk + 2 * r] | (uint32_t)q[(size_t)h * Dk + 2 * r + 1] << 16;
+                qt[((size_t)hb * np + r) * 16 + e] = v;
+            }
+    memset(ob, 0, sizeof(float) * o_n);
+    for (int h = 0; h < Hp; h++) {
+        mr[h] = -INFINITY;
+        lr[h] = 0.0f;
+    }
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY), lazy = _mm512_set1_ps(LAZY);
+    __m512i ilo, ihi; /* interleave 16 bf16 of two rows: a0 b0 a1 b1 … */
+    {
+        int16_t lo[32], hi[32];
+        for (int e = 0; e < 32; e++) {
+            lo[e] = (int16_t)((e & 1 ? 32 : 0) + e / 2);
+            hi[e] = (int16_t)((e & 1 ? 32 : 0) + 16 + e / 2);
+        }
+        ilo = _mm512_loadu_si512(lo);
+        ihi = _mm512_loadu_si512(hi);
+    }
+    for (int t = t0; t < t1;) {
+        const int page_end = (t / ps + 1) * ps, stop = page_end < t1 ? page_end : t1, n = stop - t;
+        const int nc = (n + 31) / 32; /* 32-key chunks */
+        const uint16_t *rows = kc + ((size_t)bt[t / ps] * ps + t % ps) * Dk;
+        const int avail = page_end - t; /* rows that exist in this page from t */
+        /* the next step's rows (its page, from its first key) prefetched into L2 over this step's
+         * score tiles, an equal share before each */
+        const char *next = NULL;
+        size_t next_lines = 0, pf_done = 0;
+        if (stop < t1) {
+            const int next_stop = (stop / ps + 1) * ps < t1 ? (stop / ps + 1) * ps : t1;
+            next = (const char *)(kc + ((size_t)bt[stop / ps] * ps + stop % ps) * Dk);
+            next_lines = ((size_t)(next_stop - stop) * Dk * 2 + 63) / 64;
+        }
+        const size_t calls = (size_t)((n + LAT_KJ - 1) / LAT_KJ) * ((nb + 3) / 4);
+        const size_t pf_per = (next_lines + calls - 1) / calls;
+        /* 1. S^T, 6 keys × up to 64 heads a tile */
+        for (int j0 = 0; j0 < n; j0 += LAT_KJ) {
+            const uint32_t *rp[LAT_KJ];
+            for (int k = 0; k < LAT_KJ; k++) rp[k] = j0 + k < n ? (const uint32_t *)(rows + (size_t)(j0 + k) * Dk) : zrow;
+            for (int hb = 0; hb < nb; hb += 4) {
+                for (size_t i = 0; i < pf_per && pf_done < next_lines; i++, pf_done++)
+                    _mm_prefetch(next + pf_done * 64, _MM_HINT_T1);
+                const uint32_t *qb = qt + (size_t)hb * np * 16;
+                float *st = sb + (size_t)j0 * Hp + hb * 16;
+                switch (nb - hb < 4 ? nb - hb : 4) { /* constant tile widths: the accumulators stay in registers */
+                case 1: latent_scores_bf16(1, np, rp, qb, (size_t)np * 16, st, Hp); break;
+                case 2: latent_scores_bf16(2, np, rp, qb, (size_t)np * 16, st, Hp); break;
+                case 3: latent_scores_bf16(3, np, rp, qb, (size_t)np * 16, st, Hp); break;
+                default: latent_scores_bf16(4, np, rp, qb, (size_t)np * 16, st, Hp); break;
+                }
+            }
+        }
+        /* 2. the online softmax, 16 heads a vector; P in key pairs, transposed to [head][key pair] */
+        for (int hb = 0; hb < nb; hb++) {
+            __m512 mx = ninf;
+            for (int j = 0; j < n; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sb + (size_t)j * Hp + hb * 16));
+            mx = _mm512_mul_ps(mx, sc);
+            __m512 mo = _mm512_loadu_ps(mr + hb * 16);
+            __mmask16 grow = _mm512_cmp_ps_mask(mx, _mm512_add_ps(mo, lazy), _CMP_GT_OQ);
+            if (grow) { /* a new reference max for these heads: rescale their O rows and sums */
+                __m512 mn = _mm512_mask_mov_ps(mo, grow, mx), al = _mm512_sub_ps(mo, mn);
+                exp512n(1, &al);
+                float a16[16];
+                _mm512_storeu_ps(a16, al);
+                for (int e = 0; e < 16; e++) {
+                    if (!((grow >> e) & 1)) continue;
+                    float *o = ob + (size_t)(hb * 16 + e) * Dv;
+                    const __m512 a = _mm512_set1_ps(a16[e]);
+                    for (int d = 0; d < Dv; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
+                }
+                _mm512_storeu_ps(lr + hb * 16, _mm512_mul_ps(_mm512_loadu_ps(lr + hb * 16), al));
+                _mm512_storeu_ps(mr + hb * 16, mn);
+                mo = mn;
+            }
+            __m512 sum = _mm512_loadu_ps(lr + hb * 16);
+            for (int c = 0; c < nc; c++) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++) { /* key pair c·16 + i */
+                    __m512 x[2];
+                    for (int k = 0; k < 2; k++) {
+                        int j = c * 32 + 2 * i + k;
+                        x[k] = j < n ? _mm512_fmsub_ps(_mm512_loadu_ps(sb + (size_t)j * Hp + hb * 16), sc, mo) : ninf;
+                    }
+                    exp512n(2, x);
+                    for (int k = 0; k < 2; k++) /* past the step's keys: 0, not e^-87 */
+                        if (c * 32 + 2 * i + k >= n) x[k] = _mm512_setzero_ps();
+                    __m256i b0 = (__m256i)_mm512_cvtneps_pbh(x[0]), b1 = (__m256i)_mm512_cvtneps_pbh(x[1]);
+                    __m512i w0 = _mm512_cvtepu16_epi32(b0), w1 = _mm512_cvtepu16_epi32(b1);
+                    /* the sum takes p as rounded for p·v, so the weights sum to one */
+                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)));
+                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)));
+                    r[i] = _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16));
+                }
+                transpose16(r); /* [key pair][head] → [head][key pair] */
+                for (int i = 0; i < 16; i++) _mm512_store_si512(pt + (size_t)(hb * 16 + i) * 64 + c * 16, r[i]);
+            }
+            _mm512_storeu_ps(lr + hb * 16, sum);
+        }
+        /* 3. V in key pairs [kp][Dv][2] from the step's rows (zeros past the page) */
+        for (int kp = 0; kp < nc * 16; kp++) {
+            const int j0 = 2 * kp, j1 = 2 * kp + 1;
+            for (int d = 0; d < Dv; d += 32) {
+                const __mmask32 cols = Dv - d < 32 ? 0xffffu : 0xffffffffu; /* Dv % 32 == 16: 16 left */
+                __m512i a = j0 < avail ? _mm512_maskz_loadu_epi16(cols, rows + (size_t)j0 * Dk + d) : _mm512_setzero_si512();
+                __m512i b = j1 < avail ? _mm512_maskz_loadu_epi16(cols, rows + (size_t)j1 * Dk + d) : _mm512_setzero_si512();
+                _mm512_store_si512(vb + (size_t)kp * Dv + d, _mm512_permutex2var_epi16(a, ilo, b));
+                if (Dv - d >= 32) _mm512_store_si512(vb + (size_t)kp * Dv + d + 16, _mm512_permutex2var_epi16(a, ihi, b));
+            }
+        }
+        /* 4. O += P · V, 6 heads × up to 64 dims a tile (P's rows past the step's pairs are 0) */
+        const int nkp = (n + 1) / 2;
+        for (int h0 = 0; h0 < Hq; h0 += LAT_HJ)
+            for (int d = 0; d < Dv; d += 64) {
+                const uint32_t *pp = pt + (size_t)h0 * 64;
+                const uint32_t *vv = vb + d;
+                float *o = ob + (size_t)h0 * Dv + d;
+                switch (Dv - d < 64 ? (Dv - d) / 16 : 4) {
+                case 1: latent_pv_bf16(1, nkp, pp, vv, Dv, o); break;
+                case 2: latent_pv_bf16(2, nkp, pp, vv, Dv, o); break;
+                case 3: latent_pv_bf16(3, nkp, pp, vv, Dv, o); break;
+                default: latent_pv_bf16(4, nkp, pp, vv, Dv, o); break;
+                }
+            }
+        t = stop;
+    }
+    for (int h = 0; h < H; h++) {
+        m[h] = mr[h];
+        l[h] = lr[h];
+        memcpy(acc + (size_t)h * Dv, ob + (size_t)h * Dv, sizeof(float) * Dv);
+    }
+    free(qt);
+}
+
+#endif
+
+#ifdef CPU_DECODE_AMX
 /* The AMX latent item (bf16; Dk % 32 == 0, Dv % 16 == 0). A step is the rest of a page (≤ 128 keys):
  * scores transposed, S^T [keys, heads] = rows [keys, Dk] · Q^T (the page's rows are the A tiles as
  * stored; Q^T in pairs is built once per item), so the online softmax runs with 16 heads in a vector
@@ -1536,7 +1735,6 @@ TGT_AMX INLINE void transpose16(__m512i *r) {
  * rescaled lazily: O and l are rescaled only when a head's max grows by more than 8 (e^8 ≈ 3000, so
  * the probabilities stay ≤ 3000, exact enough in bf16 and far from fp32's range), so most steps
  * never touch O outside the tiles. */
-#define LAZY 8.0f
 TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const int32_t *bt, int t0, int t1, int H,
                                     int Dk, int Dv, int ps, float scale, float *m, float *l, float *acc) {
     const int Hp = (H + 15) / 16 * 16, nb = Hp / 16, nk = Dk / 32;
@@ -1740,13 +1938,16 @@ TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const
 
 /* Decode attention of one layer in the MLA latent form: q [B, H, Dk] and out [B, H, Dv] in dtype dt;
  * kc: the layer's rows [pages, ps, Dk]; block_table [B, maxp] int32; seq_lens [B] int32; ws: fp32
- * workspace of B · splits · H · (Dv + 2) floats (used only when splits > 1). isa: ISA_AMX (bf16,
- * Dk % 32 == 0, Dv % 16 == 0) or ISA_SCALAR. Returns 0, or a negative code for arguments it refuses. */
+ * workspace of B · splits · H · (Dv + 2) floats (used only when splits > 1). isa: ISA_AMX or
+ * ISA_AVX512BF16 (bf16, Dk % 32 == 0 for AMX, even for AVX-512 BF16, Dv % 16 == 0; pages of ≤ 128
+ * keys) or ISA_SCALAR. Returns 0, or a negative code for arguments it refuses. */
 int cpu_decode_attend_latent(const void *q, const void *kc, const int32_t *block_table, const int32_t *seq_lens,
                              void *out, float *ws, int B, int H, int Dk, int Dv, int ps, int maxp, int splits, int dt,
                              int isa, int threads, float scale) {
-    if (H < 1 || Dv > Dk || ps % TILE || splits < 1 || (isa != ISA_SCALAR && isa != ISA_AMX)) return -1;
-    if (isa == ISA_AMX && (dt != DT_BF16 || Dk % 32 || Dv % 16 || !amx_request())) return -3;
+    if (H < 1 || Dv > Dk || ps % TILE || splits < 1) return -1;
+    if (isa != ISA_SCALAR && isa != ISA_AVX512BF16 && isa != ISA_AMX) return -1;
+    if (isa != ISA_SCALAR && (dt != DT_BF16 || Dk % (isa == ISA_AMX ? 32 : 2) || Dv % 16 || ps > 128)) return -3;
+    if ((isa == ISA_AMX && !amx_request()) || (isa == ISA_AVX512BF16 && cpu_decode_isa() < ISA_AVX512BF16)) return -3;
     const long items = (long)B * splits;
     const size_t part = (size_t)H * (Dv + 2);
     if (threads < 1) threads = 1;
@@ -1772,6 +1973,11 @@ int cpu_decode_attend_latent(const void *q, const void *kc, const int32_t *block
             else if (isa == ISA_AMX)
                 latent_item_amx((const uint16_t *)qb, (const uint16_t *)kc, block_table + (size_t)b * maxp, t0, t1, H,
                                 Dk, Dv, ps, scale, m, l, acc);
+#endif
+#ifdef CPU_DECODE_AVX512
+            else if (isa == ISA_AVX512BF16)
+                latent_item_bf16((const uint16_t *)qb, (const uint16_t *)kc, block_table + (size_t)b * maxp, t0, t1, H,
+                                 Dk, Dv, ps, scale, m, l, acc);
 #endif
             else
                 latent_item_scalar(qb, kc, block_table + (size_t)b * maxp, t0, t1, H, Dk, Dv, ps, dt, scale, m, l, acc);

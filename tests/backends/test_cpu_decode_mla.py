@@ -1,9 +1,12 @@
-"""``cpu_decode_mla``: the conformance suite on each variant (MLA shapes whose latent rows fit AMX tiles),
-the variants against each other and the ``mla`` torch path, and DeepSeek-V3's hand-written decoder.
+"""``cpu_decode_mla``: the conformance suite on each variant (MLA shapes whose latent rows the bf16
+variants take), the variants against each other and the ``mla`` torch path, and DeepSeek-V3's
+hand-written decoder.
 
-The AMX variant runs where the CPU has AMX-BF16 and the OS grants it (elsewhere its cases skip with that
-reason); the plain-C variant is forced and runs on every CPU. Under ``ATTNBENCH_REQUIRE_CPU_DECODE=1``
-a kernel that does not build fails.
+The variant the CPU runs is AMX where the CPU has AMX-BF16 and the OS grants it, else AVX-512 BF16
+where the CPU has it (elsewhere its cases skip with that reason); both bf16 variants are checked against
+the plain-C one and the torch path wherever the CPU runs them (the AVX-512 BF16 one is forced on an AMX
+CPU); the plain-C variant is forced and runs on every CPU. Under ``ATTNBENCH_REQUIRE_CPU_DECODE=1`` a
+kernel that does not build fails.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 import torch
 from cpu_kernel import require_kernel, scalar
 
+from attnbench.backends.cpu_decode import _ISA_CODES, _ISA_NAMES
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
 from attnbench.backends.mla import MLABackend
 from attnbench.core.shapes import load_shape
@@ -23,7 +27,7 @@ from attnbench.core.workload import Workload
 from attnbench.testing import CASES, BackendConformance, ConformanceCase
 
 TINY_MLA = load_shape("tiny-mla")
-#: tiny-mla with a latent row of 96 (rank 64 + rope 32: AMX tiles) and 20 heads (a partial head block)
+#: tiny-mla with a latent row of 96 (rank 64 + rope 32: the bf16 variants' tiles), 20 heads (a partial block)
 MLA96 = dataclasses.replace(
     TINY_MLA, name="tiny-mla-96", num_heads=20, kv_lora_rank=64, qk_rope_head_dim=32, head_dim=48
 )
@@ -31,21 +35,22 @@ MLA96 = dataclasses.replace(
 MLA64 = dataclasses.replace(
     TINY_MLA, name="tiny-mla-64", num_heads=16, kv_lora_rank=48, qk_rope_head_dim=16, head_dim=32
 )
-AMX_CASES = (
+BF16_CASES = (
     *(c for c in CASES if c.shape.is_mla),
     ConformanceCase("mla-96", MLA96, (9, 21, 2), (64, 131)),
     ConformanceCase("mla-64", MLA64, (33, 1), (130, 7)),
 )
-AMX_LONG = (ConformanceCase("long-mla-96", MLA96, (), (5003, 777), decode_steps=2),)
+BF16_LONG = (ConformanceCase("long-mla-96", MLA96, (), (5003, 777), decode_steps=2),)
 
 
 class TestCpuDecodeMLA(BackendConformance):
-    """The variant the CPU runs: c-amx (bf16) where AMX is granted; elsewhere every case says why."""
+    """The variant the CPU runs: c-amx (bf16) where AMX is granted, else c-avx512bf16 where the CPU has
+    AVX-512 BF16; elsewhere every case says why."""
 
     backend = CpuDecodeMLABackend
     dtypes = ("bf16",)
-    cases = AMX_CASES
-    long_cases = AMX_LONG
+    cases = BF16_CASES
+    long_cases = BF16_LONG
     configs: ClassVar[list[dict[str, Any]]] = [
         CpuDecodeMLABackend.default_config(),
         {"page_size": 16, "kv_splits": 4},
@@ -53,12 +58,13 @@ class TestCpuDecodeMLA(BackendConformance):
     ]
 
     def test_supports_some_case(self) -> None:
-        """With AMX granted, the conformance rule; without it, no case runs and each one says why."""
-        if require_kernel().fp8_level >= 2:
+        """With a bf16 variant on this CPU, the conformance rule; without one, no case runs and each one
+        says why."""
+        if require_kernel().isa >= _ISA_CODES["c-avx512bf16"]:
             return super().test_supports_some_case()
         for c in self._cases():
             res = CpuDecodeMLABackend().resolve(Workload(c.shape, c.prompt_lens, torch.bfloat16, self.device))
-            assert not res.runnable and any("AMX" in r for r in res.reasons), (c.id, res.reasons)
+            assert not res.runnable and any("AVX-512 BF16" in r for r in res.reasons), (c.id, res.reasons)
         return None
 
 
@@ -70,17 +76,25 @@ class TestCpuDecodeMLAScalar(BackendConformance):
 
     backend = ScalarCpuDecodeMLA
     dtypes = ("fp32", "bf16")
-    cases = AMX_CASES[:2]
+    cases = BF16_CASES[:2]
     long_cases = ()
     configs: ClassVar[list[dict[str, Any]]] = [{"page_size": 16, "kv_splits": 2}]
 
 
+def _forced(variant: str) -> type[CpuDecodeMLABackend]:
+    return type(f"CpuDecodeMLA_{variant}", (CpuDecodeMLABackend,), {"force_isa": variant})
+
+
+@pytest.mark.parametrize("variant", ["c-amx", "c-avx512bf16"])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
-def test_amx_agrees_with_scalar_and_the_mla_torch_path(page_size: int) -> None:
-    """Three implementations of the same latent attention over one ragged batch."""
+def test_each_bf16_variant_agrees_with_scalar_and_the_mla_torch_path(variant: str, page_size: int) -> None:
+    """Three implementations of the same latent attention over one ragged batch: the bf16 variant
+    (forced), the plain-C one and the torch path."""
     kernel = require_kernel()
-    if kernel.fp8_level < 2:
+    if variant == "c-amx" and kernel.fp8_level < 2:
         pytest.skip("AMX-BF16 is not available (or not granted) on this CPU")
+    if kernel.isa < _ISA_CODES["c-avx512bf16"]:
+        pytest.skip(f"this CPU has no AVX-512 BF16 (it runs {_ISA_NAMES[kernel.isa]})")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     lens = (300, 17, 129)
     w = Workload(MLA96, lens, torch.bfloat16, "cpu")
@@ -90,7 +104,7 @@ def test_amx_agrees_with_scalar_and_the_mla_torch_path(page_size: int) -> None:
     new = torch.randn(3, 1, g.qk_head_dim, generator=gen).to(torch.bfloat16)
     outs = {}
     for name, backend, config in (
-        ("amx", CpuDecodeMLABackend(), {"page_size": page_size}),
+        ("bf16", _forced(variant)(), {"page_size": page_size}),
         ("scalar", ScalarCpuDecodeMLA(), {"page_size": page_size}),
         ("torch", MLABackend(), {"page_size": page_size, "kernel": "torch"}),
     ):
@@ -101,7 +115,7 @@ def test_amx_agrees_with_scalar_and_the_mla_torch_path(page_size: int) -> None:
         plan = backend.plan(cache, num_new=[1, 1, 1])
         outs[name] = backend.decode(cache, plan, layer=0, q=q, k=new, v=new[..., : g.v_head_dim]).float()
     for other in ("scalar", "torch"):
-        torch.testing.assert_close(outs["amx"], outs[other], atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(outs["bf16"], outs[other], atol=3e-2, rtol=3e-2)
 
 
 def test_unsupported_workloads_say_why() -> None:
@@ -110,5 +124,5 @@ def test_unsupported_workloads_say_why() -> None:
     assert "not MLA" in "; ".join(CpuDecodeMLABackend().resolve(llama).reasons)
     fp32 = Workload(MLA96, (8,), torch.float32, "cpu")
     reasons = CpuDecodeMLABackend().resolve(fp32).reasons
-    assert reasons and ("bf16" in reasons[0] or "AMX" in reasons[0]), reasons
+    assert reasons and "bf16" in reasons[0], reasons
     assert not ScalarCpuDecodeMLA().resolve(fp32).reasons

@@ -23,7 +23,7 @@ import transformers
 from tiny_hf import seeded, tiny_deepseek
 
 import attnbench
-from attnbench.backends.cpu_decode import load_kernel
+from attnbench.backends.cpu_decode import _ISA_CODES, load_kernel
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.backend import Backend, Tolerance
@@ -47,8 +47,8 @@ class LatentNaiveBackend(NaiveBackend):
 
 
 class LatentScalarCpuDecode(CpuDecodeMLABackend):
-    """Test-only: cpu_decode_mla's plain-C variant, forced (its AMX variant takes bf16 only; these
-    models run in fp32, and the AMX variant's bf16 run is test_cpu_decode_mla_amx_in_bf16 below)."""
+    """Test-only: cpu_decode_mla's plain-C variant, forced (its AMX and AVX-512 BF16 variants take bf16
+    only; these models run in fp32, and the bf16 variant's run is test_cpu_decode_mla_in_bf16 below)."""
 
     name = "test_cpu_decode_mla_scalar"
     force_isa = "c-scalar"
@@ -430,26 +430,28 @@ def _forced_logits(model: DecodeModel, prompt: torch.Tensor, tokens: torch.Tenso
     return torch.stack(out, dim=1).cpu().double()
 
 
-def test_cpu_decode_mla_amx_in_bf16() -> None:
-    """cpu_decode_mla's AMX variant drives the hand-written DeepSeek-V3 decoder in bf16 (a latent row
-    of 96 = rank 64 + rope 32, which AMX tiles take). Fed transformers' fp32 greedy tokens, its logits
-    are no further from transformers' fp32 logits than those of the same bf16 decoder with naive
-    attention (scores, softmax and P·V in bf16 torch ops), and within bf16's tolerance of them."""
+def test_cpu_decode_mla_in_bf16() -> None:
+    """cpu_decode_mla's bf16 variant (AMX where granted, else AVX-512 BF16) drives the hand-written
+    DeepSeek-V3 decoder in bf16 (a latent row of 96 = rank 64 + rope 32, which both take). Fed
+    transformers' fp32 greedy tokens, its logits are no further from transformers' fp32 logits than
+    those of the same bf16 decoder with naive attention (scores, softmax and P·V in bf16 torch ops), and
+    within bf16's tolerance of them."""
     kernel = load_kernel()
-    if isinstance(kernel, str) or kernel.fp8_level < 2:
-        pytest.skip("AMX-BF16 is not available (or not granted) on this CPU")
+    if isinstance(kernel, str) or kernel.isa < _ISA_CODES["c-avx512bf16"]:
+        pytest.skip("neither AVX-512 BF16 nor AMX-BF16 on this CPU (or no kernel)")
+    variant = "c-amx" if kernel.fp8_level >= 2 else "c-avx512bf16"
     hf = seeded(lambda: tiny_deepseek(kv_lora_rank=64, qk_rope_head_dim=32))
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, hf.config.vocab_size, (BATCH, PROMPT_LEN), generator=gen)
     tokens, ref = greedy_reference(hf, prompt, new_tokens=NEW_TOKENS)
     ref = ref.double()
     stats = {}
-    for name, backend in (("amx", CpuDecodeMLABackend()), ("naive", LatentNaiveBackend())):
+    for name, backend in (("kernel", CpuDecodeMLABackend()), ("naive", LatentNaiveBackend())):
         model = load_model(hf, backend=backend, dtype=torch.bfloat16, batch=BATCH)
         assert not model.unsupported(max_seq_len=PROMPT_LEN + NEW_TOKENS)
         stats[name] = compare(_forced_logits(model, prompt, tokens), ref)
-        if name == "amx":
-            assert model.cache is not None and getattr(model.cache, "isa", None) == "c-amx"
-    assert stats["amx"].rel_l2 <= 1.5 * stats["naive"].rel_l2, stats
+        if name == "kernel":
+            assert model.cache is not None and getattr(model.cache, "isa", None) == variant
+    assert stats["kernel"].rel_l2 <= 1.5 * stats["naive"].rel_l2, stats
     tol = logits_tolerance(Tolerance(max_abs=6e-2, rel_l2=3e-2, min_cosine=0.999), ref)
-    assert not within(stats["amx"], tol), (stats, tol)
+    assert not within(stats["kernel"], tol), (stats, tol)
