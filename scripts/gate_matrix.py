@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 from planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
 
 from attnbench.cli.common import command_line, run_record, write_report
+from attnbench.core.device import fingerprint
 from attnbench.core.registry import load_registry
 from attnbench.core.shapes import load_shape
 from attnbench.core.workload import Workload, parse_int_list
@@ -165,6 +166,7 @@ def main() -> int:
                             "form": form,
                             "geometry": f"{shape.name} ({shape.num_heads}/{shape.num_kv_heads}×{shape.head_dim})",
                             "candidate": name,
+                            "implementation": backend.resolve(workload, config).implementation,
                             "planted": planted,
                             "seeds": seeds[name],
                             "multiple": backend.error_multiple(workload.dtype, config=config),
@@ -176,7 +178,10 @@ def main() -> int:
                     f"{dtype} {ctx} {form}: done ({time.time() - start:.0f} s)", file=sys.stderr, flush=True
                 )
     command = command_line(args, parser=ap, prog="python scripts/gate_matrix.py")
-    report = run_record(command=command, load_start=load_start, started=start) | {"cells": cells}
+    report = run_record(command=command, load_start=load_start, started=start) | {
+        "cpu": fingerprint()["name"],
+        "cells": cells,
+    }
     write_report(args.out, report, _markdown(report))
     bad = [
         c
@@ -196,11 +201,21 @@ def _markdown(report: dict) -> str:
         "",
         f"`{report['command']}` — {report['machine']}, torch {report['torch']}, {report['date']}, "
         f"load average {report['load_avg_start'][0]:.2f} → {report['load_avg_end'][0]:.2f} "
-        f"({report['seconds']:.0f} s; accuracy only, nothing timed).",
+        f"({report['seconds']:.0f} s; accuracy only, nothing timed); CPU: {report.get('cpu', 'not recorded')}.",
         "",
         "Planted bugs: failures out of the seeds (must be all). Built-ins: failures (must be 0) and the worst "
         "error as a share of the bound over the seeds (must be ≤ 0.8); `ratio` = worst rel_l2 / the "
-        "calibration's; `multiple` = what the bound allows.",
+        "calibration's; `multiple` = what the bound allows. Implementations (what ran): "
+        + "; ".join(
+            sorted(
+                {
+                    f"{c['candidate']}: `{c['implementation']}`"
+                    for c in report["cells"]
+                    if c.get("implementation")
+                }
+            )
+        )
+        + ".",
         "",
         "| dtype | context | geometry | candidate | fails / seeds | worst share of bound | worst rel_l2 | ratio | multiple | min retrieval |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
