@@ -1541,6 +1541,110 @@ TGT INLINE void transpose16(__m512i *r) {
 #define LAZY 8.0f /* the running max is rescaled only when it grows by more than this (both latent items) */
 #define LAT_KJ 6 /* keys per score tile */
 #define LAT_HJ 6 /* heads per P·V tile */
+/* -- the steps both latent items share (TGT_BF16: the AMX item inlines them too) -- */
+
+/* Q^T in pairs: vector (hb, r) = dims 2r, 2r + 1 of heads hb·16 .. hb·16 + 15 (0 past H), r < Dk / 2;
+ * for AMX, rows 16kk .. 16kk + 15 of hb's block are the B tile of dims 32kk .. 32kk + 31 */
+TGT_BF16 INLINE void latent_qt(const uint16_t *q, int H, int Dk, int nb, uint32_t *qt) {
+    const int np = Dk / 2;
+    for (int hb = 0; hb < nb; hb++)
+        for (int r = 0; r < np; r++)
+            for (int e = 0; e < 16; e++) {
+                int h = hb * 16 + e;
+                uint32_t v = 0;
+                if (h < H) v = q[(size_t)h * Dk + 2 * r] | (uint32_t)q[(size_t)h * Dk + 2 * r + 1] << 16;
+                qt[((size_t)hb * np + r) * 16 + e] = v;
+            }
+}
+
+/* the next step's rows (its page, from its first key), to prefetch into L2 over this step's score
+ * multiplies: their lines (0 at the item's end) and their address in *next */
+INLINE size_t latent_next(const uint16_t *kc, const int32_t *bt, int stop, int t1, int ps, int Dk, const char **next) {
+    *next = NULL;
+    if (stop >= t1) return 0;
+    const int next_stop = (stop / ps + 1) * ps < t1 ? (stop / ps + 1) * ps : t1;
+    *next = (const char *)(kc + ((size_t)bt[stop / ps] * ps + stop % ps) * Dk);
+    return ((size_t)(next_stop - stop) * Dk * 2 + 63) / 64;
+}
+
+/* The online softmax of a step's n ≤ 128 scores S^T [n][Hp] (16 heads a vector: no horizontal
+ * reduction) with the running max mr and sums lr [Hp], rescaled lazily: O [.][Dv] and l only when a
+ * head's max grows by more than LAZY (e^8 ≈ 3000, so the probabilities stay ≤ 3000, exact enough in
+ * bf16 and far from fp32's range), so most steps never touch O. P is rounded to bf16 in key pairs
+ * (0 past the step's keys) and transposed 16 × 16 dwords at a time: head hb·16 + i's key pairs
+ * c·16 .. c·16 + 15 go to p + hb·1024 + c·cs + i·is (AMX: the A tiles; AVX-512: rows of 64 pairs). */
+TGT_BF16 INLINE void latent_softmax(int nb, int n, int Hp, int Dv, const float *sb, float scale, float *mr, float *lr,
+                                    float *ob, uint32_t *p, int cs, int is) {
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY), lazy = _mm512_set1_ps(LAZY);
+    const int nc = (n + 31) / 32; /* 32-key chunks */
+    for (int hb = 0; hb < nb; hb++) {
+        __m512 mx = ninf;
+        for (int j = 0; j < n; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sb + (size_t)j * Hp + hb * 16));
+        mx = _mm512_mul_ps(mx, sc);
+        __m512 mo = _mm512_loadu_ps(mr + hb * 16);
+        __mmask16 grow = _mm512_cmp_ps_mask(mx, _mm512_add_ps(mo, lazy), _CMP_GT_OQ);
+        if (grow) { /* a new reference max for these heads: rescale their O rows and sums */
+            __m512 mn = _mm512_mask_mov_ps(mo, grow, mx), al = _mm512_sub_ps(mo, mn);
+            exp512n(1, &al);
+            float a16[16];
+            _mm512_storeu_ps(a16, al);
+            for (int e = 0; e < 16; e++) {
+                if (!((grow >> e) & 1)) continue;
+                float *o = ob + (size_t)(hb * 16 + e) * Dv;
+                const __m512 a = _mm512_set1_ps(a16[e]);
+                for (int d = 0; d < Dv; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
+            }
+            _mm512_storeu_ps(lr + hb * 16, _mm512_mul_ps(_mm512_loadu_ps(lr + hb * 16), al));
+            _mm512_storeu_ps(mr + hb * 16, mn);
+            mo = mn;
+        }
+        __m512 sum = _mm512_loadu_ps(lr + hb * 16);
+        for (int c = 0; c < nc; c++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) { /* key pair c·16 + i */
+                __m512 x[2];
+                for (int k = 0; k < 2; k++) {
+                    int j = c * 32 + 2 * i + k;
+                    x[k] = j < n ? _mm512_fmsub_ps(_mm512_loadu_ps(sb + (size_t)j * Hp + hb * 16), sc, mo) : ninf;
+                }
+                exp512n(2, x);
+                for (int k = 0; k < 2; k++) /* past the step's keys: 0, not e^-87 */
+                    if (c * 32 + 2 * i + k >= n) x[k] = _mm512_setzero_ps();
+                __m256i b0 = (__m256i)_mm512_cvtneps_pbh(x[0]), b1 = (__m256i)_mm512_cvtneps_pbh(x[1]);
+                __m512i w0 = _mm512_cvtepu16_epi32(b0), w1 = _mm512_cvtepu16_epi32(b1);
+                /* the sum takes p as rounded for p·v, so the weights sum to one */
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)));
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)));
+                r[i] = _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16));
+            }
+            transpose16(r); /* [key pair][head] → [head][key pair] */
+            for (int i = 0; i < 16; i++) _mm512_store_si512(p + (size_t)hb * 1024 + (size_t)c * cs + (size_t)i * is, r[i]);
+        }
+        _mm512_storeu_ps(lr + hb * 16, sum);
+    }
+}
+
+/* V in key pairs [kp][Dv][2] for the step's np pairs from its rows (zeros past the page's avail rows;
+ * Dv % 32 == 16: the last chunk is half a vector) */
+TGT_BF16 INLINE void latent_v_pairs(int np, int avail, const uint16_t *rows, int Dk, int Dv, uint32_t *vb) {
+    int16_t lo[32], hi[32]; /* interleave 16 bf16 of two rows: a0 b0 a1 b1 … */
+    for (int e = 0; e < 32; e++) {
+        lo[e] = (int16_t)((e & 1 ? 32 : 0) + e / 2);
+        hi[e] = (int16_t)((e & 1 ? 32 : 0) + 16 + e / 2);
+    }
+    const __m512i ilo = _mm512_loadu_si512(lo), ihi = _mm512_loadu_si512(hi);
+    for (int kp = 0; kp < np; kp++) {
+        const int j0 = 2 * kp, j1 = 2 * kp + 1;
+        for (int d = 0; d < Dv; d += 32) {
+            const __mmask32 cols = Dv - d < 32 ? 0xffffu : 0xffffffffu;
+            __m512i a = j0 < avail ? _mm512_maskz_loadu_epi16(cols, rows + (size_t)j0 * Dk + d) : _mm512_setzero_si512();
+            __m512i b = j1 < avail ? _mm512_maskz_loadu_epi16(cols, rows + (size_t)j1 * Dk + d) : _mm512_setzero_si512();
+            _mm512_store_si512(vb + (size_t)kp * Dv + d, _mm512_permutex2var_epi16(a, ilo, b));
+            if (Dv - d >= 32) _mm512_store_si512(vb + (size_t)kp * Dv + d + 16, _mm512_permutex2var_epi16(a, ihi, b));
+        }
+    }
+}
+
 TGT_BF16 INLINE void latent_scores_bf16(int hbn, int np, const uint32_t *const *rp, const uint32_t *qt, size_t qs,
                                         float *st, int Hp) {
     __m512 acc[LAT_KJ][4];
@@ -1585,44 +1689,20 @@ TGT_BF16 static void latent_item_bf16(const uint16_t *q, const uint16_t *kc, con
     uint32_t *zrow = (uint32_t *)(lr + Hp);
     memset(zrow, 0, 4 * z_n);
     memset(pt, 0, 4 * p_n);
-    for (int hb = 0; hb < nb; hb++) /* Q^T: vector (hb, r) = the pair of dims 2r, 2r + 1 of heads hb·16.. */
-        for (int r = 0; r < np; r++)
-            for (int e = 0; e < 16; e++) {
-                int h = hb * 16 + e;
-                uint32_t v = 0;
-                if (h < H) v = q[(size_t)h * Dk + 2 * r] | (uint32_t)q[(size_t)h * Dk + 2 * r + 1] << 16;
-                qt[((size_t)hb * np + r) * 16 + e] = v;
-            }
+    latent_qt(q, H, Dk, nb, qt);
     memset(ob, 0, sizeof(float) * o_n);
     for (int h = 0; h < Hp; h++) {
         mr[h] = -INFINITY;
         lr[h] = 0.0f;
-    }
-    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY), lazy = _mm512_set1_ps(LAZY);
-    __m512i ilo, ihi; /* interleave 16 bf16 of two rows: a0 b0 a1 b1 … */
-    {
-        int16_t lo[32], hi[32];
-        for (int e = 0; e < 32; e++) {
-            lo[e] = (int16_t)((e & 1 ? 32 : 0) + e / 2);
-            hi[e] = (int16_t)((e & 1 ? 32 : 0) + 16 + e / 2);
-        }
-        ilo = _mm512_loadu_si512(lo);
-        ihi = _mm512_loadu_si512(hi);
     }
     for (int t = t0; t < t1;) {
         const int page_end = (t / ps + 1) * ps, stop = page_end < t1 ? page_end : t1, n = stop - t;
         const int nc = (n + 31) / 32; /* 32-key chunks */
         const uint16_t *rows = kc + ((size_t)bt[t / ps] * ps + t % ps) * Dk;
         const int avail = page_end - t; /* rows that exist in this page from t */
-        /* the next step's rows (its page, from its first key) prefetched into L2 over this step's
-         * score tiles, an equal share before each */
-        const char *next = NULL;
-        size_t next_lines = 0, pf_done = 0;
-        if (stop < t1) {
-            const int next_stop = (stop / ps + 1) * ps < t1 ? (stop / ps + 1) * ps : t1;
-            next = (const char *)(kc + ((size_t)bt[stop / ps] * ps + stop % ps) * Dk);
-            next_lines = ((size_t)(next_stop - stop) * Dk * 2 + 63) / 64;
-        }
+        const char *next; /* the next step's rows, prefetched over the score tiles, an equal share before each */
+        const size_t next_lines = latent_next(kc, bt, stop, t1, ps, Dk, &next);
+        size_t pf_done = 0;
         const size_t calls = (size_t)((n + LAT_KJ - 1) / LAT_KJ) * ((nb + 3) / 4);
         const size_t pf_per = (next_lines + calls - 1) / calls;
         /* 1. S^T, 6 keys × up to 64 heads a tile */
@@ -1642,63 +1722,10 @@ TGT_BF16 static void latent_item_bf16(const uint16_t *q, const uint16_t *kc, con
                 }
             }
         }
-        /* 2. the online softmax, 16 heads a vector; P in key pairs, transposed to [head][key pair] */
-        for (int hb = 0; hb < nb; hb++) {
-            __m512 mx = ninf;
-            for (int j = 0; j < n; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sb + (size_t)j * Hp + hb * 16));
-            mx = _mm512_mul_ps(mx, sc);
-            __m512 mo = _mm512_loadu_ps(mr + hb * 16);
-            __mmask16 grow = _mm512_cmp_ps_mask(mx, _mm512_add_ps(mo, lazy), _CMP_GT_OQ);
-            if (grow) { /* a new reference max for these heads: rescale their O rows and sums */
-                __m512 mn = _mm512_mask_mov_ps(mo, grow, mx), al = _mm512_sub_ps(mo, mn);
-                exp512n(1, &al);
-                float a16[16];
-                _mm512_storeu_ps(a16, al);
-                for (int e = 0; e < 16; e++) {
-                    if (!((grow >> e) & 1)) continue;
-                    float *o = ob + (size_t)(hb * 16 + e) * Dv;
-                    const __m512 a = _mm512_set1_ps(a16[e]);
-                    for (int d = 0; d < Dv; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
-                }
-                _mm512_storeu_ps(lr + hb * 16, _mm512_mul_ps(_mm512_loadu_ps(lr + hb * 16), al));
-                _mm512_storeu_ps(mr + hb * 16, mn);
-                mo = mn;
-            }
-            __m512 sum = _mm512_loadu_ps(lr + hb * 16);
-            for (int c = 0; c < nc; c++) {
-                __m512i r[16];
-                for (int i = 0; i < 16; i++) { /* key pair c·16 + i */
-                    __m512 x[2];
-                    for (int k = 0; k < 2; k++) {
-                        int j = c * 32 + 2 * i + k;
-                        x[k] = j < n ? _mm512_fmsub_ps(_mm512_loadu_ps(sb + (size_t)j * Hp + hb * 16), sc, mo) : ninf;
-                    }
-                    exp512n(2, x);
-                    for (int k = 0; k < 2; k++) /* past the step's keys: 0, not e^-87 */
-                        if (c * 32 + 2 * i + k >= n) x[k] = _mm512_setzero_ps();
-                    __m256i b0 = (__m256i)_mm512_cvtneps_pbh(x[0]), b1 = (__m256i)_mm512_cvtneps_pbh(x[1]);
-                    __m512i w0 = _mm512_cvtepu16_epi32(b0), w1 = _mm512_cvtepu16_epi32(b1);
-                    /* the sum takes p as rounded for p·v, so the weights sum to one */
-                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)));
-                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)));
-                    r[i] = _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16));
-                }
-                transpose16(r); /* [key pair][head] → [head][key pair] */
-                for (int i = 0; i < 16; i++) _mm512_store_si512(pt + (size_t)(hb * 16 + i) * 64 + c * 16, r[i]);
-            }
-            _mm512_storeu_ps(lr + hb * 16, sum);
-        }
-        /* 3. V in key pairs [kp][Dv][2] from the step's rows (zeros past the page) */
-        for (int kp = 0; kp < nc * 16; kp++) {
-            const int j0 = 2 * kp, j1 = 2 * kp + 1;
-            for (int d = 0; d < Dv; d += 32) {
-                const __mmask32 cols = Dv - d < 32 ? 0xffffu : 0xffffffffu; /* Dv % 32 == 16: 16 left */
-                __m512i a = j0 < avail ? _mm512_maskz_loadu_epi16(cols, rows + (size_t)j0 * Dk + d) : _mm512_setzero_si512();
-                __m512i b = j1 < avail ? _mm512_maskz_loadu_epi16(cols, rows + (size_t)j1 * Dk + d) : _mm512_setzero_si512();
-                _mm512_store_si512(vb + (size_t)kp * Dv + d, _mm512_permutex2var_epi16(a, ilo, b));
-                if (Dv - d >= 32) _mm512_store_si512(vb + (size_t)kp * Dv + d + 16, _mm512_permutex2var_epi16(a, ihi, b));
-            }
-        }
+        /* 2. the online softmax; P to rows of 64 key pairs per head */
+        latent_softmax(nb, n, Hp, Dv, sb, scale, mr, lr, ob, pt, 16, 64);
+        /* 3. V in key pairs [kp][Dv][2] */
+        latent_v_pairs(nc * 16, avail, rows, Dk, Dv, vb);
         /* 4. O += P · V, 6 heads × up to 64 dims a tile (P's rows past the step's pairs are 0) */
         const int nkp = (n + 1) / 2;
         for (int h0 = 0; h0 < Hq; h0 += LAT_HJ)
@@ -1746,15 +1773,7 @@ TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const
     float *sb = (float *)(qt + qt_n);
     uint32_t *pb = (uint32_t *)(sb + s_n), *vb = pb + p_n;
     float *ob = (float *)(vb + v_n), *mr = ob + o_n, *lr = mr + Hp;
-    for (int hb = 0; hb < nb; hb++) /* Q^T: row i of tile (hb, kk) = dims 2(16kk + i), +1 of heads hb·16.. */
-        for (int kk = 0; kk < nk; kk++)
-            for (int i = 0; i < 16; i++)
-                for (int e = 0; e < 16; e++) {
-                    int h = hb * 16 + e, r = kk * 16 + i;
-                    uint32_t v = 0;
-                    if (h < H) v = q[(size_t)h * Dk + 2 * r] | (uint32_t)q[(size_t)h * Dk + 2 * r + 1] << 16;
-                    qt[(((size_t)hb * nk + kk) * 16 + i) * 16 + e] = v;
-                }
+    latent_qt(q, H, Dk, nb, qt); /* row i of tile (hb, kk): dims 2(16kk + i), +1 of heads hb·16.. */
     memset(ob, 0, sizeof(float) * o_n);
     for (int h = 0; h < Hp; h++) {
         mr[h] = -INFINITY;
@@ -1768,31 +1787,16 @@ TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
-    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY), lazy = _mm512_set1_ps(LAZY);
-    __m512i ilo, ihi; /* interleave 16 bf16 of two rows: a0 b0 a1 b1 … */
-    {
-        int16_t lo[32], hi[32];
-        for (int e = 0; e < 32; e++) {
-            lo[e] = (int16_t)((e & 1 ? 32 : 0) + e / 2);
-            hi[e] = (int16_t)((e & 1 ? 32 : 0) + 16 + e / 2);
-        }
-        ilo = _mm512_loadu_si512(lo);
-        ihi = _mm512_loadu_si512(hi);
-    }
     for (int t = t0; t < t1;) {
         const int page_end = (t / ps + 1) * ps, stop = page_end < t1 ? page_end : t1, n = stop - t;
         const int nt = (n + 15) / 16, nc = (nt + 1) / 2; /* 16-key tiles, 32-key chunks */
         const uint16_t *rows = kc + ((size_t)bt[t / ps] * ps + t % ps) * Dk;
         const int avail = page_end - t; /* rows that exist in this page from t */
-        /* the next step's rows (its page, from its first key) prefetched into L2 over this step's
-         * score multiplies: a tile load of 16 rows 1,152 bytes apart would wait on each from DRAM */
-        const char *next = NULL;
-        size_t next_lines = 0, pf_done = 0;
-        if (stop < t1) {
-            const int next_stop = (stop / ps + 1) * ps < t1 ? (stop / ps + 1) * ps : t1;
-            next = (const char *)(kc + ((size_t)bt[stop / ps] * ps + stop % ps) * Dk);
-            next_lines = ((size_t)(next_stop - stop) * Dk * 2 + 63) / 64;
-        }
+        /* the next step's rows, prefetched over the score multiplies: a tile load of 16 rows 1,152 bytes
+         * apart would wait on each from DRAM */
+        const char *next;
+        const size_t next_lines = latent_next(kc, bt, stop, t1, ps, Dk, &next);
+        size_t pf_done = 0;
         const size_t pf_per = next ? (next_lines + (size_t)((nt + 3) / 4) * nb * nk - 1) / ((size_t)((nt + 3) / 4) * nb * nk) : 0;
         /* 1. S^T for up to 64 keys × 16 heads at a time: each Q^T tile (B, from L2) is loaded once for
          * four 16-row A tiles (the page's rows, from L1) */
@@ -1830,67 +1834,10 @@ TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const
                 if (n4 > 3) _tile_stored(3, st + (size_t)48 * Hp, Hp * 4);
             }
         }
-        /* 2. the online softmax, 16 heads a vector; P in key pairs, transposed into A tiles */
-        for (int hb = 0; hb < nb; hb++) {
-            __m512 mx = ninf;
-            for (int j = 0; j < n; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sb + (size_t)j * Hp + hb * 16));
-            mx = _mm512_mul_ps(mx, sc);
-            __m512 mo = _mm512_loadu_ps(mr + hb * 16);
-            __mmask16 grow = _mm512_cmp_ps_mask(mx, _mm512_add_ps(mo, lazy), _CMP_GT_OQ);
-            if (grow) { /* a new reference max for these heads: rescale their O rows and sums */
-                __m512 mn = _mm512_mask_mov_ps(mo, grow, mx), al = _mm512_sub_ps(mo, mn);
-                exp512n(1, &al);
-                float a16[16];
-                _mm512_storeu_ps(a16, al);
-                for (int e = 0; e < 16; e++) {
-                    if (!((grow >> e) & 1)) continue;
-                    float *o = ob + (size_t)(hb * 16 + e) * Dv;
-                    const __m512 a = _mm512_set1_ps(a16[e]);
-                    for (int d = 0; d < Dv; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
-                }
-                _mm512_storeu_ps(lr + hb * 16, _mm512_mul_ps(_mm512_loadu_ps(lr + hb * 16), al));
-                _mm512_storeu_ps(mr + hb * 16, mn);
-                mo = mn;
-            }
-            __m512 sum = _mm512_loadu_ps(lr + hb * 16);
-            for (int c = 0; c < nc; c++) {
-                __m512i r[16];
-                for (int i = 0; i < 16; i++) { /* key pair c·16 + i */
-                    __m512 x[2];
-                    for (int k = 0; k < 2; k++) {
-                        int j = c * 32 + 2 * i + k;
-                        x[k] = j < n ? _mm512_fmsub_ps(_mm512_loadu_ps(sb + (size_t)j * Hp + hb * 16), sc, mo) : ninf;
-                    }
-                    exp512n(2, x);
-                    for (int k = 0; k < 2; k++) /* past the step's keys: 0, not e^-87 */
-                        if (c * 32 + 2 * i + k >= n) x[k] = _mm512_setzero_ps();
-                    __m256i b0 = (__m256i)_mm512_cvtneps_pbh(x[0]), b1 = (__m256i)_mm512_cvtneps_pbh(x[1]);
-                    __m512i w0 = _mm512_cvtepu16_epi32(b0), w1 = _mm512_cvtepu16_epi32(b1);
-                    /* the sum takes p as rounded for p·v, so the weights sum to one */
-                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)));
-                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)));
-                    r[i] = _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16));
-                }
-                transpose16(r); /* [key pair][head] → [head][key pair]: the A tile's rows */
-                for (int i = 0; i < 16; i++) _mm512_store_si512(pb + ((size_t)hb * 4 + c) * 256 + i * 16, r[i]);
-            }
-            _mm512_storeu_ps(lr + hb * 16, sum);
-        }
-        /* 3. V in key pairs [kp][Dv][2] from the step's rows (zeros past the page) */
-        for (int kp = 0; kp < nc * 16; kp++) {
-            const int j0 = 2 * kp, j1 = 2 * kp + 1;
-            for (int d = 0; d < Dv; d += 32) {
-                const __mmask32 cols = Dv - d < 32 ? 0xffffu : 0xffffffffu; /* Dv % 32 == 16: 16 left */
-                __m512i a = j0 < avail ? _mm512_maskz_loadu_epi16(cols, rows + (size_t)j0 * Dk + d) : _mm512_setzero_si512();
-                __m512i b = j1 < avail ? _mm512_maskz_loadu_epi16(cols, rows + (size_t)j1 * Dk + d) : _mm512_setzero_si512();
-                if (Dv - d < 32) {
-                    _mm512_store_si512(vb + (size_t)kp * Dv + d, _mm512_permutex2var_epi16(a, ilo, b));
-                } else {
-                    _mm512_store_si512(vb + (size_t)kp * Dv + d, _mm512_permutex2var_epi16(a, ilo, b));
-                    _mm512_store_si512(vb + (size_t)kp * Dv + d + 16, _mm512_permutex2var_epi16(a, ihi, b));
-                }
-            }
-        }
+        /* 2. the online softmax; P to the A tiles [nb][4 chunks][16 heads][16 pairs] */
+        latent_softmax(nb, n, Hp, Dv, sb, scale, mr, lr, ob, pb, 256, 16);
+        /* 3. V in key pairs [kp][Dv][2] */
+        latent_v_pairs(nc * 16, avail, rows, Dk, Dv, vb);
         /* 4. O [64 heads, 16 dims] += P · V through the tiles once per step: each V tile (B, from L2)
          * is loaded once for four head blocks' P tiles (A, from L1) */
         for (int db = 0; db < Dv / 16; db++)
