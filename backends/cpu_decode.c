@@ -51,6 +51,7 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
 enum { ISA_AMX = 4, ISA_FP8_SHIFT = 5 };
 #define TILE 16
 #define MAX_G 64
+#define MAX_SPLITS 16 /* KV splits per sequence (cpu_decode.py's MAX_SPLITS: the workspace is sized for them) */
 
 int cpu_decode_abi(void) { return 5; }
 
@@ -1322,6 +1323,26 @@ TGT_AMX static void item_fp8_amx(const item_t *it) {
 #endif
 #endif
 
+/* One output row from the KV splits' partial results: split s's max m[s · part], sum l[s · part] and
+ * unnormalised accumulator acc[s · part .. + D] (each a row of its split's workspace part), weighted
+ * e^(m_s - max) (once per split, not per element; 0 for a split with no keys), normalised, stored at
+ * out[o .. o + D] in dtype dt */
+static void combine_row(const float *m, const float *l, const float *acc, size_t part, int splits, int D, void *out,
+                        size_t o, int dt) {
+    float mx = -INFINITY, sum = 0.0f, wt[MAX_SPLITS];
+    for (int s = 0; s < splits; s++) mx = fmaxf(mx, m[s * part]);
+    for (int s = 0; s < splits; s++) {
+        wt[s] = l[s * part] > 0.0f ? expf(m[s * part] - mx) : 0.0f;
+        sum += l[s * part] * wt[s];
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int d = 0; d < D; d++) {
+        float a = 0.0f;
+        for (int s = 0; s < splits; s++) a += acc[s * part + (size_t)d] * wt[s];
+        store_elem(out, o + (size_t)d, dt, a * inv);
+    }
+}
+
 static void run_item(const item_t *it, int isa) {
     if (it->ks) { /* an fp8 cache: AMX, the AVX-512 BF16 lookup variant (bf16 q), else plain C */
 #ifdef CPU_DECODE_AMX
@@ -1369,7 +1390,7 @@ static void run_item(const item_t *it, int isa) {
 static int attend(const void *q, const void *kc, const void *vc, const float *ks, const float *vs,
                   const int32_t *block_table, const int32_t *seq_lens, void *out, float *ws, int B, int Hq, int Hkv,
                   int D, int ps, int maxp, int splits, int dt, int isa, int threads, int prefetch, float scale) {
-    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || ps % TILE || splits < 1) return -1;
+    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || ps % TILE || splits < 1 || splits > MAX_SPLITS) return -1;
     if (ks && (D % 32 || (isa != ISA_SCALAR && isa != ISA_AVX512BF16 && isa != ISA_AMX && isa != ISA_FP8_SHIFT)))
         return -1;
     if (!ks && isa == ISA_FP8_SHIFT) return -1;
@@ -1420,23 +1441,8 @@ static int attend(const void *q, const void *kc, const void *vc, const float *ks
             for (long w = 0; w < (long)B * Hkv; w++) {
                 const float *p0 = ws + (size_t)w * splits * part;
                 size_t o = (size_t)w * G * D; /* (b, h) → heads h·G.. of sequence b: same flat order */
-                for (int g = 0; g < G; g++) {
-                    float mx = -INFINITY, l = 0.0f;
-                    for (int s = 0; s < splits; s++) mx = fmaxf(mx, p0[s * part + g]);
-                    for (int s = 0; s < splits; s++) {
-                        const float *ps_ = p0 + s * part;
-                        if (ps_[G + g] > 0.0f) l += ps_[G + g] * expf(ps_[g] - mx);
-                    }
-                    float inv = l > 0.0f ? 1.0f / l : 0.0f;
-                    for (int d = 0; d < D; d++) {
-                        float a = 0.0f;
-                        for (int s = 0; s < splits; s++) {
-                            const float *ps_ = p0 + s * part;
-                            if (ps_[G + g] > 0.0f) a += ps_[2 * G + (size_t)g * D + d] * expf(ps_[g] - mx);
-                        }
-                        store_elem(out, o + (size_t)g * D + d, dt, a * inv);
-                    }
-                }
+                for (int g = 0; g < G; g++)
+                    combine_row(p0 + g, p0 + G + g, p0 + 2 * G + (size_t)g * D, part, splits, D, out, o + (size_t)g * D, dt);
             }
         }
     }
@@ -1891,7 +1897,7 @@ TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const
 int cpu_decode_attend_latent(const void *q, const void *kc, const int32_t *block_table, const int32_t *seq_lens,
                              void *out, float *ws, int B, int H, int Dk, int Dv, int ps, int maxp, int splits, int dt,
                              int isa, int threads, float scale) {
-    if (H < 1 || Dv > Dk || ps % TILE || splits < 1) return -1;
+    if (H < 1 || Dv > Dk || ps % TILE || splits < 1 || splits > MAX_SPLITS) return -1;
     if (isa != ISA_SCALAR && isa != ISA_AVX512BF16 && isa != ISA_AMX) return -1;
     if (isa != ISA_SCALAR && (dt != DT_BF16 || Dk % (isa == ISA_AMX ? 32 : 2) || Dv % 16 || ps > 128)) return -3;
     if ((isa == ISA_AMX && !amx_request()) || (isa == ISA_AVX512BF16 && cpu_decode_isa() < ISA_AVX512BF16)) return -3;
@@ -1938,27 +1944,11 @@ int cpu_decode_attend_latent(const void *q, const void *kc, const int32_t *block
         }
         free(own);
         if (splits > 1) {
-#pragma omp for schedule(static)
-            for (long b = 0; b < B; b++) {
+#pragma omp for schedule(static) /* one row (sequence, head) at a time: all threads take part at batch 1 */
+            for (long bh = 0; bh < (long)B * H; bh++) {
+                const long b = bh / H, h = bh % H;
                 const float *p0 = ws + (size_t)b * splits * part;
-                size_t o = (size_t)b * H * Dv;
-                for (int h = 0; h < H; h++) {
-                    float mx = -INFINITY, l = 0.0f;
-                    for (int s = 0; s < splits; s++) mx = fmaxf(mx, p0[s * part + h]);
-                    for (int s = 0; s < splits; s++) {
-                        const float *ps_ = p0 + s * part;
-                        if (ps_[H + h] > 0.0f) l += ps_[H + h] * expf(ps_[h] - mx);
-                    }
-                    float inv = l > 0.0f ? 1.0f / l : 0.0f;
-                    for (int d = 0; d < Dv; d++) {
-                        float a = 0.0f;
-                        for (int s = 0; s < splits; s++) {
-                            const float *ps_ = p0 + s * part;
-                            if (ps_[H + h] > 0.0f) a += ps_[2 * H + (size_t)h * Dv + d] * expf(ps_[h] - mx);
-                        }
-                        store_elem(out, o + (size_t)h * Dv + d, dt, a * inv);
-                    }
-                }
+                combine_row(p0 + h, p0 + H + h, p0 + 2 * H + (size_t)h * Dv, part, splits, Dv, out, (size_t)bh * Dv, dt);
             }
         }
     }
