@@ -24,7 +24,7 @@ runs on the CPU's matrix units, or its bf16 dot-product instruction where it has
   even, ``rank`` a multiple of 16): the same four stages with register tiles of ``vdpbf16ps`` in place
   of the matrix unit: scores 6 keys × 64 heads in 24 accumulators (each row pair an embedded broadcast,
   each pair vector of 16 heads a load shared by 6 keys), ``O += P · V`` 6 heads × 64 dims, loaded and
-  stored once per step. On the AMD EPYC VM it runs at 0.8 of the bf16 ``torch.mm`` peak measured
+  stored once per step. On the AMD EPYC VM it runs at 0.82–0.95 of the bf16 ``torch.mm`` peak measured
   beside it (docs/benchmarks.md).
 - ``c-scalar`` (plain C, any dtype, fp32 arithmetic) where those do not apply (``force_isa``; the
   tests run it on every CPU).
