@@ -1573,6 +1573,13 @@ INLINE size_t latent_next(const uint16_t *kc, const int32_t *bt, int stop, int t
     return ((size_t)(next_stop - stop) * Dk * 2 + 63) / 64;
 }
 
+/* an item's result: its running max, sum and unnormalised O for the H real heads, out of the scratch */
+INLINE void latent_result(int H, int Dv, const float *mr, const float *lr, const float *ob, float *m, float *l, float *acc) {
+    memcpy(m, mr, sizeof(float) * (size_t)H);
+    memcpy(l, lr, sizeof(float) * (size_t)H);
+    memcpy(acc, ob, sizeof(float) * (size_t)H * Dv);
+}
+
 /* The online softmax of a step's n ≤ 128 scores S^T [n][Hp] (16 heads a vector: no horizontal
  * reduction) with the running max mr and sums lr [Hp], rescaled lazily: O [.][Dv] and l only when a
  * head's max grows by more than LAZY (e^8 ≈ 3000, so the probabilities stay ≤ 3000, exact enough in
@@ -1748,11 +1755,7 @@ TGT_BF16 static void latent_item_bf16(const uint16_t *q, const uint16_t *kc, con
             }
         t = stop;
     }
-    for (int h = 0; h < H; h++) {
-        m[h] = mr[h];
-        l[h] = lr[h];
-        memcpy(acc + (size_t)h * Dv, ob + (size_t)h * Dv, sizeof(float) * Dv);
-    }
+    latent_result(H, Dv, mr, lr, ob, m, l, acc);
     free(qt);
 }
 
@@ -1880,11 +1883,7 @@ TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const
         t = stop;
     }
     _tile_release();
-    for (int h = 0; h < H; h++) {
-        m[h] = mr[h];
-        l[h] = lr[h];
-        memcpy(acc + (size_t)h * Dv, ob + (size_t)h * Dv, sizeof(float) * Dv);
-    }
+    latent_result(H, Dv, mr, lr, ob, m, l, acc);
     free(qt);
 }
 #endif
