@@ -53,7 +53,25 @@ enum { ISA_AMX = 4, ISA_FP8_SHIFT = 5 };
 #define MAX_G 64
 #define MAX_SPLITS 16 /* KV splits per sequence (cpu_decode.py's MAX_SPLITS: the workspace is sized for them) */
 
-int cpu_decode_abi(void) { return 5; }
+int cpu_decode_abi(void) { return 6; }
+
+/* ---- scratch memory ----------------------------------------------------------------------------
+ * Every buffer a kernel allocates comes from scratch() (64-byte aligned, its size rounded up to that);
+ * when one is refused, the item flags it (flag_nomem) and the entry point returns ERR_NOMEM instead of
+ * writing through a null pointer. cpu_decode_fail_alloc(n) makes the n-th allocation from now fail
+ * once (for tests, which take that path on purpose; -1, the default: never). */
+#define ERR_NOMEM (-4)
+static int fail_alloc = -1;
+int cpu_decode_fail_alloc(int n) {
+    __atomic_store_n(&fail_alloc, n, __ATOMIC_SEQ_CST);
+    return 0;
+}
+static void *scratch(size_t bytes) {
+    if (__atomic_load_n(&fail_alloc, __ATOMIC_RELAXED) >= 0 && __atomic_fetch_sub(&fail_alloc, 1, __ATOMIC_RELAXED) == 0)
+        return NULL;
+    return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+}
+static void flag_nomem(int *nomem) { __atomic_store_n(nomem, 1, __ATOMIC_RELAXED); }
 
 /* the best variant the running CPU (and OS) supports */
 int cpu_decode_isa(void) {
@@ -164,6 +182,7 @@ typedef struct {
     float *m, *l, *acc; /* [G], [G], [G, D] out: running max, sum, unnormalised p·v */
     float *lv;          /* [G, 16] the running sum per lane (bf16 items; reduced into l at the end) */
     const float *ks, *vs; /* fp8 caches: the layer's per token-head scales [pages, Hkv, ps]; else NULL */
+    int *nomem;           /* set to 1 when the item's scratch is refused (the call then returns ERR_NOMEM) */
 } item_t;
 
 /* the offset of the tile holding token t (a multiple of 16) from kc for its K, from vc for its V */
@@ -223,7 +242,11 @@ static void item_scalar_fp8(const item_t *it) {
     const int G = it->G, D = it->D, dt = it->dt;
     const uint8_t *kc = (const uint8_t *)it->kc, *vc = (const uint8_t *)it->vc;
     float s[TILE], ksc[TILE], vsc[TILE];
-    float *qv = (float *)malloc(sizeof(float) * ((size_t)G + 1) * D), *tmp = qv + (size_t)G * D;
+    float *qv = (float *)scratch(sizeof(float) * ((size_t)G + 1) * D), *tmp = qv + (size_t)G * D;
+    if (!qv) {
+        flag_nomem(it->nomem);
+        return;
+    }
     for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, dt);
     for (int g = 0; g < G; g++) {
         it->m[g] = -INFINITY;
@@ -268,7 +291,11 @@ static void item_scalar_fp8(const item_t *it) {
 static void item_scalar(const item_t *it) {
     const int G = it->G, D = it->D, P = it->P, dt = it->dt;
     float s[TILE];
-    float *qv = (float *)malloc(sizeof(float) * ((size_t)G + 1) * D), *tmp = qv + (size_t)G * D;
+    float *qv = (float *)scratch(sizeof(float) * ((size_t)G + 1) * D), *tmp = qv + (size_t)G * D;
+    if (!qv) {
+        flag_nomem(it->nomem);
+        return;
+    }
     for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, dt);
     for (int g = 0; g < G; g++) {
         it->m[g] = -INFINITY;
@@ -570,7 +597,11 @@ TGT2 INLINE void item_avx2_dt(const item_t *it, int dt) {
     const size_t esize = dt == DT_F32 ? 4 : 2;
     const char *kc = (const char *)it->kc, *vc = (const char *)it->vc;
     float lv[MAX_G * 8] __attribute__((aligned(32)));
-    float *qb = (float *)aligned_alloc(64, sizeof(float) * 8 * (size_t)G * D); /* [G, D, 8] */
+    float *qb = (float *)scratch(sizeof(float) * 8 * (size_t)G * D); /* [G, D, 8] */
+    if (!qb) {
+        flag_nomem(it->nomem);
+        return;
+    }
     for (int i = 0; i < G * D; i++)
         _mm256_store_ps(qb + (size_t)i * 8, _mm256_set1_ps(load_elem(it->q, (size_t)i, dt)));
     for (int g = 0; g < G; g++) {
@@ -932,7 +963,11 @@ TGT_BF16 static void item_avx512bf16(const item_t *it) {
 TGT static void item_avx512(const item_t *it) {
     const int G = it->G, D = it->D;
     const size_t esize = it->dt == DT_F32 ? 4 : 2, tile_bytes = (size_t)TILE * D * esize;
-    float *qv = (float *)malloc(sizeof(float) * (size_t)G * D);
+    float *qv = (float *)scratch(sizeof(float) * (size_t)G * D);
+    if (!qv) {
+        flag_nomem(it->nomem);
+        return;
+    }
     for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, it->dt);
 #define F32_TILE(gn) tile_f32(gn, it, g0, qv, base, valid)
 #define PREFETCH_WHOLE(pk, pv) (prefetch_tile(pk, tile_bytes), prefetch_tile(pv, tile_bytes))
@@ -1090,7 +1125,11 @@ TGT_FP8 INLINE void item_fp8_avx512(const item_t *it, int cv) {
     own.lv = lv;
     uint16_t *qs = NULL;
     if (cv == CV_SHIFT) { /* q × FP8_PRE, exact in bf16 */
-        qs = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)G * D);
+        qs = (uint16_t *)scratch(sizeof(uint16_t) * (size_t)G * D);
+        if (!qs) {
+            flag_nomem(it->nomem);
+            return;
+        }
         for (int i = 0; i < G * D; i++) qs[i] = f32_to_bf16(bf16_to_f32(((const uint16_t *)it->q)[i]) * FP8_PRE);
         own.q = qs;
         own.scale = it->scale * FP8_POST;
@@ -1177,7 +1216,11 @@ TGT_AMX static void item_fp8_amx(const item_t *it) {
     /* scratch for a step of up to 8 tiles (a 128-token page): K as bf16 [8][D/2][16][2], V [64 key
      * pairs][D][2], scores [8][G][16] fp32, P [G][128] bf16, the step's p·v [G][D] fp32 */
     const size_t kvb = (size_t)256 * D;
-    char *buf = (char *)aligned_alloc(64, 2 * kvb + 8192 + 4096 + (size_t)64 * D);
+    char *buf = (char *)scratch(2 * kvb + 8192 + 4096 + (size_t)64 * D);
+    if (!buf) {
+        flag_nomem(it->nomem);
+        return;
+    }
     char *kb = buf, *vb = buf + kvb;
     float *sbuf = (float *)(buf + 2 * kvb), *obuf = (float *)(buf + 2 * kvb + 12288);
     uint16_t *pbuf = (uint16_t *)(buf + 2 * kvb + 8192);
@@ -1400,10 +1443,12 @@ static int attend(const void *q, const void *kc, const void *vc, const float *ks
     const int G = Hq / Hkv, P = dt == DT_BF16 ? 2 : 1;
     const long items = (long)B * Hkv * splits;
     const size_t part = (size_t)G * (D + 2);
+    int nomem = 0;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
     {
-        float *own = splits == 1 ? (float *)malloc(sizeof(float) * part) : NULL;
+        float *own = splits == 1 ? (float *)scratch(sizeof(float) * part) : NULL;
+        if (splits == 1 && !own) flag_nomem(&nomem);
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < items; w++) {
             int b = (int)(w / ((long)Hkv * splits)), h = (int)(w / splits % Hkv), s = (int)(w % splits);
@@ -1411,12 +1456,13 @@ static int attend(const void *q, const void *kc, const void *vc, const float *ks
             int t0 = s * per * TILE, t1 = (s + 1) * per * TILE;
             if (t1 > len) t1 = len;
             float *buf = splits == 1 ? own : ws + (size_t)w * part;
+            if (!buf) continue;
             item_t it = {
                 .q = (const char *)q + ((size_t)b * Hq + (size_t)h * G) * D * (dt == DT_F32 ? 4 : 2),
                 .kc = kc, .vc = vc, .bt = block_table + (size_t)b * maxp, .t0 = t0, .t1 = t1,
                 .G = G, .D = D, .ps = ps, .P = P, .Hkv = Hkv, .h = h, .dt = dt, .prefetch = prefetch,
                 .scale = scale,
-                .m = buf, .l = buf + G, .acc = buf + 2 * G, .ks = ks, .vs = vs,
+                .m = buf, .l = buf + G, .acc = buf + 2 * G, .ks = ks, .vs = vs, .nomem = &nomem,
             };
             if (t0 < t1) {
                 run_item(&it, isa);
@@ -1446,12 +1492,13 @@ static int attend(const void *q, const void *kc, const void *vc, const float *ks
             }
         }
     }
-    return 0;
+    return nomem ? ERR_NOMEM : 0;
 }
 
 /* Decode attention of one layer. q [B, Hq, D] and out [B, Hq, D] in dtype dt; block_table [B, maxp]
  * int32; seq_lens [B] int32; ws: fp32 workspace of B · Hkv · splits · G · (D + 2) floats (used only
- * when splits > 1). Returns 0, or a negative code for arguments it refuses. */
+ * when splits > 1). Returns 0, ERR_NOMEM when a scratch allocation is refused, or another negative
+ * code for arguments it refuses. */
 int cpu_decode_attend(const void *q, const void *kc, const void *vc, const int32_t *block_table, const int32_t *seq_lens,
                       void *out, float *ws, int B, int Hq, int Hkv, int D, int ps, int maxp, int splits, int dt,
                       int isa, int threads, int prefetch, float scale) {
@@ -1478,8 +1525,12 @@ int cpu_decode_attend_fp8(const void *q, const void *kc, const void *vc, const f
 
 /* the plain-C latent item: any dtype, fp32 arithmetic (ws part: m [H], l [H], acc [H, Dv]) */
 static void latent_item_scalar(const void *q, const void *kc, const int32_t *bt, int t0, int t1, int H, int Dk, int Dv,
-                               int ps, int dt, float scale, float *m, float *l, float *acc) {
-    float *qv = (float *)malloc(sizeof(float) * ((size_t)H * Dk + TILE));
+                               int ps, int dt, float scale, float *m, float *l, float *acc, int *nomem) {
+    float *qv = (float *)scratch(sizeof(float) * ((size_t)H * Dk + TILE));
+    if (!qv) {
+        flag_nomem(nomem);
+        return;
+    }
     float *s = qv + (size_t)H * Dk;
     for (size_t i = 0; i < (size_t)H * Dk; i++) qv[i] = load_elem(q, i, dt);
     for (int h = 0; h < H; h++) {
@@ -1688,14 +1739,19 @@ TGT_BF16 INLINE void latent_pv_bf16(int du, int nkp, const uint32_t *pt, const u
 }
 
 TGT_BF16 static void latent_item_bf16(const uint16_t *q, const uint16_t *kc, const int32_t *bt, int t0, int t1, int H,
-                                      int Dk, int Dv, int ps, float scale, float *m, float *l, float *acc) {
+                                      int Dk, int Dv, int ps, float scale, float *m, float *l, float *acc,
+                                      int *nomem) {
     const int Hp = (H + 15) / 16 * 16, nb = Hp / 16, np = Dk / 2;
     const int Hq = (Hp + LAT_HJ - 1) / LAT_HJ * LAT_HJ; /* P and O rows: whole P·V tiles (the extra P rows 0) */
     /* scratch: Q^T pairs [nb][np][16], S^T [128 + LAT_KJ][Hp] fp32, P [Hq][64] dwords, V pairs [64][Dv]
      * dwords, O [Hq][Dv] fp32, m and l [Hp], a zero row of Dk */
     const size_t qt_n = (size_t)nb * np * 16, s_n = (size_t)(128 + LAT_KJ) * Hp, p_n = (size_t)Hq * 64,
                  v_n = (size_t)64 * Dv, o_n = (size_t)Hq * Dv, z_n = (size_t)Dk / 2 + 16;
-    uint32_t *qt = (uint32_t *)aligned_alloc(64, 4 * (qt_n + s_n + p_n + v_n + o_n + 2 * (size_t)Hp + z_n));
+    uint32_t *qt = (uint32_t *)scratch(4 * (qt_n + s_n + p_n + v_n + o_n + 2 * (size_t)Hp + z_n));
+    if (!qt) {
+        flag_nomem(nomem);
+        return;
+    }
     float *sb = (float *)(qt + qt_n);
     uint32_t *pt = (uint32_t *)(sb + s_n), *vb = pt + p_n;
     float *ob = (float *)(vb + v_n), *mr = ob + o_n, *lr = mr + Hp;
@@ -1772,13 +1828,18 @@ TGT_BF16 static void latent_item_bf16(const uint16_t *q, const uint16_t *kc, con
  * the probabilities stay ≤ 3000, exact enough in bf16 and far from fp32's range), so most steps
  * never touch O outside the tiles. */
 TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const int32_t *bt, int t0, int t1, int H,
-                                    int Dk, int Dv, int ps, float scale, float *m, float *l, float *acc) {
+                                    int Dk, int Dv, int ps, float scale, float *m, float *l, float *acc,
+                                    int *nomem) {
     const int Hp = (H + 15) / 16 * 16, nb = Hp / 16, nk = Dk / 32;
     /* scratch: Q^T pair tiles [nb][nk][16 rows][16], S^T [128][Hp] fp32, P tiles [nb][4][16][16]
      * dwords, V pairs [64][Dv] dwords, O [Hp][Dv] fp32, m and l [Hp] */
     const size_t qt_n = (size_t)nb * nk * 256, s_n = (size_t)128 * Hp, p_n = (size_t)nb * 4 * 256,
                  v_n = (size_t)64 * Dv, o_n = (size_t)Hp * Dv;
-    uint32_t *qt = (uint32_t *)aligned_alloc(64, 4 * (qt_n + s_n + p_n + v_n + o_n + 2 * (size_t)Hp));
+    uint32_t *qt = (uint32_t *)scratch(4 * (qt_n + s_n + p_n + v_n + o_n + 2 * (size_t)Hp));
+    if (!qt) {
+        flag_nomem(nomem);
+        return;
+    }
     float *sb = (float *)(qt + qt_n);
     uint32_t *pb = (uint32_t *)(sb + s_n), *vb = pb + p_n;
     float *ob = (float *)(vb + v_n), *mr = ob + o_n, *lr = mr + Hp;
@@ -1892,7 +1953,8 @@ TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const
  * kc: the layer's rows [pages, ps, Dk]; block_table [B, maxp] int32; seq_lens [B] int32; ws: fp32
  * workspace of B · splits · H · (Dv + 2) floats (used only when splits > 1). isa: ISA_AMX or
  * ISA_AVX512BF16 (bf16, Dk % 32 == 0 for AMX, even for AVX-512 BF16, Dv % 16 == 0; pages of ≤ 128
- * keys) or ISA_SCALAR. Returns 0, or a negative code for arguments it refuses. */
+ * keys) or ISA_SCALAR. Returns 0, ERR_NOMEM when a scratch allocation is refused, or another negative
+ * code for arguments it refuses. */
 int cpu_decode_attend_latent(const void *q, const void *kc, const int32_t *block_table, const int32_t *seq_lens,
                              void *out, float *ws, int B, int H, int Dk, int Dv, int ps, int maxp, int splits, int dt,
                              int isa, int threads, float scale) {
@@ -1902,10 +1964,12 @@ int cpu_decode_attend_latent(const void *q, const void *kc, const int32_t *block
     if ((isa == ISA_AMX && !amx_request()) || (isa == ISA_AVX512BF16 && cpu_decode_isa() < ISA_AVX512BF16)) return -3;
     const long items = (long)B * splits;
     const size_t part = (size_t)H * (Dv + 2);
+    int nomem = 0;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
     {
-        float *own = splits == 1 ? (float *)malloc(sizeof(float) * part) : NULL;
+        float *own = splits == 1 ? (float *)scratch(sizeof(float) * part) : NULL;
+        if (splits == 1 && !own) flag_nomem(&nomem);
 #pragma omp for schedule(dynamic, 1)
         for (long w = 0; w < items; w++) {
             int b = (int)(w / splits), s = (int)(w % splits);
@@ -1913,6 +1977,7 @@ int cpu_decode_attend_latent(const void *q, const void *kc, const int32_t *block
             int t0 = s * per * TILE, t1 = (s + 1) * per * TILE;
             if (t1 > len) t1 = len;
             float *buf = splits == 1 ? own : ws + (size_t)w * part, *m = buf, *l = buf + H, *acc = buf + 2 * H;
+            if (!buf) continue;
             const char *qb = (const char *)q + (size_t)b * H * Dk * (dt == DT_F32 ? 4 : 2);
             if (t0 >= t1) {
                 for (int h = 0; h < H; h++) {
@@ -1924,15 +1989,16 @@ int cpu_decode_attend_latent(const void *q, const void *kc, const int32_t *block
 #ifdef CPU_DECODE_AMX
             else if (isa == ISA_AMX)
                 latent_item_amx((const uint16_t *)qb, (const uint16_t *)kc, block_table + (size_t)b * maxp, t0, t1, H,
-                                Dk, Dv, ps, scale, m, l, acc);
+                                Dk, Dv, ps, scale, m, l, acc, &nomem);
 #endif
 #ifdef CPU_DECODE_AVX512
             else if (isa == ISA_AVX512BF16)
                 latent_item_bf16((const uint16_t *)qb, (const uint16_t *)kc, block_table + (size_t)b * maxp, t0, t1, H,
-                                 Dk, Dv, ps, scale, m, l, acc);
+                                 Dk, Dv, ps, scale, m, l, acc, &nomem);
 #endif
             else
-                latent_item_scalar(qb, kc, block_table + (size_t)b * maxp, t0, t1, H, Dk, Dv, ps, dt, scale, m, l, acc);
+                latent_item_scalar(qb, kc, block_table + (size_t)b * maxp, t0, t1, H, Dk, Dv, ps, dt, scale, m, l, acc,
+                                   &nomem);
             if (splits == 1) {
                 size_t o = (size_t)b * H * Dv;
                 for (int h = 0; h < H; h++) {
@@ -1951,7 +2017,7 @@ int cpu_decode_attend_latent(const void *q, const void *kc, const int32_t *block
             }
         }
     }
-    return 0;
+    return nomem ? ERR_NOMEM : 0;
 }
 
 /* Write new tokens: k, v [B, T, Hkv, D] (right-padded; row j of sequence b is real for j < num_new[b])
@@ -1988,14 +2054,16 @@ int cpu_decode_write(void *kc, void *vc, const void *k, const void *v, const int
  * cpu_decode_write), each row stored as e4m3 bytes of row / scale with scale = amax(|row|) / 448 (the
  * smallest normal float where that is 0), exactly as attnbench.fp8.quantize does; kc, vc as
  * cpu_decode_attend_fp8 takes them, ksc, vsc the layer's scales. A row holding NaN or inf is stored
- * as zeros. Returns the number of such rows (0: all finite), or a negative code for bad arguments. */
+ * as zeros. Returns the number of such rows (0: all finite), ERR_NOMEM when its row buffer is
+ * refused (nothing written), or another negative code for bad arguments. */
 int cpu_decode_write_fp8(uint8_t *kc, uint8_t *vc, float *ksc, float *vsc, const void *k, const void *v,
                          const int32_t *block_table, const int32_t *positions, const int32_t *num_new, int B, int T,
                          int Hkv, int D, int ps, int maxp, int dt) {
     if (D % 32 || ps % TILE || dt < DT_F32 || dt > DT_BF16) return -1;
     const float tiny = 1.17549435e-38f;
     int bad = 0;
-    float *row = (float *)malloc(sizeof(float) * (size_t)D);
+    float *row = (float *)scratch(sizeof(float) * (size_t)D);
+    if (!row) return ERR_NOMEM;
     for (int b = 0; b < B; b++) {
         for (int j = 0; j < num_new[b]; j++) {
             int t = positions[b] + j, page = block_table[(size_t)b * maxp + t / ps], slot = t % ps;

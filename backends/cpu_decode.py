@@ -79,7 +79,17 @@ _ISA_CODES = {v: k for k, v in _ISA_NAMES.items()}
 _FP8_SHIFT_CODE = 5  # ISA_FP8_SHIFT: c-avx512bf16 over an fp8 cache with the shift conversion
 #: the dtypes a variant takes where it does not take all three
 _ISA_DTYPES = {"c-avx512": (torch.float32, torch.float16), "c-avx512bf16": (torch.bfloat16,)}
-_ABI = 5
+_ABI = 6
+#: what the kernel's entry points return when a scratch allocation is refused (ERR_NOMEM)
+_ERR_NOMEM = -4
+
+
+def kernel_failed(backend: str, rc: int, what: str = "kernel") -> Exception:
+    """The exception for an entry point's non-zero return code ``rc`` (``what``: "kernel" or "kernel's
+    writer"): :class:`MemoryError` when its scratch memory was refused, else the arguments refused."""
+    if rc == _ERR_NOMEM:
+        return MemoryError(f"backend {backend!r}: the {what} could not allocate its scratch memory")
+    return RuntimeError(f"backend {backend!r}: the {what} refused its arguments (code {rc})")
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,8 @@ def load_kernel() -> Kernel | str:
     lib.cpu_decode_write_fp8.restype = i
     lib.cpu_decode_attend_latent.argtypes = [p] * 6 + [i] * 10 + [f]
     lib.cpu_decode_attend_latent.restype = i
+    lib.cpu_decode_fail_alloc.argtypes = [i]
+    lib.cpu_decode_fail_alloc.restype = i
     return Kernel(lib=lib, isa=int(lib.cpu_decode_isa()), path=path, fp8_level=int(lib.cpu_decode_fp8_fast()))
 
 
@@ -408,7 +420,7 @@ class CpuDecodeBackend(Backend):
 
     def _refused_write(self, rc: int, layer: int) -> None:
         """Raise for the writer's non-zero return code ``rc``."""
-        raise RuntimeError(f"backend {self.name!r}: the kernel's writer refused its arguments (code {rc})")
+        raise kernel_failed(self.name, rc, "kernel's writer")
 
     def append(self, cache: KVCache, plan: StepPlan, *, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         assert isinstance(cache, CpuDecodeCache) and isinstance(plan, CpuDecodePlan)
@@ -436,5 +448,5 @@ class CpuDecodeBackend(Backend):
             plan.threads, cache.prefetch, g.scale,
         )  # fmt: skip
         if rc != 0:
-            raise RuntimeError(f"backend {self.name!r}: the kernel refused its arguments (code {rc})")
+            raise kernel_failed(self.name, rc)
         return out

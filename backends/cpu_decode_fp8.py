@@ -221,7 +221,7 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
 
     # -- the step: the base class's, with the fp8 kernel's functions --------------------------------
     def _refused_write(self, rc: int, layer: int) -> None:
-        """A negative ``rc``: the arguments refused; a positive one: that many K/V rows hold NaN or inf."""
+        """A negative ``rc``: the base class's errors; a positive one: that many K/V rows hold NaN or inf."""
         if rc > 0:
             raise NonFiniteKVError(
                 f"backend {self.name!r}, layer {layer}: {rc} K/V rows hold NaN or inf (stored as zeros); "

@@ -48,6 +48,7 @@ from attnbench.backends.cpu_decode import (
     _ISA_NAMES,
     MAX_SPLITS,
     _splits,
+    kernel_failed,
     load_kernel,
 )
 from attnbench.backends.mla import LatentCache
@@ -191,7 +192,7 @@ class CpuDecodeMLABackend(Backend):
             plan.threads, g.scale,
         )  # fmt: skip
         if rc != 0:
-            raise RuntimeError(f"backend {self.name!r}: the kernel refused its arguments (code {rc})")
+            raise kernel_failed(self.name, rc)
         return out
 
 
