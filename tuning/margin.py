@@ -118,6 +118,11 @@ def beats(challenger: Interval, default: Interval, *, margin: float = SWITCH_MAR
     return default.lo_ms >= (1 + margin) * challenger.hi_ms
 
 
+def _gain(default: Interval, other: Interval) -> float:
+    """How much faster ``other`` is than ``default`` by the medians (inf when ``other`` took no time)."""
+    return default.median_ms / other.median_ms - 1 if other.median_ms > 0 else math.inf
+
+
 def decide(times: Mapping[str, Interval], *, default: str | None, margin: float = SWITCH_MARGIN) -> Verdict:
     """The one margin policy (see the module docstring).
 
@@ -138,13 +143,13 @@ def decide(times: Mapping[str, Interval], *, default: str | None, margin: float 
     winners = [k for k in times if k != default and beats(times[k], d, margin=margin)]
     if winners:
         best = min(winners, key=lambda k: times[k].median_ms)
-        gain = d.median_ms / times[best].median_ms - 1
+        gain = _gain(d, times[best])
         why = (
             f"{gain:.1%} faster than the default {default} "
             f"(beyond the intervals by more than the {margin:.0%} switch margin)"
         )
         return Verdict(best, False, why, fastest, gain)
-    gain = d.median_ms / times[fastest].median_ms - 1
+    gain = _gain(d, times[fastest])
     why = (
         f"tie: kept the default {default}; {fastest} is only {gain:.1%} faster by the medians, not "
         f"{margin:.0%} beyond the intervals ({times[fastest]} vs {d})"

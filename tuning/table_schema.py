@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, overload
 
 from attnbench.tuning.margin import Interval
 from attnbench.tuning.space import Candidate
@@ -58,7 +58,12 @@ class _Check:
             raise self._fail(name, f"must be {names}")
         return value
 
+    @overload
+    def number(self, name: str, *, required: Literal[True] = ..., positive: bool = ...) -> float: ...
+    @overload
+    def number(self, name: str, *, required: bool, positive: bool = ...) -> float | None: ...
     def number(self, name: str, *, required: bool = True, positive: bool = False) -> float | None:
+        """The field as a finite number (positive if asked); None only for a missing optional one."""
         value = self.get(name, (int, float), required=required)
         if value is not None and (not math.isfinite(value) or (positive and value <= 0)):
             raise self._fail(name, "must be a finite" + (" positive" if positive else "") + " number")
@@ -249,7 +254,7 @@ class TableEntry:
             runner_up=cand("runner_up"),
             margin=c.number("margin", required=False),
             default=cand("default"),
-            switch_margin=c.number("switch_margin") or 0.0,  # required: never None here
+            switch_margin=c.number("switch_margin"),
             candidates=candidates,
             excluded=list(c.get("excluded", list)),
             complete=c.get("complete", bool),
@@ -292,7 +297,7 @@ class TableEntry:
 def _interval(data: Mapping[str, Any], *, where: str) -> None:
     c = _Check(data, where)
     med, lo, hi = (c.number(k, positive=k == "median_ms") for k in ("median_ms", "lo_ms", "hi_ms"))
-    if not lo <= med <= hi:  # type: ignore[operator]  # required numbers: never None
+    if not lo <= med <= hi:
         raise TableError(f"field '{where}' = {dict(data)!r}: needs lo_ms ≤ median_ms ≤ hi_ms")
 
 

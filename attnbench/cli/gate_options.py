@@ -8,8 +8,8 @@ import math
 __all__ = ["GateOptions", "add_gate_options", "gate_options"]
 
 
-def add_gate_options(p: argparse.ArgumentParser, *, multiple: bool = True, lossy: bool = True) -> None:
-    """``--allow-lossy`` and ``--accuracy-budget`` (``lossy=True``), ``--tolerance-multiple`` (``multiple=True``)."""
+def add_gate_options(p: argparse.ArgumentParser, *, lossy: bool = True) -> None:
+    """``--tolerance-multiple``, and ``--allow-lossy`` and ``--accuracy-budget`` with ``lossy=True``."""
     if lossy:
         p.add_argument(
             "--allow-lossy",
@@ -24,14 +24,13 @@ def add_gate_options(p: argparse.ArgumentParser, *, multiple: bool = True, lossy
             help="let lossy caches compete when their rel_l2 against exact attention is at most REL "
             "(e.g. 0.05); implies --allow-lossy",
         )
-    if multiple:
-        p.add_argument(
-            "--tolerance-multiple",
-            type=str,
-            metavar="M",
-            help="the gate accepts M × the error of a calibration reference that rounds as carefully as "
-            "the dtype allows, per metric (default 2; backends that declare a larger multiple keep it)",
-        )
+    p.add_argument(
+        "--tolerance-multiple",
+        type=str,
+        metavar="M",
+        help="the gate accepts M × the error of a calibration reference that rounds as carefully as "
+        "the dtype allows, per metric (default 2; backends that declare a larger multiple keep it)",
+    )
 
 
 class GateOptions(argparse.Namespace):

@@ -62,6 +62,16 @@ def test_a_tie_keeps_the_default_and_says_so():
     assert "tie: kept the default steady" in v.reason and "only 3.1% faster" in v.reason
 
 
+def test_a_candidate_timed_at_zero_wins_without_dividing_by_zero():
+    """A clock too coarse for a step (the virtual clock of the tests) can give a 0 ms median."""
+    times = {DEFAULT: Interval(10.0, 9.8, 10.2, 15), "instant": Interval.exact(0.0)}
+    v = decide(times, default=DEFAULT)
+    assert v.winner == "instant" and not v.tie and v.gain == float("inf")
+    assert "inf% faster than the default" in v.reason
+    tie = decide({DEFAULT: Interval.exact(0.0), "other": Interval.exact(0.0)}, default=DEFAULT)
+    assert tie.winner == DEFAULT
+
+
 def test_a_noisy_candidate_genuinely_30_percent_faster_wins():
     extended = 0
     for seed in range(200):
