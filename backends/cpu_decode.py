@@ -66,6 +66,7 @@ from typing import Any, ClassVar
 import torch
 
 from attnbench.core.backend import Backend, KVCache, StepPlan, Tunable, base_plan
+from attnbench.core.device import empty_huge
 from attnbench.core.workload import Workload
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -207,9 +208,9 @@ class CpuDecodeCache(KVCache):
         self.num_pages = self.batch * self.pages_per_seq
         d = g.qk_head_dim
         # zeros: rows past a sequence's length are masked, but must never be NaN (0 · NaN)
-        self.pages = torch.zeros(
-            self.num_layers, self.num_pages, g.num_kv_heads, page_size // 16, 2, 16 * d, dtype=self.page_dtype
-        )
+        # in 2 MiB pages where the OS grants them (empty_huge): the kernel reads them in a random page order
+        shape = (self.num_layers, self.num_pages, g.num_kv_heads, page_size // 16, 2, 16 * d)
+        self.pages = empty_huge(shape, self.page_dtype).zero_()
         gen = torch.Generator().manual_seed(seed)
         order = torch.randperm(self.num_pages, generator=gen, dtype=torch.int64).to(torch.int32)
         self.block_table = order.view(self.batch, self.pages_per_seq).contiguous()

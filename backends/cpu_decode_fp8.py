@@ -52,6 +52,7 @@ from attnbench.backends.cpu_decode import (
 )
 from attnbench.backends.fp8 import EXACT_TOLERANCE, STORED_TOLERANCE
 from attnbench.core.backend import Tolerance, Tunable
+from attnbench.core.device import empty_huge
 from attnbench.core.workload import Workload
 from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 
@@ -78,8 +79,8 @@ class CpuDecodeFp8Cache(CpuDecodeCache):
         self.convert = convert
         self.pair = 2  # the bf16 tile order, in every compute dtype
         shape = (self.num_layers, self.num_pages, self.geometry.num_kv_heads, self.page_size)
-        self.k_scales = torch.zeros(shape, dtype=torch.float32)
-        self.v_scales = torch.zeros(shape, dtype=torch.float32)
+        self.k_scales = empty_huge(shape, torch.float32).zero_()
+        self.v_scales = empty_huge(shape, torch.float32).zero_()
         self._perm = fp8_phys(16 * self.geometry.qk_head_dim)
         # the fp8 kernel's pointers: kc, vc, then the layer's K and V scales
         self.layer_ptrs = [

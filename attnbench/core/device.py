@@ -10,9 +10,12 @@ measurement time is recorded too: on a shared machine the figure is only as good
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import tempfile
@@ -29,6 +32,7 @@ __all__ = [
     "DeviceProfile",
     "ReadMeter",
     "cache_dir",
+    "empty_huge",
     "fingerprint",
     "last_level_cache_bytes",
     "load_profile",
@@ -178,6 +182,45 @@ class DeviceProfile:
         return asdict(self) | {"id": self.id}
 
 
+#: Linux's transparent huge page size, and madvise's MADV_HUGEPAGE
+HUGE_PAGE = 2 * 2**20
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _madvise() -> Any:
+    """libc's ``madvise`` on Linux, else None."""
+    if platform.system() != "Linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory the OS is asked to back with 2 MiB pages.
+
+    A KV cache read from DRAM page by page in a random page order takes a TLB miss every 4 KiB with
+    the default pages (each page of a layer's cache holds a few KiB per KV head); on Linux, where
+    transparent huge pages are enabled ``always`` or ``madvise``, this asks for huge pages
+    (``madvise(MADV_HUGEPAGE)``, 2 MiB-aligned, before the memory is first touched), as torch's
+    ``THP_MEM_ALLOC_ENABLE=1`` does for every allocation. Below 2 MiB, elsewhere, or if the OS
+    declines, it is a plain ``torch.empty``: the advice changes the speed, never the contents.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    madvise = _madvise()
+    if madvise is None or nbytes < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    madvise(raw.data_ptr() + offset, nbytes, _MADV_HUGEPAGE)  # a refusal (errno) leaves 4 KiB pages
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
 def measure_bandwidth(
     device: str | torch.device = "cpu", *, nbytes: int | None = None
 ) -> tuple[float, float, int]:
@@ -187,8 +230,9 @@ def measure_bandwidth(
         llc = last_level_cache_bytes(dev)
         nbytes = 2 * 2**30 if dev.type == "cuda" else min(max(512 * 2**20, 2 * llc), 2**30)
     n = nbytes // 4
-    src = torch.randn(n, device=dev)
-    dst = torch.empty_like(src)
+    # on a CPU in 2 MiB pages, as the CPU kernels' caches are (empty_huge): the same TLB for both
+    src = empty_huge((n,), torch.float32).normal_() if dev.type == "cpu" else torch.randn(n, device=dev)
+    dst = empty_huge((n,), torch.float32) if dev.type == "cpu" else torch.empty_like(src)
     copy = measure(lambda i: dst.copy_(src), device=dev, warmup=3, repeats=15 if dev.type == "cuda" else 9)
     return 2 * n * 4 / copy.median_s, _read_rate(src), n * 4
 
@@ -221,7 +265,11 @@ class ReadMeter:
         if not self.available:
             return None
         if self._src is None:
-            self._src = torch.randn(self.nbytes // 4, device=self.device)
+            n = self.nbytes // 4
+            cpu = self.device.type == "cpu"
+            self._src = (
+                empty_huge((n,), torch.float32).normal_() if cpu else torch.randn(n, device=self.device)
+            )
         return _read_rate(self._src)
 
 

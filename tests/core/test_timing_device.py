@@ -132,3 +132,33 @@ def test_profile_measured_on_a_busy_machine_warns(
     with pytest.warns(RuntimeWarning, match=r"load average 9\.0 on 2 CPUs.*--remeasure"):
         assert load_profile() == busy
     assert device_mod.busy_note(quiet) is None
+
+
+def _huge_kib(start: int, end: int) -> int:
+    """AnonHugePages (KiB) of the mappings of this process that overlap [start, end)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo < end and hi > start
+        elif inside and first == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+def test_empty_huge_is_a_plain_tensor_in_2_mib_pages_where_the_os_grants_them() -> None:
+    import torch
+
+    small = device_mod.empty_huge((3, 5), torch.float32)
+    assert small.shape == (3, 5) and small.dtype == torch.float32
+    t = device_mod.empty_huge((5, 1024, 1024), torch.bfloat16).zero_()
+    assert t.shape == (5, 1024, 1024) and t.is_contiguous() and bool((t == 0).all())
+    t[4, 1023, 1023] = 3.0  # the last element is writable: the view stays inside its allocation
+    assert t.sum().item() == 3.0
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if device_mod._madvise() is None or not thp.exists() or "[never]" in thp.read_text():
+        return  # not Linux, or huge pages off: a plain tensor is all that is promised
+    assert t.data_ptr() % device_mod.HUGE_PAGE == 0
+    # the OS may still decline (no free 2 MiB frames); it grants them on an idle test machine
+    assert _huge_kib(t.data_ptr(), t.data_ptr() + t.nbytes) >= 2048, "no huge page backs the tensor"
