@@ -93,7 +93,10 @@ def _build(tmp: Path) -> Path:
     src, exe = tmp / "paged_read.c", tmp / "paged_read"
     src.write_text(SOURCE)
     subprocess.run(
-        [cc, "-O3", "-funroll-loops", "-mavx512f", "-o", str(exe), str(src)], check=True, capture_output=True, timeout=120
+        [cc, "-O3", "-funroll-loops", "-mavx512f", "-o", str(exe), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     return exe
 
