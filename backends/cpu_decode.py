@@ -104,7 +104,8 @@ class Kernel:
     fp8_level: int = 0
 
 
-def _compiler() -> str | None:
+def find_compiler() -> str | None:
+    """The C compiler the kernel is built with: ``$CC``, else the first of cc, gcc, clang on PATH."""
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cc and shutil.which(cc):
             return cc
@@ -141,7 +142,7 @@ def _build(cc: str) -> Path:
 @functools.cache
 def load_kernel() -> Kernel | str:
     """The compiled kernel, or the reason it is unavailable (built once per process, cached on disk)."""
-    cc = _compiler()
+    cc = find_compiler()
     if cc is None:
         return "no C compiler found (set CC, or install gcc or clang)"
     try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from attnbench.backends.cpu_decode import find_compiler
 from attnbench.cli.common import command_line, run_record, write_report
 from attnbench.core.device import fingerprint
 from attnbench.core.workload import parse_int_list
@@ -111,7 +111,7 @@ def throughput() -> dict[str, float] | str:
     flags = set(info.read_text().split()) if info.exists() else set()
     if not {"avx512_vnni", "avx512_bf16"} <= flags:
         return "the CPU lacks AVX-512 VNNI or AVX-512 BF16"
-    cc = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+    cc = find_compiler()
     if cc is None:
         return "no C compiler"
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,9 +131,17 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=5, help="fresh random inputs per context")
     ap.add_argument("--out", default="results/cpu/kernels/int8-choice")
     args = ap.parse_args()
-    contexts = parse_int_list(args.context, field="--context")
-    if args.seeds < 1 or any(c < 16 or c % 16 for c in contexts):
-        ap.error("--seeds must be ≥ 1 and every --context a multiple of 16")
+    try:
+        contexts = parse_int_list(args.context, field="--context")
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.seeds < 1:
+        ap.error(f"--seeds {args.seeds}: must be ≥ 1")
+    bad = [c for c in contexts if c < 16 or c % 16]
+    if bad:
+        ap.error(
+            f"--context {args.context!r}: {bad} are not positive multiples of 16 (the 16-key tiles P is held in)"
+        )
     start, load_start = time.time(), os.getloadavg()
     errors = {c: accuracy(c, args.seeds) for c in contexts}
     tp = throughput()

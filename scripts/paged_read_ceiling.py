@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from attnbench.backends.cpu_decode import find_compiler
 from attnbench.cli.common import command_line, run_record, write_report
 from attnbench.core.device import ReadMeter, fingerprint
 from attnbench.core.workload import parse_int_list
@@ -87,7 +87,7 @@ int main(int argc, char **argv) {
 
 
 def _build(tmp: Path) -> Path:
-    cc = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+    cc = find_compiler()
     if cc is None:
         raise SystemExit("paged_read_ceiling: no C compiler (set CC, or install gcc or clang)")
     src, exe = tmp / "paged_read.c", tmp / "paged_read"
@@ -109,9 +109,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each figure is their median")
     ap.add_argument("--out", default="results/cpu/kernels/paged-read-ceiling")
     args = ap.parse_args()
-    runs = parse_int_list(args.run_kib, field="--run-kib")
-    if args.rounds < 1 or any(r < 1 or (r * 1024) % 256 for r in runs):
-        ap.error("--rounds must be ≥ 1 and every --run-kib ≥ 1")
+    try:
+        runs = parse_int_list(args.run_kib, field="--run-kib")
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: must be ≥ 1")
+    if any(r < 1 for r in runs):
+        ap.error(f"--run-kib {args.run_kib!r}: every run must be ≥ 1 KiB")
     torch.set_num_threads(1)
     start, load_start = time.time(), os.getloadavg()
     meter = ReadMeter("cpu", 512 * 2**20)

@@ -144,10 +144,8 @@ def decide(times: Mapping[str, Interval], *, default: str | None, margin: float 
     if winners:
         best = min(winners, key=lambda k: times[k].median_ms)
         gain = _gain(d, times[best])
-        why = (
-            f"{gain:.1%} faster than the default {default} "
-            f"(beyond the intervals by more than the {margin:.0%} switch margin)"
-        )
+        by = "took no measurable time, against" if math.isinf(gain) else f"{gain:.1%} faster than"
+        why = f"{by} the default {default} (beyond the intervals by more than the {margin:.0%} switch margin)"
         return Verdict(best, False, why, fastest, gain)
     gain = _gain(d, times[fastest])
     why = (

@@ -221,6 +221,14 @@ def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
+def _random_buffer(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` random float32 values to measure bandwidth with: on a CPU in 2 MiB pages, as the CPU
+    kernels' caches are (:func:`empty_huge`), so that a share of it compares like with like."""
+    if device.type == "cpu":
+        return empty_huge((n,), torch.float32).normal_()
+    return torch.randn(n, device=device)
+
+
 def measure_bandwidth(
     device: str | torch.device = "cpu", *, nbytes: int | None = None
 ) -> tuple[float, float, int]:
@@ -230,9 +238,7 @@ def measure_bandwidth(
         llc = last_level_cache_bytes(dev)
         nbytes = 2 * 2**30 if dev.type == "cuda" else min(max(512 * 2**20, 2 * llc), 2**30)
     n = nbytes // 4
-    # on a CPU in 2 MiB pages, as the CPU kernels' caches are (empty_huge): the same TLB for both
-    src = empty_huge((n,), torch.float32).normal_() if dev.type == "cpu" else torch.randn(n, device=dev)
-    dst = empty_huge((n,), torch.float32) if dev.type == "cpu" else torch.empty_like(src)
+    src, dst = _random_buffer(n, dev), _random_buffer(n, dev)
     copy = measure(lambda i: dst.copy_(src), device=dev, warmup=3, repeats=15 if dev.type == "cuda" else 9)
     return 2 * n * 4 / copy.median_s, _read_rate(src), n * 4
 
@@ -265,11 +271,7 @@ class ReadMeter:
         if not self.available:
             return None
         if self._src is None:
-            n = self.nbytes // 4
-            cpu = self.device.type == "cpu"
-            self._src = (
-                empty_huge((n,), torch.float32).normal_() if cpu else torch.randn(n, device=self.device)
-            )
+            self._src = _random_buffer(self.nbytes // 4, self.device)
         return _read_rate(self._src)
 
 

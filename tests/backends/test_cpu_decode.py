@@ -151,7 +151,7 @@ def test_refuses_what_it_cannot_run() -> None:
 
 
 def test_build_is_cached_per_source_and_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cc = cpu_decode._compiler()
+    cc = cpu_decode.find_compiler()
     if cc is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
