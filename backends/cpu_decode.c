@@ -1526,12 +1526,12 @@ int cpu_decode_attend_fp8(const void *q, const void *kc, const void *vc, const f
 /* the plain-C latent item: any dtype, fp32 arithmetic (ws part: m [H], l [H], acc [H, Dv]) */
 static void latent_item_scalar(const void *q, const void *kc, const int32_t *bt, int t0, int t1, int H, int Dk, int Dv,
                                int ps, int dt, float scale, float *m, float *l, float *acc, int *nomem) {
-    float *qv = (float *)scratch(sizeof(float) * ((size_t)H * Dk + TILE));
+    float *qv = (float *)scratch(sizeof(float) * ((size_t)H * Dk + TILE + Dv));
     if (!qv) {
         flag_nomem(nomem);
         return;
     }
-    float *s = qv + (size_t)H * Dk;
+    float *s = qv + (size_t)H * Dk, *tmp = s + TILE;
     for (size_t i = 0; i < (size_t)H * Dk; i++) qv[i] = load_elem(q, i, dt);
     for (int h = 0; h < H; h++) {
         m[h] = -INFINITY;
@@ -1545,19 +1545,24 @@ static void latent_item_scalar(const void *q, const void *kc, const int32_t *bt,
             const float *qh = qv + (size_t)h * Dk;
             float mt = -INFINITY;
             for (int j = 0; j < n; j++) {
-                float a = 0.0f;
-                for (int d = 0; d < Dk; d++) a += qh[d] * load_elem(kc, row0 + (size_t)j * Dk + d, dt);
-                s[j] = a * scale;
+                /* 16 partial sums, as a vector unit's lanes keep them: one running sum over a 576-wide
+                 * row drifts by several ulps of the score, past what the gate allows in fp32 */
+                float a[16] = {0.0f};
+                for (int d = 0; d < Dk; d++) a[d & 15] += qh[d] * load_elem(kc, row0 + (size_t)j * Dk + d, dt);
+                for (int w = 8; w > 0; w /= 2)
+                    for (int i = 0; i < w; i++) a[i] += a[i + w];
+                s[j] = a[0] * scale;
                 if (s[j] > mt) mt = s[j];
             }
             float mn = mt > m[h] ? mt : m[h], alpha = expf(m[h] - mn), sum = 0.0f;
             float *o = acc + (size_t)h * Dv;
-            for (int d = 0; d < Dv; d++) o[d] *= alpha;
+            for (int d = 0; d < Dv; d++) tmp[d] = 0.0f;
             for (int j = 0; j < n; j++) {
                 float p = expf(s[j] - mn);
                 sum += p;
-                for (int d = 0; d < Dv; d++) o[d] += p * load_elem(kc, row0 + (size_t)j * Dk + d, dt);
+                for (int d = 0; d < Dv; d++) tmp[d] += p * load_elem(kc, row0 + (size_t)j * Dk + d, dt);
             }
+            for (int d = 0; d < Dv; d++) o[d] = o[d] * alpha + tmp[d]; /* one addition per tile */
             l[h] = l[h] * alpha + sum;
             m[h] = mn;
         }
