@@ -71,7 +71,9 @@ from attnbench.core.workload import Workload
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
-PAGE_SIZES = (16, 32, 64, 128)
+#: 256 and 512 read a KV head's page in longer runs: at one thread the fp8 kernel ran 7-13 % faster at batch
+#: 1 and 8 × 8k with 512 than with 128 (the bf16 one within ±3 %; docs/benchmarks.md)
+PAGE_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_SPLITS = 16
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: the kernel's variants, ordered: a CPU that runs one runs every one before it (cpu_decode_isa())

@@ -100,7 +100,7 @@ class Avx2CpuDecode(CpuDecodeBackend):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize(("page_size", "splits"), [(16, 4), (64, 1)])
+@pytest.mark.parametrize(("page_size", "splits"), [(16, 4), (64, 1), (512, 2)])
 def test_avx2_and_scalar_agree_on_one_cache(dtype: torch.dtype, page_size: int, splits: int) -> None:
     """c-avx2 and c-scalar decode the same cache (ragged: tails, 16-key steps at page ends) alike."""
     kernel = load_kernel()

@@ -78,7 +78,7 @@ def test_the_writer_stores_what_quantize_stores(dtype: torch.dtype) -> None:
     assert per_token == GQA.num_layers * cache.bytes_per_token()  # one layer in this cache
 
 
-@pytest.mark.parametrize(("page_size", "splits"), [(16, 4), (64, 1), (128, 2)])
+@pytest.mark.parametrize(("page_size", "splits"), [(16, 4), (64, 1), (128, 2), (512, 2)])
 def test_the_variants_agree_on_one_cache(page_size: int, splits: int) -> None:
     """c-amx, c-avx512bf16 (both conversions) and c-scalar decode the same fp8 pages alike (ragged
     lengths, page ends, a few values in e4m3's subnormal range, which the shift conversion reads as 0)."""
