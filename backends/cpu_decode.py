@@ -71,8 +71,8 @@ from attnbench.core.workload import Workload
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
-#: 256 and 512 read a KV head's page in longer runs: at one thread the fp8 kernel ran 7-13 % faster at batch
-#: 1 and 8 × 8k with 512 than with 128 (the bf16 one within ±3 %; docs/benchmarks.md)
+#: 256 and 512 read a KV head's page in longer runs: at one thread the fp8 kernel ran 5-26 % faster on 512
+#: than on 128 (the bf16 one within ±5 %; results/cpu/bench/fp8-t1-pages-epyc-avx512, docs/benchmarks.md)
 PAGE_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_SPLITS = 16
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
