@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from attnbench.backends.cpu_decode import CpuDecodeBackend
+from attnbench.backends.cpu_decode import PAGE_SIZES, CpuDecodeBackend
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
 from attnbench.backends.matmul_probe import MatmulProbeBackend
 from attnbench.core.device import (
@@ -156,6 +156,16 @@ def _markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _choices(ap: argparse.ArgumentParser, option: str, value: str, tunable: str) -> list[int]:
+    """``value``, a comma-separated list of ``cpu_decode``'s ``tunable`` values, as ints; else an argparse
+    error naming the option, the value and what the tunable accepts."""
+    accepted = next(t.choices for t in CpuDecodeBackend.tunables if t.name == tunable)
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    if not items or any(not x.isdigit() or int(x) not in accepted for x in items):
+        ap.error(f"{option} {value!r}: a comma-separated list of {', '.join(map(str, accepted))}")
+    return [int(x) for x in items]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -166,7 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8, help="layers per timed step (default 8)")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--max-seconds", type=float, default=20.0, help="cap on timing per kernel and point")
-    ap.add_argument("--page-sizes", default="32,128", help="cpu_decode page sizes to run (default 32,128)")
+    ap.add_argument(
+        "--page-sizes",
+        default="32,128",
+        help="cpu_decode page sizes to run, comma-separated, of its page_size choices "
+        f"({', '.join(map(str, PAGE_SIZES))}; default 32,128)",
+    )
     ap.add_argument(
         "--prefetch",
         default=str(CpuDecodeBackend.default_config()["prefetch"]),
@@ -188,14 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--threads {args.threads}: must be ≥ 1")
     if args.quick:
         args.batch, args.context, args.layers, args.repeats, args.max_seconds = "1", "1k", 2, 3, 5.0
-    batches = parse_int_list(args.batch, field="--batch")
-    contexts = [parse_tokens(c) for c in args.context.split(",")]
-    page_sizes = parse_int_list(args.page_sizes, field="--page-sizes")
-    accepted = next(t.choices for t in CpuDecodeBackend.tunables if t.name == "prefetch")
-    items = [x.strip() for x in args.prefetch.split(",") if x.strip()]
-    if not items or any(not x.isdigit() or int(x) not in accepted for x in items):
-        ap.error(f"--prefetch {args.prefetch!r}: a comma-separated list of {', '.join(map(str, accepted))}")
-    prefetches = [int(x) for x in items]
+    try:
+        batches = parse_int_list(args.batch, field="--batch")
+        contexts = [parse_tokens(c, field="--context") for c in args.context.split(",")]
+    except ValueError as exc:
+        ap.error(str(exc))
+    page_sizes = _choices(ap, "--page-sizes", args.page_sizes, "page_size")
+    prefetches = _choices(ap, "--prefetch", args.prefetch, "prefetch")
     torch.set_num_threads(args.threads)
 
     started = time.perf_counter()
