@@ -134,20 +134,23 @@ def test_profile_measured_on_a_busy_machine_warns(
     assert device_mod.busy_note(quiet) is None
 
 
-def _huge_kib(start: int, end: int) -> int:
-    """AnonHugePages (KiB) of the mappings of this process that overlap [start, end)."""
-    total, inside = 0, False
+def _mappings(start: int, end: int) -> list[dict[str, str]]:
+    """The smaps fields of this process's mappings that overlap [start, end)."""
+    found: list[dict[str, str]] = []
+    inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         first = line.split()[0]
         if "-" in first and ":" not in first:
             lo, hi = (int(x, 16) for x in first.split("-"))
             inside = lo < end and hi > start
-        elif inside and first == "AnonHugePages:":
-            total += int(line.split()[1])
-    return total
+            if inside:
+                found.append({})
+        elif inside and first.endswith(":"):
+            found[-1][first[:-1]] = line.split(":", 1)[1].strip()
+    return found
 
 
-def test_empty_huge_is_a_plain_tensor_in_2_mib_pages_where_the_os_grants_them() -> None:
+def test_empty_huge_is_a_plain_tensor_advised_into_2_mib_pages() -> None:
     import torch
 
     small = device_mod.empty_huge((3, 5), torch.float32)
@@ -160,5 +163,8 @@ def test_empty_huge_is_a_plain_tensor_in_2_mib_pages_where_the_os_grants_them() 
     if device_mod._madvise() is None or not thp.exists() or "[never]" in thp.read_text():
         return  # not Linux, or huge pages off: a plain tensor is all that is promised
     assert t.data_ptr() % device_mod.HUGE_PAGE == 0
-    # the OS may still decline (no free 2 MiB frames); it grants them on an idle test machine
-    assert _huge_kib(t.data_ptr(), t.data_ptr() + t.nbytes) >= 2048, "no huge page backs the tensor"
+    maps = _mappings(t.data_ptr(), t.data_ptr() + t.nbytes)
+    # the advice is what empty_huge controls: the kernel marks every mapping of the tensor "hg"
+    # (MADV_HUGEPAGE). Whether 2 MiB frames back it depends on the OS having free ones: a busy or
+    # fragmented machine (seen on a CI runner) declines, so the grant is not asserted.
+    assert maps and all("hg" in m["VmFlags"].split() for m in maps), maps
