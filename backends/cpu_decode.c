@@ -53,7 +53,7 @@ enum { ISA_AMX = 4, ISA_FP8_SHIFT = 5 };
 #define MAX_G 64
 #define MAX_SPLITS 16 /* KV splits per sequence (cpu_decode.py's MAX_SPLITS: the workspace is sized for them) */
 
-int cpu_decode_abi(void) { return 6; }
+int cpu_decode_abi(void) { return 7; }
 
 /* ---- scratch memory ----------------------------------------------------------------------------
  * Every buffer a kernel allocates comes from scratch() (64-byte aligned, its size rounded up to that);
@@ -209,22 +209,6 @@ static inline float e4m3_to_f32(uint8_t b) {
     int e = (b >> 3) & 15, m = b & 7;
     float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m, -9);
     return (b & 0x80) ? -v : v;
-}
-
-/* |x| ≤ 448 (finite) to e4m3 with round-to-nearest-even, subnormals included (torch's conversion) */
-static inline uint8_t f32_to_e4m3(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    uint8_t sign = (uint8_t)((u >> 24) & 0x80u), mag;
-    float a = fabsf(x);
-    if (a < 0.015625f) {
-        mag = (uint8_t)nearbyintf(a * 512.0f); /* m · 2^-9; 8 is the smallest normal's encoding */
-    } else {
-        uint32_t ua = u & 0x7fffffffu;
-        ua += 0x7ffffu + ((ua >> 20) & 1u);
-        mag = (uint8_t)((ua >> 20) - (120u << 3));
-    }
-    return sign | mag;
 }
 
 /* bf16 bits of every e4m3 magnitude (0..127), low and high bytes: the tables of the byte lookups */
@@ -2038,37 +2022,153 @@ int cpu_decode_write(void *kc, void *vc, const void *k, const void *v, const int
             for (int h = 0; h < Hkv; h++) {
                 size_t src = (((size_t)b * T + j) * Hkv + h) * D;
                 size_t tile = 2 * (((size_t)page * Hkv + h) * ps * D + (size_t)(slot / TILE) * TILE * D);
-                size_t j16 = (size_t)(slot % TILE), kt = tile, vt = tile + (j16 / P) * D * P, jp = j16 % P;
-                for (int d = 0; d < D; d++) {
-                    size_t ki = kt + ((size_t)(d / P) * TILE + j16) * P + d % P, vi = vt + (size_t)d * P + jp;
-                    if (esize == 2) {
-                        ((uint16_t *)kc)[ki] = ((const uint16_t *)k)[src + d];
-                        ((uint16_t *)vc)[vi] = ((const uint16_t *)v)[src + d];
-                    } else {
-                        ((float *)kc)[ki] = ((const float *)k)[src + d];
-                        ((float *)vc)[vi] = ((const float *)v)[src + d];
-                    }
-                }
+                size_t j16 = (size_t)(slot % TILE), vt = tile + (j16 / P) * D * P + j16 % P;
+                /* K: the P values d .. d+P-1 of slot j16 are adjacent, one run every 16·P elements;
+                 * V: value d at vt + d·P */
+                const char *ks = (const char *)k + src * esize, *vs = (const char *)v + src * esize;
+                char *kd = (char *)kc + (tile + j16 * P) * esize, *vd = (char *)vc + vt * esize;
+                for (int d = 0; d < D; d += P) memcpy(kd + (size_t)d * TILE * esize, ks + (size_t)d * esize, (size_t)P * esize);
+                if (esize == 2)
+                    for (int d = 0; d < D; d++) ((uint16_t *)vd)[(size_t)d * P] = ((const uint16_t *)vs)[d];
+                else
+                    for (int d = 0; d < D; d++) ((float *)vd)[(size_t)d * P] = ((const float *)vs)[d];
             }
         }
     }
     return 0;
 }
 
+/* D values of p from element off, in dt, to floats: one loop per dtype, so that each vectorises */
+static void load_row(const void *p, size_t off, int dt, float *row, int D) {
+    if (dt == DT_F32) {
+        memcpy(row, (const float *)p + off, sizeof(float) * (size_t)D);
+    } else if (dt == DT_BF16) {
+        const uint16_t *h = (const uint16_t *)p + off;
+        for (int d = 0; d < D; d++) row[d] = bf16_to_f32(h[d]);
+    } else {
+        const uint16_t *h = (const uint16_t *)p + off;
+        for (int d = 0; d < D; d++) row[d] = f16_to_f32(h[d]);
+    }
+}
+
+/* One row's e4m3 bytes (row / scale, scale = amax(|row|) / 448, at least the smallest normal float)
+ * and its scale, as attnbench.kernels.fp8_cache.quantize computes them; a row holding NaN or inf is
+ * stored as zeros with the smallest scale and counted in *bad. The e4m3 rounding is to nearest even,
+ * subnormals included (torch's conversion). Branch-free, so that both loops vectorise: amax is the
+ * largest |x| bit pattern (ordered as the floats are; NaN's lie above inf's), and both cases of the
+ * rounding are computed and one selected. */
+static float quantise_row(const float *row, uint8_t *q, int D, int *bad) {
+    const float tiny = 1.17549435e-38f;
+    uint32_t umax = 0;
+    for (int d = 0; d < D; d++) {
+        uint32_t u;
+        memcpy(&u, row + d, 4);
+        u &= 0x7fffffffu;
+        umax = u > umax ? u : umax;
+    }
+    if (umax >= 0x7f800000u) {
+        memset(q, 0, (size_t)D);
+        *bad += 1;
+        return tiny;
+    }
+    float amax;
+    memcpy(&amax, &umax, 4);
+    float s = amax / 448.0f;
+    if (!(s >= tiny)) s = tiny;
+    for (int d = 0; d < D; d++) {
+        float x = row[d] / s;
+        x = x > 448.0f ? 448.0f : x;
+        x = x < -448.0f ? -448.0f : x;
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        uint32_t sign = (u >> 24) & 0x80u, ua = u & 0x7fffffffu;
+        float a;
+        memcpy(&a, &ua, 4);
+        /* below 2^-6: m · 2^-9, m = a · 512 rounded to nearest even by adding and removing 2^23 */
+        int32_t sub = (int32_t)((a * 512.0f + 8388608.0f) - 8388608.0f);
+        uint32_t norm = ((ua + 0x7ffffu + ((ua >> 20) & 1u)) >> 20) - (120u << 3);
+        q[d] = (uint8_t)(sign | (a < 0.015625f ? (uint32_t)sub : norm));
+    }
+    return s;
+}
+
+#ifdef CPU_DECODE_AVX512
+/* quantise_row in 16 lanes: the same bytes and scale (the division is IEEE's in both; cvtps2dq rounds
+ * a · 512 to nearest even as the scalar's 2^23 trick does) */
+TGT static float quantise_row_avx512(const float *row, uint8_t *q, int D, int *bad) {
+    const float tiny = 1.17549435e-38f;
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    __m512i mx = _mm512_setzero_si512();
+    for (int d = 0; d < D; d += 16)
+        mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_loadu_si512(row + d), abs_mask));
+    uint32_t umax = (uint32_t)_mm512_reduce_max_epu32(mx);
+    if (umax >= 0x7f800000u) {
+        memset(q, 0, (size_t)D);
+        *bad += 1;
+        return tiny;
+    }
+    float amax;
+    memcpy(&amax, &umax, 4);
+    float s = amax / 448.0f;
+    if (!(s >= tiny)) s = tiny;
+    const __m512 vs = _mm512_set1_ps(s), hi = _mm512_set1_ps(448.0f), lo = _mm512_set1_ps(-448.0f);
+    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u), half = _mm512_set1_epi32(0x7ffff);
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(120 << 3);
+    for (int d = 0; d < D; d += 16) {
+        __m512 x = _mm512_max_ps(_mm512_min_ps(_mm512_div_ps(_mm512_loadu_ps(row + d), vs), hi), lo);
+        __m512i u = _mm512_castps_si512(x), ua = _mm512_and_si512(u, abs_mask);
+        __m512 a = _mm512_castsi512_ps(ua);
+        __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)));
+        __m512i up = _mm512_add_epi32(_mm512_add_epi32(ua, half), _mm512_and_si512(_mm512_srli_epi32(ua, 20), one));
+        __m512i norm = _mm512_sub_epi32(_mm512_srli_epi32(up, 20), bias);
+        __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+        __m512i mag = _mm512_mask_blend_epi32(small, norm, sub);
+        __m512i byte = _mm512_or_si512(mag, _mm512_srli_epi32(_mm512_and_si512(u, sign_bit), 24));
+        _mm_storeu_si128((__m128i *)(q + d), _mm512_cvtepi32_epi8(byte));
+    }
+    return s;
+}
+#endif
+
+/* One row's bytes into its tile (fp8_phys of the bf16 tile order, spelled out): K's values 4m .. 4m+3
+ * of slot j16 are the 4 bytes at 64m + 4·j16, in the order 4m, 4m+2, 4m+1, 4m+3; V's values 32c + r
+ * and 32c + 16 + r of slot j16 are the 2 bytes at (j16/2)·2D + 64c + 4r + 2·(j16 % 2). */
+static void scatter_k(uint8_t *tile, const uint8_t *q, size_t j16, int D) {
+    for (int m = 0; m < D / 4; m++) {
+        const uint8_t *x = q + 4 * m;
+        uint8_t w[4] = {x[0], x[2], x[1], x[3]};
+        memcpy(tile + 64 * (size_t)m + 4 * j16, w, 4);
+    }
+}
+
+static void scatter_v(uint8_t *tile, const uint8_t *q, size_t j16, int D) {
+    uint8_t *base = tile + (j16 / 2) * 2 * (size_t)D + 2 * (j16 % 2);
+    for (int c = 0; c < D / 32; c++)
+        for (int r = 0; r < 16; r++) {
+            uint8_t w[2] = {q[32 * c + r], q[32 * c + 16 + r]};
+            memcpy(base + 64 * (size_t)c + 4 * (size_t)r, w, 2);
+        }
+}
+
 /* Quantise and write new tokens into an fp8 cache: k, v [B, T, Hkv, D] in dt (right-padded, as for
  * cpu_decode_write), each row stored as e4m3 bytes of row / scale with scale = amax(|row|) / 448 (the
  * smallest normal float where that is 0), exactly as attnbench.fp8.quantize does; kc, vc as
  * cpu_decode_attend_fp8 takes them, ksc, vsc the layer's scales. A row holding NaN or inf is stored
- * as zeros. Returns the number of such rows (0: all finite), ERR_NOMEM when its row buffer is
- * refused (nothing written), or another negative code for bad arguments. */
+ * as zeros. isa: the cache's variant code; the AVX-512 ones quantise 16 values at a time, c-scalar in
+ * plain C (the same bytes). Returns the number of such rows (0: all finite), ERR_NOMEM when its row
+ * buffer is refused (nothing written), or another negative code for bad arguments. */
 int cpu_decode_write_fp8(uint8_t *kc, uint8_t *vc, float *ksc, float *vsc, const void *k, const void *v,
                          const int32_t *block_table, const int32_t *positions, const int32_t *num_new, int B, int T,
-                         int Hkv, int D, int ps, int maxp, int dt) {
+                         int Hkv, int D, int ps, int maxp, int dt, int isa) {
     if (D % 32 || ps % TILE || dt < DT_F32 || dt > DT_BF16) return -1;
-    const float tiny = 1.17549435e-38f;
+    float (*quantise)(const float *, uint8_t *, int, int *) = quantise_row;
+#ifdef CPU_DECODE_AVX512
+    if (isa >= ISA_AVX512) quantise = quantise_row_avx512; /* c-avx512bf16 (either conversion), c-amx */
+#endif
     int bad = 0;
-    float *row = (float *)scratch(sizeof(float) * (size_t)D);
+    float *row = (float *)scratch(sizeof(float) * (size_t)D + (size_t)D);
     if (!row) return ERR_NOMEM;
+    uint8_t *bytes = (uint8_t *)(row + D);
     for (int b = 0; b < B; b++) {
         for (int j = 0; j < num_new[b]; j++) {
             int t = positions[b] + j, page = block_table[(size_t)b * maxp + t / ps], slot = t % ps;
@@ -2076,26 +2176,12 @@ int cpu_decode_write_fp8(uint8_t *kc, uint8_t *vc, float *ksc, float *vsc, const
                 size_t src = (((size_t)b * T + j) * Hkv + h) * D;
                 size_t tile = 2 * (((size_t)page * Hkv + h) * ps * D + (size_t)(slot / TILE) * TILE * D);
                 size_t j16 = (size_t)(slot % TILE), so = ((size_t)page * Hkv + h) * ps + slot;
-                for (int kv = 0; kv < 2; kv++) {
-                    float amax = 0.0f;
-                    for (int d = 0; d < D; d++) {
-                        row[d] = load_elem(kv ? v : k, src + d, dt);
-                        float a = fabsf(row[d]);
-                        amax = a > amax || a != a ? a : amax; /* NaN propagates, as torch's amax */
-                    }
-                    int finite = isfinite(amax);
-                    float s = finite ? amax / 448.0f : 0.0f;
-                    if (!(s >= tiny)) s = tiny;
-                    bad += !finite;
-                    uint8_t *dst = kv ? vc : kc;
-                    (kv ? vsc : ksc)[so] = s;
-                    for (int d = 0; d < D; d++) {
-                        float x = finite ? row[d] / s : 0.0f;
-                        x = x > 448.0f ? 448.0f : x < -448.0f ? -448.0f : x;
-                        size_t L = kv ? ((j16 / 2) * D + (size_t)d) * 2 + j16 % 2 : ((size_t)(d / 2) * TILE + j16) * 2 + d % 2;
-                        dst[tile + fp8_phys(L)] = f32_to_e4m3(x);
-                    }
-                }
+                load_row(k, src, dt, row, D);
+                ksc[so] = quantise(row, bytes, D, &bad);
+                scatter_k(kc + tile, bytes, j16, D);
+                load_row(v, src, dt, row, D);
+                vsc[so] = quantise(row, bytes, D, &bad);
+                scatter_v(vc + tile, bytes, j16, D);
             }
         }
     }

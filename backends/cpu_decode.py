@@ -82,7 +82,7 @@ _ISA_CODES = {v: k for k, v in _ISA_NAMES.items()}
 _FP8_SHIFT_CODE = 5  # ISA_FP8_SHIFT: c-avx512bf16 over an fp8 cache with the shift conversion
 #: the dtypes a variant takes where it does not take all three
 _ISA_DTYPES = {"c-avx512": (torch.float32, torch.float16), "c-avx512bf16": (torch.bfloat16,)}
-_ABI = 6
+_ABI = 7
 #: what the kernel's entry points return when a scratch allocation is refused (ERR_NOMEM)
 _ERR_NOMEM = -4
 

@@ -96,8 +96,9 @@ class CpuDecodeFp8Cache(CpuDecodeCache):
         return super().isa_code
 
     def writer_args(self) -> tuple[int, ...]:
-        """The fp8 writer's last argument: the compute dtype's code (it quantises in C)."""
-        return (_DTYPE_CODES[self.dtype],)
+        """The fp8 writer's last arguments: the compute dtype's code (it quantises in C) and the variant's
+        (c-scalar quantises in plain C, every other fp8 variant in AVX-512; the bytes are the same)."""
+        return (_DTYPE_CODES[self.dtype], self.isa_code)
 
     def bytes_per_token(self) -> int:
         g = self.geometry

@@ -61,21 +61,68 @@ def _filled(
     return cache, k, v
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_writer_stores_what_quantize_stores(dtype: torch.dtype) -> None:
+def _writers() -> list[Any]:
+    """The plain-C writer (forced), and the AVX-512 one where the CPU runs an AVX-512 fp8 variant."""
+    return [
+        pytest.param(ScalarCpuDecodeFp8, torch.float32, id="c-scalar-fp32"),
+        pytest.param(ScalarCpuDecodeFp8, torch.float16, id="c-scalar-fp16"),
+        pytest.param(ScalarCpuDecodeFp8, torch.bfloat16, id="c-scalar-bf16"),
+        pytest.param(CpuDecodeFp8Backend, torch.bfloat16, id="best-variant-bf16"),
+    ]
+
+
+def _writer(backend_class: type[CpuDecodeFp8Backend], dtype: torch.dtype) -> CpuDecodeFp8Backend:
+    kernel = require_kernel()
+    if backend_class is CpuDecodeFp8Backend and kernel.fp8_level < 1:
+        pytest.skip("this CPU lacks AVX512_BF16 + AVX512_VBMI: the plain-C writer is the only one here")
+    return backend_class()
+
+
+@pytest.mark.parametrize(("backend_class", "dtype"), _writers())
+def test_the_writer_stores_what_quantize_stores(
+    backend_class: type[CpuDecodeFp8Backend], dtype: torch.dtype
+) -> None:
     """Byte for byte (as values): the C writer's scales and e4m3 rounding are attnbench.kernels.fp8_cache.quantize's."""
-    require_kernel()
+    backend = _writer(backend_class, dtype)
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     lens = (301, 17, 64)
-    cache, k, v = _filled(ScalarCpuDecodeFp8(), dtype, lens, 32, gen)
+    cache, k, v = _filled(backend, dtype, lens, 32, gen)
     assert isinstance(cache, CpuDecodeFp8Cache)
     for b, n in enumerate(lens):
         got_k, got_v = cache.dequantized(0, b, n)
         (kq, ks, _), (vq, vs, _) = quantize(k[b, :n]), quantize(v[b, :n])
         assert torch.equal(got_k, dequantize(kq, ks)) and torch.equal(got_v, dequantize(vq, vs))
     assert cache.bytes_per_token() == 2 * (2 * 64 + 8)
-    per_token = ScalarCpuDecodeFp8().kv_bytes_per_token(Workload(GQA, lens, dtype, "cpu"), config={})
+    per_token = backend.kv_bytes_per_token(Workload(GQA, lens, dtype, "cpu"), config={})
     assert per_token == GQA.num_layers * cache.bytes_per_token()  # one layer in this cache
+
+
+@pytest.mark.parametrize(("backend_class", "dtype"), _writers())
+def test_the_writer_rounds_every_bf16_value_as_torch(
+    backend_class: type[CpuDecodeFp8Backend], dtype: torch.dtype
+) -> None:
+    """Every bf16 value in [-448, 448] (e4m3's range), each in a row whose amax is 448, so the scale is
+    exactly 1 and the stored byte is the rounding alone: torch's float8_e4m3fn conversion, subnormals,
+    ties to even and the largest values included. The values are exact in every compute dtype but fp16,
+    whose range and precision cover fewer of them (those it holds are checked)."""
+    backend = _writer(backend_class, dtype)
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    values = bits[bits.isfinite() & (bits.abs() <= 448)]
+    if dtype == torch.float16:
+        values = values[values.to(torch.float16).float() == values]
+    per_row = 63  # and a 448 in each row
+    rows = -(-values.numel() // per_row)
+    padded = torch.cat([values, values.new_zeros(rows * per_row - values.numel())]).view(rows, per_row)
+    k = torch.cat([padded, padded.new_full((rows, 1), 448.0)], dim=1)
+    # rows as tokens of one sequence with both KV heads, K and V alike (the two layouts' positions)
+    tokens = -(-rows // 2)
+    k = torch.cat([k, k.new_zeros(2 * tokens - rows, 64)]).view(1, tokens, 2, 64).to(dtype)
+    w = Workload(GQA, (tokens,), dtype, "cpu")
+    cache = backend.create_cache(w, config={"page_size": 128}, num_layers=1, max_seq_len=tokens)
+    backend.append(cache, backend.plan(cache, num_new=(tokens,)), layer=0, k=k, v=k)
+    got_k, got_v = cache.dequantized(0, 0, tokens)
+    want = k[0].float().to(torch.float8_e4m3fn).double()
+    assert torch.equal(got_k, want) and torch.equal(got_v, want)
 
 
 @pytest.mark.parametrize(("page_size", "splits"), [(16, 4), (64, 1), (128, 2), (512, 2)])
