@@ -13,7 +13,8 @@ from script_module import load_script
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--batch", "8"], "--batch '8': at least two batches"),
+        (["--batch", "8"], "--batch '8': at least two different batches"),
+        (["--batch", "8,8"], "--batch '8,8': at least two different batches"),
         (["--batch", "0,8"], "--batch '0' must be > 0"),
         (["--batch", "1,x"], "--batch 'x' is not a token count"),
         (["--rounds", "0"], "--rounds 0: must be ≥ 1"),
