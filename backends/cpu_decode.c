@@ -995,22 +995,22 @@ TGT_FP8 INLINE void fp8x64(const uint8_t *p, const __m512i *tab, __m512i *r0, __
     *r1 = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(lo, 8), hi, 0xCA); /* low ? lo >> 8 : hi */
 }
 
-/* pv_bf16 over fp8 V (NU even: one 64-byte load is two 16-dim chunks) */
-TGT_FP8 INLINE void pv_fp8(int gn, int nu, int np, const uint8_t *vt, const __m512i *pr, const __m512 *alpha,
+/* pv_bf16 over fp8 V (NU even: one 64-byte load is two 16-dim chunks); pw: per head, the step's 16 pairs
+ * of bf16 weights as 32-bit words, each broadcast from memory by dp_bcast (a load, where pv_bf16's
+ * vpermd is a shuffle, which competes with the conversion's shifts) */
+TGT_FP8 INLINE void pv_fp8(int gn, int nu, int np, const uint8_t *vt, const uint32_t *pw, const __m512 *alpha,
                            float *acc, int D, int c, const __m512i *tab, int cv) {
     __m512 a[4][4];
     for (int g = 0; g < gn; g++)
         for (int u = 0; u < nu; u++) a[g][u] = _mm512_setzero_ps();
     for (int jp = 0; jp < np; jp++) {
-        __m512i b[4], idx = _mm512_set1_epi32(jp);
-        for (int g = 0; g < gn; g++) b[g] = _mm512_permutexvar_epi32(idx, pr[g]);
         const uint8_t *vp = vt + (size_t)(jp >> 3) * 2 * TILE * D + (size_t)(jp & 7) * 2 * D;
         for (int u = 0; u < nu; u += 2) {
             __m512i v0, v1;
             fp8x64(vp + 2 * (c + 16 * u), tab, &v0, &v1, cv);
             for (int g = 0; g < gn; g++) {
-                a[g][u] = _mm512_dpbf16_ps(a[g][u], (__m512bh)v0, (__m512bh)b[g]);
-                a[g][u + 1] = _mm512_dpbf16_ps(a[g][u + 1], (__m512bh)v1, (__m512bh)b[g]);
+                a[g][u] = dp_bcast(a[g][u], v0, pw + 16 * g + jp);
+                a[g][u + 1] = dp_bcast(a[g][u + 1], v1, pw + 16 * g + jp);
             }
         }
     }
@@ -1090,11 +1090,13 @@ TGT_FP8 INLINE void tile_fp8(int gn, int nt, const item_t *it, int g0, const uin
         float *lv = it->lv + (size_t)(g0 + g) * 16;
         _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), alpha[g], sum));
     }
+    uint32_t pw[4 * 16] __attribute__((aligned(64)));
+    for (int g = 0; g < gn; g++) _mm512_store_si512((void *)(pw + 16 * g), pr[g]);
     float *acc = it->acc + (size_t)g0 * D;
     const int np = nt * TILE / 2;
     int c = 0;
-    for (; c + 64 <= D; c += 64) pv_fp8(gn, 4, np, vt, pr, alpha, acc, D, c, tab, cv);
-    if (c < D) pv_fp8(gn, 2, np, vt, pr, alpha, acc, D, c, tab, cv); /* D % 32 == 0: 32 dims left */
+    for (; c + 64 <= D; c += 64) pv_fp8(gn, 4, np, vt, pw, alpha, acc, D, c, tab, cv);
+    if (c < D) pv_fp8(gn, 2, np, vt, pw, alpha, acc, D, c, tab, cv); /* D % 32 == 0: 32 dims left */
 }
 
 /* cv: CV_LOOKUP or CV_SHIFT (fp8x64); with CV_SHIFT, q and the weights are pre-scaled by FP8_PRE and
