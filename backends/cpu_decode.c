@@ -2029,7 +2029,8 @@ int cpu_decode_write(void *kc, void *vc, const void *k, const void *v, const int
                  * V: value d at vt + d·P */
                 const char *ks = (const char *)k + src * esize, *vs = (const char *)v + src * esize;
                 char *kd = (char *)kc + (tile + j16 * P) * esize, *vd = (char *)vc + vt * esize;
-                for (int d = 0; d < D; d += P) memcpy(kd + (size_t)d * TILE * esize, ks + (size_t)d * esize, (size_t)P * esize);
+                for (int d = 0; d < D; d += P)
+                    memcpy(kd + (size_t)d * TILE * esize, ks + (size_t)d * esize, (size_t)P * esize);
                 if (esize == 2)
                     for (int d = 0; d < D; d++) ((uint16_t *)vd)[(size_t)d * P] = ((const uint16_t *)vs)[d];
                 else
@@ -2053,6 +2054,24 @@ static void load_row(const void *p, size_t off, int dt, float *row, int D) {
     }
 }
 
+/* The scale of a row whose largest |x| bit pattern is umax: amax / 448, at least the smallest normal
+ * float; 0 when the row holds NaN or inf (its bit pattern lies at or above inf's) */
+static inline float row_scale(uint32_t umax) {
+    const float tiny = 1.17549435e-38f;
+    if (umax >= 0x7f800000u) return 0.0f;
+    float amax;
+    memcpy(&amax, &umax, 4);
+    float s = amax / 448.0f;
+    return s >= tiny ? s : tiny;
+}
+
+/* a row holding NaN or inf: stored as zeros with the smallest scale, and counted */
+static float nonfinite_row(uint8_t *q, int D, int *bad) {
+    memset(q, 0, (size_t)D);
+    *bad += 1;
+    return 1.17549435e-38f;
+}
+
 /* One row's e4m3 bytes (row / scale, scale = amax(|row|) / 448, at least the smallest normal float)
  * and its scale, as attnbench.kernels.fp8_cache.quantize computes them; a row holding NaN or inf is
  * stored as zeros with the smallest scale and counted in *bad. The e4m3 rounding is to nearest even,
@@ -2060,7 +2079,6 @@ static void load_row(const void *p, size_t off, int dt, float *row, int D) {
  * largest |x| bit pattern (ordered as the floats are; NaN's lie above inf's), and both cases of the
  * rounding are computed and one selected. */
 static float quantise_row(const float *row, uint8_t *q, int D, int *bad) {
-    const float tiny = 1.17549435e-38f;
     uint32_t umax = 0;
     for (int d = 0; d < D; d++) {
         uint32_t u;
@@ -2068,15 +2086,8 @@ static float quantise_row(const float *row, uint8_t *q, int D, int *bad) {
         u &= 0x7fffffffu;
         umax = u > umax ? u : umax;
     }
-    if (umax >= 0x7f800000u) {
-        memset(q, 0, (size_t)D);
-        *bad += 1;
-        return tiny;
-    }
-    float amax;
-    memcpy(&amax, &umax, 4);
-    float s = amax / 448.0f;
-    if (!(s >= tiny)) s = tiny;
+    const float s = row_scale(umax);
+    if (s == 0.0f) return nonfinite_row(q, D, bad);
     for (int d = 0; d < D; d++) {
         float x = row[d] / s;
         x = x > 448.0f ? 448.0f : x;
@@ -2098,21 +2109,12 @@ static float quantise_row(const float *row, uint8_t *q, int D, int *bad) {
 /* quantise_row in 16 lanes: the same bytes and scale (the division is IEEE's in both; cvtps2dq rounds
  * a · 512 to nearest even as the scalar's 2^23 trick does) */
 TGT static float quantise_row_avx512(const float *row, uint8_t *q, int D, int *bad) {
-    const float tiny = 1.17549435e-38f;
     const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
     __m512i mx = _mm512_setzero_si512();
     for (int d = 0; d < D; d += 16)
         mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_loadu_si512(row + d), abs_mask));
-    uint32_t umax = (uint32_t)_mm512_reduce_max_epu32(mx);
-    if (umax >= 0x7f800000u) {
-        memset(q, 0, (size_t)D);
-        *bad += 1;
-        return tiny;
-    }
-    float amax;
-    memcpy(&amax, &umax, 4);
-    float s = amax / 448.0f;
-    if (!(s >= tiny)) s = tiny;
+    const float s = row_scale((uint32_t)_mm512_reduce_max_epu32(mx));
+    if (s == 0.0f) return nonfinite_row(q, D, bad);
     const __m512 vs = _mm512_set1_ps(s), hi = _mm512_set1_ps(448.0f), lo = _mm512_set1_ps(-448.0f);
     const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u), half = _mm512_set1_epi32(0x7ffff);
     const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(120 << 3);
@@ -2154,7 +2156,7 @@ static void scatter_v(uint8_t *tile, const uint8_t *q, size_t j16, int D) {
 
 /* Quantise and write new tokens into an fp8 cache: k, v [B, T, Hkv, D] in dt (right-padded, as for
  * cpu_decode_write), each row stored as e4m3 bytes of row / scale with scale = amax(|row|) / 448 (the
- * smallest normal float where that is 0), exactly as attnbench.fp8.quantize does; kc, vc as
+ * smallest normal float where that is 0), exactly as attnbench.kernels.fp8_cache.quantize does; kc, vc as
  * cpu_decode_attend_fp8 takes them, ksc, vsc the layer's scales. A row holding NaN or inf is stored
  * as zeros. isa: the cache's variant code; the AVX-512 ones quantise 16 values at a time, c-scalar in
  * plain C (the same bytes). Returns the number of such rows (0: all finite), ERR_NOMEM when its row

@@ -38,6 +38,7 @@ import torch
 from attnbench.backends.cpu_decode import PAGE_SIZES, CpuDecodeBackend
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
 from attnbench.backends.matmul_probe import MatmulProbeBackend
+from attnbench.cli.common import positive_int
 from attnbench.core.device import (
     DeviceProfile,
     ReadMeter,
@@ -172,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", default="8k,32k")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=8, help="layers per timed step (default 8)")
-    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--layers", type=positive_int, default=8, help="layers per timed step (default 8)")
+    ap.add_argument("--repeats", type=positive_int, default=8)
     ap.add_argument("--max-seconds", type=float, default=20.0, help="cap on timing per kernel and point")
     ap.add_argument(
         "--page-sizes",
@@ -199,8 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default="results/cpu/kernels/cpu-kernel-bandwidth")
     args = ap.parse_args(argv)
-    if args.threads < 1:
-        ap.error(f"--threads {args.threads}: must be ≥ 1")
     if args.quick:
         args.batch, args.context, args.layers, args.repeats, args.max_seconds = "1", "1k", 2, 3, 5.0
     try:

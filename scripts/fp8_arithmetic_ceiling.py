@@ -28,7 +28,7 @@ import torch
 
 from attnbench.backends.cpu_decode import CpuDecodeBackend, load_kernel
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
-from attnbench.cli.common import command_line, run_record, write_report
+from attnbench.cli.common import command_line, positive_int, run_record, write_report
 from attnbench.core.backend import Backend
 from attnbench.core.device import ReadMeter, fingerprint
 from attnbench.core.workload import Workload, parse_tokens
@@ -67,8 +67,10 @@ def main() -> int:
     ap.add_argument(
         "--contexts", default="256,768", help="the two context lengths of the slope (k suffix allowed)"
     )
-    ap.add_argument("--calls", type=int, default=200, help="calls per kernel, context and round")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each figure is their median")
+    ap.add_argument("--calls", type=positive_int, default=200, help="calls per kernel, context and round")
+    ap.add_argument(
+        "--rounds", type=positive_int, default=5, help="interleaved rounds; each figure is their median"
+    )
     ap.add_argument("--out", default="results/cpu/kernels/fp8-arithmetic-ceiling")
     args = ap.parse_args()
     try:
@@ -77,9 +79,6 @@ def main() -> int:
         ap.error(f"--contexts {args.contexts!r}: two lengths, such as 256,768 ({exc})")
     if not 16 <= lo < hi:
         ap.error(f"--contexts {args.contexts!r}: the first must be ≥ 16 and below the second")
-    for name in ("calls", "rounds"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} {getattr(args, name)}: must be ≥ 1")
     kernel = load_kernel()
     if isinstance(kernel, str):
         ap.error(f"the cpu_decode kernel is unavailable here: {kernel}")

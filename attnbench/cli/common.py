@@ -188,6 +188,18 @@ _FIRST = ("model", "prompt_len", "new_tokens", "batch", "context", "backend", "d
 _LOCAL = ("json", "save", "out", "results_dir", "storage")
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number ≥ 1. argparse's error names the option; this names the value
+    and what is accepted (``argument --rounds: 0: must be a whole number ≥ 1``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a whole number ≥ 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be a whole number ≥ 1")
+    return value
+
+
 def command_line(
     args: argparse.Namespace, *, parser: argparse.ArgumentParser | None = None, prog: str | None = None
 ) -> str:

@@ -10,7 +10,8 @@ from script_module import load_script
     ("argv", "message"),
     [
         (["--prefetch", "3"], "--prefetch '3': a comma-separated list of 0, 2, 4, 8"),
-        (["--threads", "0"], "--threads 0: must be ≥ 1"),
+        (["--threads", "0"], "argument --threads: 0: must be a whole number ≥ 1"),
+        (["--layers", "two"], "argument --layers: 'two': must be a whole number ≥ 1"),
         (["--page-sizes", "100"], "--page-sizes '100': a comma-separated list of 16, 32, 64, 128, 256, 512"),
         (["--batch", "1,a"], "--batch 'a' is not a token count"),
         (["--context", "8q"], "--context '8q' is not a token count"),

@@ -17,7 +17,8 @@ from script_module import load_script
         (["--batch", "8,8"], "--batch '8,8': at least two different batches"),
         (["--batch", "0,8"], "--batch '0' must be > 0"),
         (["--batch", "1,x"], "--batch 'x' is not a token count"),
-        (["--rounds", "0"], "--rounds 0: must be ≥ 1"),
+        (["--rounds", "0"], "argument --rounds: 0: must be a whole number ≥ 1"),
+        (["--calls", "1.5"], "argument --calls: '1.5': must be a whole number ≥ 1"),
     ],
 )
 def test_bad_input_names_the_option_and_what_is_accepted(
