@@ -1206,7 +1206,7 @@ TGT_FP8 INLINE void item_fp8_avx512(const item_t *it, int cv) {
     int cur = 0;
     for (int t = it->t0; t < it->t1;) {
         int nt = it->ps >= 2 * TILE && t % (2 * TILE) == 0 && t + TILE < it->t1 ? 2 : 1;
-        const char *pft[2] = {NULL, NULL}; /* the tiles pf ahead: their scales now, K and V during q·k */
+        const char *pft[2] = {NULL, NULL}; /* the tiles pf ahead: their scales now, K during q·k, V during p·v */
         for (int j = 0; j < nt; j++) {
             int f = t + (pf + j) * TILE;
             if (pf > 0 && f < it->t1) {
