@@ -1,10 +1,17 @@
 """``cpu_decode`` — the project's own paged decode-attention kernel for CPUs (C, AVX-512 or AVX2, OpenMP).
 
-The kernel is ``cpu_decode.c`` beside this file, compiled at first use with the system C compiler
-(``$CC``, else ``cc``/``gcc``) into a per-user cache (``attnbench.core.device.cache_dir() / "cpu_decode"``,
-one file per hash of the source, the compiler's version and the flags, renamed into place atomically
-so parallel processes never see a half-written library), and called through :mod:`ctypes` with the
-tensors' ``data_ptr()``: no torch C++ headers, a build of seconds (once per source, compiler and flags).
+The kernel is the source tree ``csrc/`` beside this file (``cpu_decode.c`` and the headers it includes),
+compiled at first use with the system C compiler (``$CC``, else ``cc``/``gcc``) into a per-user cache
+(``attnbench.core.device.cache_dir() / "cpu_decode"``, one file per hash of the tree, the compiler's
+version and the flags, renamed into place atomically so parallel processes never see a half-written
+library), and called through :mod:`ctypes` with the tensors' ``data_ptr()``: no torch C++ headers, a
+build of seconds (once per source, compiler and flags).
+
+Builds (``BUILDS``): ``native``, what every backend loads, and ``amx-emulated``, the same tree with
+the AMX tile operations in plain C (``csrc/amx_emu.h``, which checks every operand the hardware would
+refuse), which the tests load so that the AMX items of ``cpu_decode_fp8`` and ``cpu_decode_mla`` run
+on any CPU with AVX-512 BF16 + VBMI, not only on an AMX Xeon. ``ATTNBENCH_CPU_DECODE_SANITIZE=address``
+builds either with AddressSanitizer (``scripts/asan-kernel.sh`` runs the kernel tests that way).
 
 The cache (P = 2 for bf16, else 1)::
 
@@ -69,8 +76,21 @@ from attnbench.core.backend import Backend, KVCache, StepPlan, Tunable, base_pla
 from attnbench.core.device import empty_huge
 from attnbench.core.workload import Workload
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+#: the kernel's source tree: ``cpu_decode.c`` and the headers it includes (``amx_emu.h``)
+SOURCE_DIR = Path(__file__).with_name("csrc")
+SOURCE = SOURCE_DIR / "cpu_decode.c"
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
+#: the builds a process may load: ``native`` (what users run) and ``amx-emulated``, the same source
+#: with the AMX tile operations in plain C (``csrc/amx_emu.h``), so that the AMX items run, and are
+#: tested, on a CPU without AMX (where it has the AVX-512 BF16 + VBMI the rest of those items use)
+BUILDS = {"native": (), "amx-emulated": ("-DCPU_DECODE_AMX_EMULATE",)}
+#: ``ATTNBENCH_CPU_DECODE_SANITIZE=address`` builds every flavour with AddressSanitizer (the process
+#: must preload the sanitizer's runtime: scripts/asan-kernel.sh does both)
+SANITIZE_ENV = "ATTNBENCH_CPU_DECODE_SANITIZE"
+SANITIZERS = {"address": ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")}
+#: ``ATTNBENCH_CPU_DECODE_SOURCE_DIR``: build from another copy of the tree (scripts/asan-kernel.sh's
+#: planted bugs); unset, ``SOURCE_DIR``
+SOURCE_DIR_ENV = "ATTNBENCH_CPU_DECODE_SOURCE_DIR"
 #: 256 and 512 read a KV head's page in longer runs: at one thread the fp8 kernel ran 5-26 % faster on 512
 #: than on 128 (the bf16 one within ±5 %; results/cpu/bench/fp8-t1-pages-epyc-avx512, docs/benchmarks.md)
 PAGE_SIZES = (16, 32, 64, 128, 256, 512)
@@ -102,8 +122,14 @@ class Kernel:
     lib: ctypes.CDLL
     isa: int
     path: Path
-    #: the best variant for fp8 caches: 2 AMX (granted by the OS), 1 AVX-512 BF16 + VBMI, 0 plain C
+    #: the best variant for fp8 caches: 2 AMX (granted by the OS, or emulated), 1 AVX-512 BF16 + VBMI, 0 plain C
     fp8_level: int = 0
+    #: the build (a key of ``BUILDS``); ``amx-emulated`` runs its AMX items on the plain-C tiles
+    build: str = "native"
+
+    @property
+    def amx_emulated(self) -> bool:
+        return self.build == "amx-emulated"
 
 
 def find_compiler() -> str | None:
@@ -114,14 +140,33 @@ def find_compiler() -> str | None:
     return None
 
 
-def _build(cc: str) -> Path:
-    """Compile ``SOURCE`` into the per-user cache unless a library for this source/compiler/flags exists."""
+def build_flags(build: str = "native") -> tuple[str, ...]:
+    """The compiler flags of ``build`` (a key of ``BUILDS``), with the sanitizer ``$ATTNBENCH_CPU_DECODE_SANITIZE``
+    names, if any; an unknown build or sanitizer raises :class:`ValueError` naming what is accepted."""
+    if build not in BUILDS:
+        raise ValueError(f"cpu_decode build {build!r} unknown; builds: {', '.join(BUILDS)}")
+    sanitize = os.environ.get(SANITIZE_ENV, "")
+    if sanitize and sanitize not in SANITIZERS:
+        raise ValueError(f"{SANITIZE_ENV}={sanitize!r}: expected one of {', '.join(SANITIZERS)} or unset")
+    return (*FLAGS, *BUILDS[build], *SANITIZERS.get(sanitize, ()))
+
+
+def _source_dir() -> Path:
+    return Path(os.environ.get(SOURCE_DIR_ENV) or SOURCE_DIR)
+
+
+def _build(cc: str, build: str = "native") -> Path:
+    """Compile the source tree into the per-user cache unless a library for this tree/compiler/flags exists."""
     from attnbench.core.device import cache_dir
 
+    flags = build_flags(build)
+    src = _source_dir()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    h = hashlib.sha256(version.encode() + " ".join(flags).encode())
+    for f in sorted(src.glob("*.[ch]")):  # the tree: a header's change is a new library too
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     out_dir = cache_dir() / "cpu_decode"
-    target = out_dir / f"cpu_decode-{key}.so"
+    target = out_dir / f"cpu_decode-{h.hexdigest()[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -129,11 +174,14 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+            [cc, *flags, "-I", str(src), "-o", tmp, str(src / SOURCE.name), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if proc.returncode != 0:
             first = (proc.stderr.strip().splitlines() or ["(no message)"])[0]
-            raise RuntimeError(f"{cc} could not build {SOURCE.name}: {first}")
+            raise RuntimeError(f"{cc} could not build {SOURCE.name} ({build}): {first}")
         os.replace(tmp, target)  # atomic: a parallel build of the same key replaces it with the same bytes
     finally:
         if os.path.exists(tmp):
@@ -142,13 +190,14 @@ def _build(cc: str) -> Path:
 
 
 @functools.cache
-def load_kernel() -> Kernel | str:
-    """The compiled kernel, or the reason it is unavailable (built once per process, cached on disk)."""
+def load_kernel(build: str = "native") -> Kernel | str:
+    """The compiled kernel (``build``: a key of ``BUILDS``), or the reason it is unavailable (built once per
+    process and build, cached on disk)."""
     cc = find_compiler()
     if cc is None:
         return "no C compiler found (set CC, or install gcc or clang)"
     try:
-        path = _build(cc)
+        path = _build(cc, build)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return f"cpu_decode kernel unavailable: {exc}"
@@ -167,7 +216,14 @@ def load_kernel() -> Kernel | str:
     lib.cpu_decode_attend_latent.restype = i
     lib.cpu_decode_fail_alloc.argtypes = [i]
     lib.cpu_decode_fail_alloc.restype = i
-    return Kernel(lib=lib, isa=int(lib.cpu_decode_isa()), path=path, fp8_level=int(lib.cpu_decode_fp8_fast()))
+    assert bool(lib.cpu_decode_amx_emulated()) == (build == "amx-emulated"), f"{path}: not the {build} build"
+    return Kernel(
+        lib=lib,
+        isa=int(lib.cpu_decode_isa()),
+        path=path,
+        fp8_level=int(lib.cpu_decode_fp8_fast()),
+        build=build,
+    )
 
 
 @dataclass
@@ -274,6 +330,8 @@ class CpuDecodeBackend(Backend):
     )
     #: run this variant instead of the best the CPU has (tests use "c-scalar"); None: the best
     force_isa: ClassVar[str | None] = None
+    #: the build of the kernel this backend loads (a key of ``BUILDS``; tests use "amx-emulated")
+    kernel_build: ClassVar[str] = "native"
     #: the fp8 sibling's differences: its cache, its head_dim multiple and what its messages add
     cache_class: ClassVar[type[CpuDecodeCache]] = CpuDecodeCache
     head_dim_multiple: ClassVar[int] = 16
@@ -298,7 +356,7 @@ class CpuDecodeBackend(Backend):
             reasons.append(f"GQA group of {g.group_size} query heads per KV head > 64")
         if reasons:
             return reasons
-        kernel = load_kernel()
+        kernel = load_kernel(self.kernel_build)
         if isinstance(kernel, str):
             return [kernel]
         return self._variant_reasons(workload, kernel)
@@ -321,9 +379,9 @@ class CpuDecodeBackend(Backend):
                 return _ISA_NAMES[code]
         return "c-scalar"
 
-    def _variant(self, workload: Workload) -> str | None:
-        """The variant a cache for ``workload`` runs (the kernel loaded)."""
-        kernel = load_kernel()
+    def _variant(self, workload: Workload, config: Mapping[str, Any] | None = None) -> str | None:
+        """The variant a cache for ``workload`` (and ``config``) runs (the kernel loaded)."""
+        kernel = load_kernel(self.kernel_build)
         assert not isinstance(kernel, str)
         return self._isa(workload.dtype, kernel)
 
@@ -369,7 +427,7 @@ class CpuDecodeBackend(Backend):
         reasons = self.supports(workload)
         if reasons:
             raise ValueError(f"backend {self.name!r} cannot run {workload.describe()}: {'; '.join(reasons)}")
-        isa = self._variant(workload)
+        isa = self._variant(workload, cfg)
         assert isa is not None
         return self.cache_class(
             isa=isa,
@@ -412,7 +470,7 @@ class CpuDecodeBackend(Backend):
             )
         k, v = k.contiguous(), v.contiguous()
         g = cache.geometry
-        kernel = load_kernel()
+        kernel = load_kernel(self.kernel_build)
         assert not isinstance(kernel, str) and plan.positions32 is not None and plan.num_new32 is not None
         rc = getattr(kernel.lib, self.kernel_functions[0])(
             *cache.layer_ptrs[layer], k.data_ptr(), v.data_ptr(), cache.block_table.data_ptr(),
@@ -442,7 +500,7 @@ class CpuDecodeBackend(Backend):
                 f"backend {self.name!r}: q dtype {q.dtype}; {self.cache_dtype_phrase} {cache.dtype}"
             )
         out = torch.empty_like(q)
-        kernel = load_kernel()
+        kernel = load_kernel(self.kernel_build)
         assert not isinstance(kernel, str) and plan.seq_lens32 is not None
         g = cache.geometry
         rc = getattr(kernel.lib, self.kernel_functions[1])(

@@ -37,6 +37,7 @@ NaN or inf are stored as zeros and refused with :class:`attnbench.kernels.fp8_ca
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -51,13 +52,63 @@ from attnbench.backends.cpu_decode import (
     load_kernel,
 )
 from attnbench.backends.fp8 import EXACT_TOLERANCE, STORED_TOLERANCE
-from attnbench.core.backend import Tolerance, Tunable
+from attnbench.core.backend import Resolution, Tolerance, Tunable
 from attnbench.core.device import empty_huge
 from attnbench.core.workload import Workload
 from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 
-#: the variants that read an fp8 cache: the AVX-512 BF16 one (bf16 only) and plain C (any dtype)
+#: the variants that read an fp8 cache: the AVX-512 ones (bf16 only) and plain C (any dtype)
 _FP8_DTYPES = {"c-amx": (torch.bfloat16,), "c-avx512bf16": (torch.bfloat16,), "c-scalar": tuple(_DTYPE_CODES)}
+#: the variants ``isa`` may name (plain C is for tests: ``force_isa``)
+ISA_CHOICES = ("auto", "c-avx512bf16", "c-amx")
+
+
+@dataclass(frozen=True)
+class MeasuredVariant:
+    """The fp8 variant measured fastest on one kind of CPU, and where that measurement is."""
+
+    cpu: str
+    #: what the kernel finds on such a CPU: "avx512-bf16-vbmi" (the AVX-512 BF16 + VBMI variant runs),
+    #: "amx" (AMX-BF16 tiles granted by the OS)
+    features: frozenset[str]
+    variant: str
+    measured: str
+
+
+#: ``isa = "auto"`` runs the variant measured fastest on the closest known CPU: the first entry whose
+#: features this CPU has (most specific first). Not the newest instruction set: on Intel's AMX Xeons
+#: the AMX item, which converts each step's fp8 tiles into a bf16 scratch buffer before the tile
+#: multiplies, ran slower than the bf16 kernel it is meant to halve the bytes of.
+FP8_MEASURED: tuple[MeasuredVariant, ...] = (
+    MeasuredVariant(
+        "Intel Xeon with AMX (4th generation on)",
+        frozenset({"amx", "avx512-bf16-vbmi"}),
+        "c-avx512bf16",
+        "results/cpu/bench/fp8-t1.md: c-amx 4.98 ms a layer against bf16 cpu_decode's 4.41 at batch 1 × 8k, "
+        "44.5 against 31.2 at batch 8 × 8k (one thread, Llama-3.1-8B geometry); c-avx512bf16 is the "
+        "variant that ran faster than bf16 on the AVX-512 BF16 CPUs it was measured on",
+    ),
+    MeasuredVariant(
+        "AMD EPYC Zen 4 (AVX-512 BF16 + VBMI, no AMX)",
+        frozenset({"avx512-bf16-vbmi"}),
+        "c-avx512bf16",
+        "results/cpu/bench/fp8-t1-pages-spread-epyc-avx512.md (one thread, Llama-3.1-8B geometry)",
+    ),
+)
+
+
+def kernel_features(kernel: Kernel) -> frozenset[str]:
+    """What ``kernel`` finds on this CPU, in :class:`MeasuredVariant`'s terms."""
+    return frozenset(
+        name for name, level in (("avx512-bf16-vbmi", 1), ("amx", 2)) if kernel.fp8_level >= level
+    )
+
+
+def measured_variant(kernel: Kernel) -> MeasuredVariant | None:
+    """The entry of :data:`FP8_MEASURED` for the closest known CPU (None: the fp8 kernel has no vector
+    variant here)."""
+    have = kernel_features(kernel)
+    return next((m for m in FP8_MEASURED if m.features <= have), None)
 
 
 def fp8_phys(n: int) -> torch.Tensor:
@@ -150,6 +201,12 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
             "shift",
             "fp8 → bf16 in c-avx512bf16: shifts (e4m3 subnormals read as 0) or exact byte lookups",
         ),
+        Tunable(
+            "isa",
+            ISA_CHOICES,
+            "auto",
+            "the kernel variant (auto: the one measured fastest on the closest known CPU, FP8_MEASURED)",
+        ),
     )
 
     def cache_fields(
@@ -160,11 +217,51 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
         return fields | {"convert": str(self.resolve_config(config)["convert"])}
 
     def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
-        """The base class's, and ``convert`` only where the variant that runs is ``c-avx512bf16``."""
+        """The base class's; ``isa`` offering ``auto`` and each other variant this CPU runs for
+        ``workload`` (so a tune measures them all); ``convert`` where some choice runs c-avx512bf16."""
         out = super().tunables_for(workload)
-        if self._variant(workload) == "c-avx512bf16":
-            return out
-        return tuple(t for t in out if t.name != "convert")
+        auto = self._variant(workload)
+        others = tuple(v for v in self._runnable(workload) if v != auto)
+        runs = {auto, *others}
+        return tuple(
+            Tunable(t.name, ("auto", *others), "auto", t.doc) if t.name == "isa" else t
+            for t in out
+            if (t.name != "convert" or "c-avx512bf16" in runs) and (t.name != "isa" or others)
+        )
+
+    def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution:
+        """The base answer, refused where the config names a variant this CPU cannot run for ``workload``
+        (``c-amx`` without AMX or past a GQA group of 16): the reason :meth:`create_cache` raises with."""
+        res = super().resolve(workload, config)
+        if not res.runnable:
+            return res
+        reasons = self._explicit_reasons(workload, res.config)
+        return res.refused(*reasons, implementation="unavailable: " + "; ".join(reasons)) if reasons else res
+
+    def _runnable(self, workload: Workload) -> tuple[str, ...]:
+        """The variants ``isa`` may name that run ``workload`` on this CPU."""
+        return tuple(v for v in ISA_CHOICES[1:] if not self._explicit_reasons(workload, {"isa": v}))
+
+    def _explicit_reasons(self, workload: Workload, config: Mapping[str, Any]) -> list[str]:
+        """Why the variant ``config["isa"]`` names cannot run ``workload`` here (``auto``: never)."""
+        isa = config.get("isa", "auto")
+        if isa == "auto" or self.force_isa is not None:
+            return []
+        kernel = load_kernel(self.kernel_build)
+        if isinstance(kernel, str):
+            return [kernel]
+        have = kernel_features(kernel)
+        if workload.dtype != torch.bfloat16:
+            return [f"isa {isa} computes in bf16; dtype {workload.dtype_name}"]
+        if "avx512-bf16-vbmi" not in have:
+            return [f"isa {isa} needs AVX512_BF16 and AVX512_VBMI, which this CPU lacks"]
+        if isa == "c-amx":
+            if "amx" not in have:
+                return ["isa c-amx needs AMX-BF16 tiles granted by the OS; this CPU has none"]
+            group = workload.geometry(self.kv_form).group_size
+            if group > 16:
+                return [f"isa c-amx takes GQA groups up to 16; this model has {group}"]
+        return []
 
     def _variant_reasons(self, workload: Workload, kernel: Kernel) -> list[str]:
         isa = self._variant(workload)
@@ -177,17 +274,24 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
             return [f"variant {isa} with fp8 K/V does not take dtype {workload.dtype_name}"]
         return []
 
-    def _variant(self, workload: Workload) -> str | None:
-        """The forced variant, else AMX (GQA groups up to 16) or AVX-512 BF16 where they read fp8
-        (bf16 only), else none (``None``: :meth:`_variant_reasons` says why)."""
+    def _variant(self, workload: Workload, config: Mapping[str, Any] | None = None) -> str | None:
+        """The forced variant; else the one ``config["isa"]`` names; else (``auto``) the one measured
+        fastest on the closest known CPU (:func:`measured_variant`); None where the fp8 kernel has no
+        vector variant here or the dtype is not bf16 (:meth:`_variant_reasons` says why)."""
         if self.force_isa is not None:
             return self.force_isa
-        kernel = load_kernel()
+        kernel = load_kernel(self.kernel_build)
         assert not isinstance(kernel, str)
-        if workload.dtype != torch.bfloat16 or kernel.fp8_level < 1:
+        known = measured_variant(kernel)
+        if workload.dtype != torch.bfloat16 or known is None:
             return None
-        group = workload.geometry(self.kv_form).group_size
-        return "c-amx" if kernel.fp8_level >= 2 and group <= 16 else "c-avx512bf16"
+        isa = str((config or {}).get("isa", "auto"))
+        if isa == "auto":
+            return known.variant
+        reasons = self._explicit_reasons(workload, {"isa": isa})
+        if reasons:
+            raise ValueError(f"backend {self.name!r} cannot run {workload.describe()}: {'; '.join(reasons)}")
+        return isa
 
     def kv_bytes_per_token(self, workload: Workload, *, config: Mapping[str, Any]) -> int:
         """One byte per K/V value plus two float32 scales per KV head, over every layer."""

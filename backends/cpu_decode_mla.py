@@ -90,11 +90,13 @@ class CpuDecodeMLABackend(Backend):
     )
     #: run this variant instead of the best the CPU has ("c-scalar" in tests); None: the best
     force_isa: ClassVar[str | None] = None
+    #: the build of the kernel this backend loads (``cpu_decode.BUILDS``; tests use "amx-emulated")
+    kernel_build: ClassVar[str] = "native"
 
     def _variant(self, workload: Workload) -> tuple[str | None, list[str]]:
         """The variant that runs ``workload`` here (AMX where granted, else AVX-512 BF16), or None with
         the reasons."""
-        kernel = load_kernel()
+        kernel = load_kernel(self.kernel_build)
         if isinstance(kernel, str):
             return None, [kernel]
         if self.force_isa is not None:
@@ -183,7 +185,7 @@ class CpuDecodeMLABackend(Backend):
         if q.dtype != cache.dtype:
             raise TypeError(f"backend {self.name!r}: q dtype {q.dtype}; the cache holds {cache.dtype}")
         out = torch.empty(q.shape[0], g.num_q_heads, g.v_head_dim, dtype=q.dtype)
-        kernel = load_kernel()
+        kernel = load_kernel(self.kernel_build)
         assert not isinstance(kernel, str) and plan.seq_lens32 is not None
         rc = kernel.lib.cpu_decode_attend_latent(
             q.data_ptr(), cache.k_pages[layer].data_ptr(), cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(),

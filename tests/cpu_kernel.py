@@ -1,5 +1,6 @@
 """Shared by the tests of the ``cpu_decode`` kernel's backends: the kernel (or a skip), a backend forced
-to its plain-C variant, and the conformance suite's settings for that variant."""
+to its plain-C variant or to its AMX variant on the emulated tiles, and the conformance suite's settings
+for the plain-C variant."""
 
 from __future__ import annotations
 
@@ -30,6 +31,30 @@ def require_kernel() -> Kernel:
             pytest.fail(kernel)
         pytest.skip(kernel)
     return kernel
+
+
+def require_amx_emulation() -> Kernel:
+    """The ``amx-emulated`` build (the AMX items on plain-C tiles, ``csrc/amx_emu.h``); where this CPU lacks
+    the AVX-512 BF16 + VBMI those items use besides their tiles, the test skips with that reason (a
+    build failure fails under ``ATTNBENCH_REQUIRE_CPU_DECODE=1``, as in CI)."""
+    kernel = load_kernel("amx-emulated")
+    if isinstance(kernel, str):
+        if os.environ.get("ATTNBENCH_REQUIRE_CPU_DECODE") == "1":
+            pytest.fail(kernel)
+        pytest.skip(kernel)
+    if kernel.fp8_level < 2:
+        pytest.skip(
+            "this CPU lacks AVX512_BF16 + AVX512_VBMI, which the AMX items use besides their tiles: "
+            "the emulated AMX variant cannot run here"
+        )
+    return kernel
+
+
+def amx_emulated(backend: B, name: str) -> B:
+    """``backend`` forced to its AMX variant on the ``amx-emulated`` build, named ``name``."""
+    cls_name = "AmxEmulated" + backend.__name__.removesuffix("Backend")
+    attrs = {"name": name, "force_isa": "c-amx", "kernel_build": "amx-emulated"}
+    return cast(B, type(cls_name, (backend,), attrs))
 
 
 def scalar(backend: B, name: str) -> B:

@@ -135,7 +135,9 @@ def test_avx2_and_scalar_agree_on_one_cache(dtype: torch.dtype, page_size: int, 
 
 def test_unavailable_without_a_compiler_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        cpu_decode, "load_kernel", lambda: "no C compiler found (set CC, or install gcc or clang)"
+        cpu_decode,
+        "load_kernel",
+        lambda build="native": "no C compiler found (set CC, or install gcc or clang)",
     )
     backend = CpuDecodeBackend()
     assert backend.supports(_workload(torch.bfloat16)) == [

@@ -8,12 +8,20 @@ layout wherever it runs. Under ``ATTNBENCH_REQUIRE_CPU_DECODE=1`` a kernel that 
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from cpu_kernel import SPLIT_CONFIGS, ScalarConformance, require_kernel, scalar
+from cpu_kernel import (
+    SPLIT_CONFIGS,
+    ScalarConformance,
+    amx_emulated,
+    require_amx_emulation,
+    require_kernel,
+    scalar,
+)
 
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend, CpuDecodeFp8Cache
 from attnbench.core.shapes import ModelShape
@@ -40,20 +48,48 @@ class TestCpuDecodeFp8Scalar(ScalarConformance):
     backend = ScalarCpuDecodeFp8
 
 
+EmulatedAmxCpuDecodeFp8 = amx_emulated(CpuDecodeFp8Backend, "cpu_decode_fp8_amx_emulated")
+
+
+class TestCpuDecodeFp8AmxEmulated(BackendConformance):
+    """The AMX variant on the emulated tiles (every CPU with AVX-512 BF16 + VBMI; elsewhere its cases skip
+    with that reason): the conformance suite and the gate on pages of 16 to 512 keys, split and not."""
+
+    backend = EmulatedAmxCpuDecodeFp8
+    dtypes = ("bf16",)
+    configs: ClassVar[list[dict[str, Any]]] = [
+        {"page_size": 16, "kv_splits": 4},
+        {"page_size": 256, "kv_splits": 4},
+        {"page_size": 512, "kv_splits": 1, "prefetch": 0},
+    ]
+    cases = CASES[:3]
+
+    def _instance_for(
+        self, case: Any, dtype: str, lens: tuple[int, ...], config: dict[str, Any] | None = None
+    ) -> Any:
+        require_amx_emulation()
+        return super()._instance_for(case, dtype, lens, config)
+
+
 GQA = ModelShape.attention_only("gqa-14-2", num_heads=14, num_kv_heads=2, head_dim=64)  # 4 + 3 heads
 
 
 def _filled(
-    backend: CpuDecodeFp8Backend, dtype: torch.dtype, lens: tuple[int, ...], page_size: int, gen: Any
+    backend: CpuDecodeFp8Backend,
+    dtype: torch.dtype,
+    lens: tuple[int, ...],
+    page_size: int,
+    gen: Any,
+    shape: ModelShape = GQA,
 ):
-    w = Workload(GQA, lens, dtype, "cpu")
+    w = Workload(shape, lens, dtype, "cpu")
     cache = backend.create_cache(w, config={"page_size": page_size}, num_layers=1, max_seq_len=max(lens) + 8)
-    b, t = len(lens), max(lens)
+    b, t, hkv, d = len(lens), max(lens), shape.num_kv_heads, shape.head_dim
     # rows of very different magnitudes, a few values in e4m3's subnormal range, and an all-zero row
-    k = torch.randn(b, t, 2, 64, generator=gen) * torch.rand(b, t, 2, 1, generator=gen) * 8
+    k = torch.randn(b, t, hkv, d, generator=gen) * torch.rand(b, t, hkv, 1, generator=gen) * 8
     k[0, 3, 1, :5] = torch.tensor([1e-3, -2e-3, 3e-4, 0.0, 7.0])
     k[0, 4] = 0.0
-    v = torch.randn(b, t, 2, 64, generator=gen)
+    v = torch.randn(b, t, hkv, d, generator=gen)
     k, v = k.to(dtype), v.to(dtype)
     backend.append(cache, backend.plan(cache, num_new=lens), layer=0, k=k, v=v)
     cache.commit(backend.plan(cache, num_new=(0,) * b))
@@ -125,36 +161,55 @@ def test_the_writer_rounds_every_bf16_value_as_torch(
     assert torch.equal(got_k, want) and torch.equal(got_v, want)
 
 
-@pytest.mark.parametrize(("page_size", "splits"), [(16, 4), (64, 1), (128, 2), (512, 2)])
-def test_the_variants_agree_on_one_cache(page_size: int, splits: int) -> None:
-    """c-amx, c-avx512bf16 (both conversions) and c-scalar decode the same fp8 pages alike (ragged
-    lengths, page ends, a few values in e4m3's subnormal range, which the shift conversion reads as 0)."""
+#: (page_size, kv_splits, GQA group, head_dim): every page size with 1-4 splits, the group sizes 1-8 and
+#: head dims 32-128 spread over them (each value at least twice)
+VARIANT_CASES = [
+    (page, splits, (i * 3) % 8 + 1, (32, 64, 96, 128)[(i + i // 4) % 4])
+    for i, (page, splits) in enumerate(itertools.product((16, 64, 128, 256, 512), (1, 2, 3, 4)))
+]
+
+
+@pytest.mark.parametrize(("page_size", "splits", "group", "head_dim"), VARIANT_CASES)
+def test_the_variants_agree_on_one_cache(page_size: int, splits: int, group: int, head_dim: int) -> None:
+    """c-avx512bf16 (both conversions), c-amx on the emulated tiles (and on real ones where the CPU has
+    them) and c-scalar decode the same fp8 pages alike: ragged lengths (pages' ends, a split's end inside
+    a page, a one-token sequence), values in e4m3's subnormal range (which the shift conversion reads as
+    0). The emulated tiles stop the process on any operand the hardware would refuse (amx_emu.h)."""
     kernel = require_kernel()
     if kernel.fp8_level < 1:
         pytest.skip("this CPU lacks AVX512_BF16 + AVX512_VBMI: only the plain-C variant reads fp8 here")
+    require_amx_emulation()
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    lens = (301, 17, 64)
+    shape = ModelShape.attention_only(f"gqa-{group}", num_heads=2 * group, num_kv_heads=2, head_dim=head_dim)
+    lens = (2 * page_size + 37, 17, page_size + 64, 1)
     backend = CpuDecodeFp8Backend()
-    cache, _, _ = _filled(backend, torch.bfloat16, lens, page_size, gen)
-    q = torch.randn(3, 14, 64, generator=gen).to(torch.bfloat16)
-    nk = torch.randn(3, 2, 64, generator=gen).to(torch.bfloat16)
-    outs = {}
-    variants = ["c-avx512bf16:lookup", "c-avx512bf16:shift", "c-scalar"]
+    cache, _, _ = _filled(backend, torch.bfloat16, lens, page_size, gen, shape=shape)
+    q = torch.randn(len(lens), 2 * group, head_dim, generator=gen).to(torch.bfloat16)
+    nk = torch.randn(len(lens), 2, head_dim, generator=gen).to(torch.bfloat16)
+    runs: list[tuple[str, CpuDecodeFp8Backend, str, str]] = [
+        ("c-avx512bf16:lookup", backend, "c-avx512bf16", "lookup"),
+        ("c-avx512bf16:shift", backend, "c-avx512bf16", "shift"),
+        ("c-amx:emulated", EmulatedAmxCpuDecodeFp8(), "c-amx", "lookup"),
+        ("c-scalar", ScalarCpuDecodeFp8(), "c-scalar", "shift"),
+    ]
     if kernel.fp8_level >= 2:
-        variants.insert(0, "c-amx")
-    for name in variants:
-        cache.isa, _, convert = name.partition(":")
-        cache.convert = convert or "shift"
-        plan = backend.plan(cache, num_new=[1, 1, 1])
+        runs.insert(0, ("c-amx", backend, "c-amx", "lookup"))
+    outs = {}
+    for name, runner, isa, convert in runs:
+        cache.isa, cache.convert = isa, convert
+        plan = runner.plan(cache, num_new=[1] * len(lens))
         plan.splits = splits
-        outs[name] = backend.decode(cache, plan, layer=0, q=q, k=nk, v=nk).float()
+        outs[name] = runner.decode(cache, plan, layer=0, q=q, k=nk, v=nk).float()
     # the AVX-512 and AMX variants round p · v_scale to bf16 for the dot product; all round the output
-    for name in variants[:-1]:
-        torch.testing.assert_close(outs[name], outs["c-scalar"], atol=2e-2, rtol=2e-2)
-    # the same bf16 products (the shift's scaled by powers of two, its e4m3 subnormals read as 0)
-    torch.testing.assert_close(outs["c-avx512bf16:shift"], outs["c-avx512bf16:lookup"], atol=1e-2, rtol=1e-2)
-    if "c-amx" in outs:  # the same bf16 products, summed in another order
-        torch.testing.assert_close(outs["c-amx"], outs["c-avx512bf16:lookup"], atol=1e-2, rtol=1e-2)
+    for name, *_ in runs[:-1]:
+        torch.testing.assert_close(outs[name], outs["c-scalar"], atol=2e-2, rtol=2e-2, msg=name)
+    # the same bf16 products (the shift's scaled by powers of two, its e4m3 subnormals read as 0; AMX's
+    # summed in another order)
+    for name in ("c-avx512bf16:shift", "c-amx:emulated", "c-amx"):
+        if name in outs:
+            torch.testing.assert_close(
+                outs[name], outs["c-avx512bf16:lookup"], atol=1e-2, rtol=1e-2, msg=name
+            )
 
 
 def test_non_finite_kv_are_refused_by_name_and_stored_as_zeros() -> None:

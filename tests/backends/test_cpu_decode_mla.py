@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from cpu_kernel import require_kernel, scalar
+from cpu_kernel import amx_emulated, require_amx_emulation, require_kernel, scalar
 
 from attnbench.backends.cpu_decode import _ISA_CODES, _ISA_NAMES
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
@@ -82,18 +82,45 @@ class TestCpuDecodeMLAScalar(BackendConformance):
     configs: ClassVar[list[dict[str, Any]]] = [{"page_size": 16, "kv_splits": 2}]
 
 
+EmulatedAmxCpuDecodeMLA = amx_emulated(CpuDecodeMLABackend, "cpu_decode_mla_amx_emulated")
+
+
+class TestCpuDecodeMLAAmxEmulated(BackendConformance):
+    """The AMX latent item on the emulated tiles (every CPU with AVX-512 BF16 + VBMI; elsewhere its cases
+    skip with that reason)."""
+
+    backend = EmulatedAmxCpuDecodeMLA
+    dtypes = ("bf16",)
+    cases = BF16_CASES[-2:]  # latent rows of 96 and 64: AMX tiles take 32 dims at a time (tiny-mla's is 24)
+    long_cases = ()
+    configs: ClassVar[list[dict[str, Any]]] = [
+        {"page_size": 16, "kv_splits": 4},
+        {"page_size": 128, "kv_splits": 1},
+    ]
+
+    def _instance_for(
+        self, case: Any, dtype: str, lens: tuple[int, ...], config: dict[str, Any] | None = None
+    ) -> Any:
+        require_amx_emulation()
+        return super()._instance_for(case, dtype, lens, config)
+
+
 def _forced(variant: str) -> type[CpuDecodeMLABackend]:
+    if variant == "c-amx:emulated":
+        return EmulatedAmxCpuDecodeMLA
     return type(f"CpuDecodeMLA_{variant}", (CpuDecodeMLABackend,), {"force_isa": variant})
 
 
-@pytest.mark.parametrize("variant", ["c-amx", "c-avx512bf16"])
+@pytest.mark.parametrize("variant", ["c-amx", "c-amx:emulated", "c-avx512bf16"])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 def test_each_bf16_variant_agrees_with_scalar_and_the_mla_torch_path(variant: str, page_size: int) -> None:
     """Three implementations of the same latent attention over one ragged batch: the bf16 variant
-    (forced), the plain-C one and the torch path."""
+    (forced; AMX also on the emulated tiles), the plain-C one and the torch path."""
     kernel = require_kernel()
     if variant == "c-amx" and kernel.fp8_level < 2:
-        pytest.skip("AMX-BF16 is not available (or not granted) on this CPU")
+        pytest.skip("AMX-BF16 is not available (or not granted) on this CPU (c-amx:emulated runs its item)")
+    if variant == "c-amx:emulated":
+        require_amx_emulation()
     if kernel.isa < _ISA_CODES["c-avx512bf16"]:
         pytest.skip(f"this CPU has no AVX-512 BF16 (it runs {_ISA_NAMES[kernel.isa]})")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))

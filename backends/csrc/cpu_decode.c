@@ -37,8 +37,8 @@
 #define INLINE static inline __attribute__((always_inline))
 #if !defined(CPU_DECODE_NO_AVX512)
 #define CPU_DECODE_AVX512 1
-#if defined(__clang__) ? (__clang_major__ >= 12) : (__GNUC__ >= 11) /* AMX intrinsics */
-#define CPU_DECODE_AMX 1
+#if defined(CPU_DECODE_AMX_EMULATE) || (defined(__clang__) ? (__clang_major__ >= 12) : (__GNUC__ >= 11))
+#define CPU_DECODE_AMX 1 /* the AMX items: the compiler's intrinsics, or amx_emu.h's emulation */
 #endif
 #endif
 #endif
@@ -66,10 +66,22 @@ int cpu_decode_fail_alloc(int n) {
     __atomic_store_n(&fail_alloc, n, __ATOMIC_SEQ_CST);
     return 0;
 }
+#if defined(__SANITIZE_ADDRESS__) /* gcc */
+#define CPU_DECODE_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) /* clang */
+#define CPU_DECODE_ASAN 1
+#endif
+#endif
 static void *scratch(size_t bytes) {
     if (__atomic_load_n(&fail_alloc, __ATOMIC_RELAXED) >= 0 && __atomic_fetch_sub(&fail_alloc, 1, __ATOMIC_RELAXED) == 0)
         return NULL;
+#ifdef CPU_DECODE_ASAN /* the exact size, so that AddressSanitizer reports a read one byte past it */
+    void *p = NULL;
+    return posix_memalign(&p, 64, bytes ? bytes : 1) == 0 ? p : NULL;
+#else
     return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+#endif
 }
 static void flag_nomem(int *nomem) { __atomic_store_n(nomem, 1, __ATOMIC_RELAXED); }
 
@@ -94,6 +106,7 @@ int cpu_decode_isa(void) {
 static int amx_request(void);
 #else
 static int amx_request(void) { return 0; }
+int cpu_decode_amx_emulated(void) { return 0; }
 #endif
 
 /* The best variant for fp8 caches: 2 (c-amx: AMX tiles, granted by the OS here), 1 (c-avx512bf16: its
@@ -1250,15 +1263,26 @@ TGT_FP8 static void item_fp8_shift(const item_t *it) { item_fp8_avx512(it, CV_SH
  * heads' scores (q [GN, 32 dims] × K [32 dims, 16 keys] per 32 dims) and p·v (P [GN, 32 keys] × V
  * [32 keys, 16 dims] per 16 dims); the online softmax stays in AVX-512, in fp32. One step covers the
  * rest of a page (up to 128 keys), so that the multiplies of a step are many and independent. */
-#include <sys/syscall.h>
-#include <unistd.h>
-#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,amx-tile,amx-bf16")))
-
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } __attribute__((packed)) tilecfg_t;
+
+#ifdef CPU_DECODE_AMX_EMULATE
+/* the tile operations in plain C (amx_emu.h): the AMX items run wherever their AVX-512 parts do */
+#include "amx_emu.h"
+#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi")))
+
+static int amx_request(void) {
+    __builtin_cpu_init();
+    return cpu_decode_isa() == ISA_AVX512BF16 && __builtin_cpu_supports("avx512vbmi");
+}
+int cpu_decode_amx_emulated(void) { return 1; }
+#else
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,amx-tile,amx-bf16")))
 
 static int amx_granted = 0;
 
@@ -1270,6 +1294,10 @@ static int amx_request(void) {
     amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
     return amx_granted;
 }
+int cpu_decode_amx_emulated(void) { return 0; }
+#endif
+
+#define AMX_STEP_KEYS 128 /* the keys of one step of item_fp8_amx: 8 tiles, what its scratch holds */
 
 TGT_AMX static void item_fp8_amx(const item_t *it) {
     const int G = it->G, D = it->D, pf = it->prefetch;
@@ -1277,7 +1305,7 @@ TGT_AMX static void item_fp8_amx(const item_t *it) {
     const size_t tile_bytes = (size_t)2 * TILE * D;
     const __m512i tab[4] = {_mm512_load_si512(FP8_LO), _mm512_load_si512(FP8_LO + 64), _mm512_load_si512(FP8_HI),
                             _mm512_load_si512(FP8_HI + 64)};
-    /* scratch for a step of up to 8 tiles (a 128-token page): K as bf16 [8][D/2][16][2], V [64 key
+    /* scratch for a step of up to 8 tiles (AMX_STEP_KEYS keys): K as bf16 [8][D/2][16][2], V [64 key
      * pairs][D][2], scores [8][G][16] fp32, P [G][128] bf16, the step's p·v [G][D] fp32 */
     const size_t kvb = (size_t)256 * D;
     char *buf = (char *)scratch(2 * kvb + 8192 + 4096 + (size_t)64 * D);
@@ -1304,17 +1332,22 @@ TGT_AMX static void item_fp8_amx(const item_t *it) {
     memset(it->acc, 0, sizeof(float) * (size_t)G * D);
     const __m512 scale = _mm512_set1_ps(it->scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int t = it->t0; t < it->t1;) {
-        /* the step: the tiles from t to the end of its page or of the range */
-        int page_end = (t / it->ps + 1) * it->ps, stop = page_end < it->t1 ? page_end : it->t1;
+        /* the step: the tiles from t to the end of its page, of the range, or of AMX_STEP_KEYS keys —
+         * whichever comes first. The scratch above holds one step of at most 8 tiles (x[] 8 + alpha),
+         * so a page of 256 or 512 keys is walked in steps of 128 (a step ran to the page's end once,
+         * and overran every buffer of the item at those page sizes) */
+        const int page_end = (t / it->ps + 1) * it->ps, cap = t + AMX_STEP_KEYS;
+        const int stop = page_end < it->t1 ? (page_end < cap ? page_end : cap) : (it->t1 < cap ? it->t1 : cap);
         const int nt = (stop - t + TILE - 1) / TILE, nc = (nt + 1) / 2; /* tiles, 32-key chunks */
-        if (pf > 0) { /* the next page's first tiles */
+        if (pf > 0) { /* the next step's first tiles, and its scales */
             for (int j = 0; j < pf; j++) {
                 int f = stop + j * TILE;
                 if (f >= it->t1) break;
                 prefetch_tile((const char *)kc + tile_offset(it, f), tile_bytes);
                 if (j == 0) {
-                    prefetch_tile((const char *)(it->ks + scale_offset(it, f)), 4 * (size_t)it->ps);
-                    prefetch_tile((const char *)(it->vs + scale_offset(it, f)), 4 * (size_t)it->ps);
+                    const int in_page = it->ps - f % it->ps, n = in_page < AMX_STEP_KEYS ? in_page : AMX_STEP_KEYS;
+                    prefetch_tile((const char *)(it->ks + scale_offset(it, f)), 4 * (size_t)n);
+                    prefetch_tile((const char *)(it->vs + scale_offset(it, f)), 4 * (size_t)n);
                 }
             }
         }
