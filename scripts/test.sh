@@ -7,7 +7,9 @@
 # process), a test file per process (--dist loadfile: a module's fixtures are made once). Much of the
 # suite waits on single-threaded work (the Triton interpreter, child processes importing torch), so
 # two processes finish it in about half the time on a 2-core machine. No test times a speed target
-# (benchmarks do, on a quiet machine).
+# (benchmarks do, on a quiet machine). A test that crashes its process or outlives the per-test
+# timeout (pyproject.toml: 900 s, the thread method, so a test stuck in C code is ended too) fails the
+# run at once with its name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +39,10 @@ else
     export ATTNBENCH_TEST_POSTGRES_UNAVAILABLE="PostgreSQL is not installed and could not be installed here"
 fi
 if [ "$workers" -gt 1 ]; then
-    python -m pytest -n "$workers" --dist loadfile "$@"
+    # --max-worker-restart=0: a worker that crashes (a segfault in a kernel, or pytest-timeout's
+    # per-test limit, which ends a hung test's process: pyproject's timeout and timeout_method) fails
+    # the run with the test's name; it is not replaced, so its test file is not run again and again
+    python -m pytest -n "$workers" --dist loadfile --max-worker-restart=0 "$@"
 else
     python -m pytest "$@"
 fi

@@ -132,7 +132,13 @@ static inline void amx_emu_dpbf16ps(int c, int a, int b) {
         }
 }
 
-/* the intrinsics' names, for the AMX items as they are written */
+/* the intrinsics' names, for the AMX items as they are written (immintrin.h defines some as macros) */
+#undef _tile_loadconfig
+#undef _tile_release
+#undef _tile_zero
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_dpbf16ps
 #define _tile_loadconfig(p) amx_emu_loadconfig(p)
 #define _tile_release() amx_emu_release()
 #define _tile_zero(t) amx_emu_zero(t)
