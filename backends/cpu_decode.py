@@ -1,17 +1,9 @@
 """``cpu_decode`` — the project's own paged decode-attention kernel for CPUs (C, AVX-512 or AVX2, OpenMP).
 
-The kernel is the source tree ``csrc/`` beside this file (``cpu_decode.c`` and the headers it includes),
-compiled at first use with the system C compiler (``$CC``, else ``cc``/``gcc``) into a per-user cache
-(``attnbench.core.device.cache_dir() / "cpu_decode"``, one file per hash of the tree, the compiler's
-version and the flags, renamed into place atomically so parallel processes never see a half-written
-library), and called through :mod:`ctypes` with the tensors' ``data_ptr()``: no torch C++ headers, a
-build of seconds (once per source, compiler and flags).
-
-Builds (``BUILDS``): ``native``, what every backend loads, and ``amx-emulated``, the same tree with
-the AMX tile operations in plain C (``csrc/amx_emu.h``, which checks every operand the hardware would
-refuse), which the tests load so that the AMX items of ``cpu_decode_fp8`` and ``cpu_decode_mla`` run
-on any CPU with AVX-512 BF16 + VBMI, not only on an AMX Xeon. ``ATTNBENCH_CPU_DECODE_SANITIZE=address``
-builds either with AddressSanitizer (``scripts/asan-kernel.sh`` runs the kernel tests that way).
+The kernel is the C source tree ``csrc/`` beside this file, compiled at first use with the system C
+compiler and called through :mod:`ctypes` with the tensors' ``data_ptr()``: no torch C++ headers, a
+build of seconds, cached per source, compiler and flags (:mod:`attnbench.backends.cpu_kernel`, which
+also holds the ``amx-emulated`` build the tests run the AMX items on, and the AddressSanitizer builds).
 
 The cache (P = 2 for bf16, else 1)::
 
@@ -57,183 +49,31 @@ torch SDPA's flash kernel (:func:`attnbench.core.prefill_attention`), its K/V go
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
+from attnbench.backends.cpu_kernel import (
+    DTYPE_CODES,
+    ISA_CODES,
+    ISA_NAMES,
+    MAX_SPLITS,
+    Kernel,
+    kernel_failed,
+    load_kernel,
+)
 from attnbench.core.backend import Backend, KVCache, StepPlan, Tunable, base_plan
 from attnbench.core.device import empty_huge
 from attnbench.core.workload import Workload
 
-#: the kernel's source tree: ``cpu_decode.c`` and the headers it includes (``amx_emu.h``)
-SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCE = SOURCE_DIR / "cpu_decode.c"
-FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
-#: the builds a process may load: ``native`` (what users run) and ``amx-emulated``, the same source
-#: with the AMX tile operations in plain C (``csrc/amx_emu.h``), so that the AMX items run, and are
-#: tested, on a CPU without AMX (where it has the AVX-512 BF16 + VBMI the rest of those items use)
-BUILDS = {"native": (), "amx-emulated": ("-DCPU_DECODE_AMX_EMULATE",)}
-#: ``ATTNBENCH_CPU_DECODE_SANITIZE=address`` builds every flavour with AddressSanitizer (the process
-#: must preload the sanitizer's runtime: scripts/asan-kernel.sh does both)
-SANITIZE_ENV = "ATTNBENCH_CPU_DECODE_SANITIZE"
-#: (-O1 after -O3: a third of the compile time, the usual level for a sanitizer build)
-SANITIZERS = {"address": ("-O1", "-fsanitize=address", "-fno-omit-frame-pointer", "-g")}
-#: ``ATTNBENCH_CPU_DECODE_SOURCE_DIR``: build from another copy of the tree (scripts/asan-kernel.sh's
-#: planted bugs); unset, ``SOURCE_DIR``
-SOURCE_DIR_ENV = "ATTNBENCH_CPU_DECODE_SOURCE_DIR"
 #: 256 and 512 read a KV head's page in longer runs: at one thread the fp8 kernel ran 5-26 % faster on 512
 #: than on 128 (the bf16 one within ±5 %; results/cpu/bench/fp8-t1-pages-epyc-avx512, docs/benchmarks.md)
 PAGE_SIZES = (16, 32, 64, 128, 256, 512)
-MAX_SPLITS = 16
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-#: the kernel's variants, ordered: a CPU that runs one runs every one before it (cpu_decode_isa())
-_ISA_NAMES = {0: "c-scalar", 1: "c-avx2", 2: "c-avx512", 3: "c-avx512bf16", 4: "c-amx"}  # 4: fp8 caches only
-_ISA_CODES = {v: k for k, v in _ISA_NAMES.items()}
-_FP8_SHIFT_CODE = 5  # ISA_FP8_SHIFT: c-avx512bf16 over an fp8 cache with the shift conversion
 #: the dtypes a variant takes where it does not take all three
 _ISA_DTYPES = {"c-avx512": (torch.float32, torch.float16), "c-avx512bf16": (torch.bfloat16,)}
-_ABI = 7
-#: what the kernel's entry points return when a scratch allocation is refused (ERR_NOMEM)
-_ERR_NOMEM = -4
-
-
-def kernel_failed(backend: str, rc: int, what: str = "kernel") -> Exception:
-    """The exception for an entry point's non-zero return code ``rc`` (``what``: "kernel" or "kernel's
-    writer"): :class:`MemoryError` when its scratch memory was refused, else the arguments refused."""
-    if rc == _ERR_NOMEM:
-        return MemoryError(f"backend {backend!r}: the {what} could not allocate its scratch memory")
-    return RuntimeError(f"backend {backend!r}: the {what} refused its arguments (code {rc})")
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """The loaded library and the best variant the running CPU supports (``isa``: a key of ``_ISA_NAMES``)."""
-
-    lib: ctypes.CDLL
-    isa: int
-    path: Path
-    #: the best variant for fp8 caches: 2 AMX (granted by the OS, or emulated), 1 AVX-512 BF16 + VBMI, 0 plain C
-    fp8_level: int = 0
-    #: the build (a key of ``BUILDS``); ``amx-emulated`` runs its AMX items on the plain-C tiles
-    build: str = "native"
-
-    @property
-    def amx_emulated(self) -> bool:
-        return self.build == "amx-emulated"
-
-
-def find_compiler() -> str | None:
-    """The C compiler the kernel is built with: ``$CC``, else the first of cc, gcc, clang on PATH."""
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def build_flags(build: str = "native") -> tuple[str, ...]:
-    """The compiler flags of ``build`` (a key of ``BUILDS``), with the sanitizer ``$ATTNBENCH_CPU_DECODE_SANITIZE``
-    names, if any; an unknown build or sanitizer raises :class:`ValueError` naming what is accepted."""
-    if build not in BUILDS:
-        raise ValueError(f"cpu_decode build {build!r} unknown; builds: {', '.join(BUILDS)}")
-    sanitize = os.environ.get(SANITIZE_ENV, "")
-    if sanitize and sanitize not in SANITIZERS:
-        raise ValueError(f"{SANITIZE_ENV}={sanitize!r}: expected one of {', '.join(SANITIZERS)} or unset")
-    return (*FLAGS, *BUILDS[build], *SANITIZERS.get(sanitize, ()))
-
-
-def _source_dir() -> Path:
-    return Path(os.environ.get(SOURCE_DIR_ENV) or SOURCE_DIR)
-
-
-def _build(cc: str, build: str = "native") -> Path:
-    """Compile the source tree into the per-user cache unless a library for this tree/compiler/flags exists."""
-    from attnbench.core.device import cache_dir
-
-    flags = build_flags(build)
-    src = _source_dir()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    h = hashlib.sha256(version.encode() + " ".join(flags).encode())
-    for f in sorted(src.glob("*.[ch]")):  # the tree: a header's change is a new library too
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    out_dir = cache_dir() / "cpu_decode"
-    target = out_dir / f"cpu_decode-{h.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".build-", suffix=".so")
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [cc, *flags, "-I", str(src), "-o", tmp, str(src / SOURCE.name), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if proc.returncode != 0:
-            first = (proc.stderr.strip().splitlines() or ["(no message)"])[0]
-            raise RuntimeError(f"{cc} could not build {SOURCE.name} ({build}): {first}")
-        os.replace(tmp, target)  # atomic: a parallel build of the same key replaces it with the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def build_library(build: str = "native") -> Path:
-    """Compile ``build`` (a key of ``BUILDS``) with the kernel's compiler unless it is cached; its path.
-    Raises :class:`RuntimeError` where no compiler is found or the build fails."""
-    cc = find_compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
-    return _build(cc, build)
-
-
-@functools.cache
-def load_kernel(build: str = "native") -> Kernel | str:
-    """The compiled kernel (``build``: a key of ``BUILDS``), or the reason it is unavailable (built once per
-    process and build, cached on disk)."""
-    cc = find_compiler()
-    if cc is None:
-        return "no C compiler found (set CC, or install gcc or clang)"
-    try:
-        path = _build(cc, build)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return f"cpu_decode kernel unavailable: {exc}"
-    if lib.cpu_decode_abi() != _ABI:
-        return f"cpu_decode kernel at {path} has ABI {lib.cpu_decode_abi()}, expected {_ABI}"
-    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.cpu_decode_attend.argtypes = [p] * 7 + [i] * 11 + [f]
-    lib.cpu_decode_attend.restype = i
-    lib.cpu_decode_write.argtypes = [p] * 7 + [i] * 8
-    lib.cpu_decode_write.restype = i
-    lib.cpu_decode_attend_fp8.argtypes = [p] * 9 + [i] * 11 + [f]
-    lib.cpu_decode_attend_fp8.restype = i
-    lib.cpu_decode_write_fp8.argtypes = [p] * 9 + [i] * 7
-    lib.cpu_decode_write_fp8.restype = i
-    lib.cpu_decode_attend_latent.argtypes = [p] * 6 + [i] * 10 + [f]
-    lib.cpu_decode_attend_latent.restype = i
-    lib.cpu_decode_fail_alloc.argtypes = [i]
-    lib.cpu_decode_fail_alloc.restype = i
-    assert bool(lib.cpu_decode_amx_emulated()) == (build == "amx-emulated"), f"{path}: not the {build} build"
-    return Kernel(
-        lib=lib,
-        isa=int(lib.cpu_decode_isa()),
-        path=path,
-        fp8_level=int(lib.cpu_decode_fp8_fast()),
-        build=build,
-    )
 
 
 @dataclass
@@ -261,7 +101,7 @@ class CpuDecodeCache(KVCache):
     @property
     def isa_code(self) -> int:
         """The variant's code in ``cpu_decode.c`` (the kernel's ``isa`` argument)."""
-        return _ISA_CODES[self.isa]
+        return ISA_CODES[self.isa]
 
     def __init__(
         self, *, isa: str, page_size: int, kv_splits: str | int, prefetch: int, seed: int = 0, **kwargs: Any
@@ -315,7 +155,9 @@ class CpuDecodeCache(KVCache):
         return k[:length], v[:length]
 
 
-def _splits(kv_splits: str | int, *, work: int, threads: int, max_len: int) -> int:
+def kv_splits_for(kv_splits: str | int, *, work: int, threads: int, max_len: int) -> int:
+    """The KV splits per sequence for the tunable ``kv_splits`` (``auto``: only when the ``work`` items,
+    batch × KV heads, are fewer than the threads, and at most one split per 8 tiles of ``max_len``)."""
     if kv_splits != "auto":
         return int(kv_splits)
     if work >= threads:
@@ -374,8 +216,8 @@ class CpuDecodeBackend(Backend):
     def _variant_reasons(self, workload: Workload, kernel: Kernel) -> list[str]:
         """Why the variant for ``workload`` cannot run on this CPU (the shape already passed)."""
         isa = self._isa(workload.dtype, kernel)
-        if _ISA_CODES[isa] > kernel.isa:
-            return [f"variant {isa} needs an ISA this CPU lacks (it has {_ISA_NAMES[kernel.isa]})"]
+        if ISA_CODES[isa] > kernel.isa:
+            return [f"variant {isa} needs an ISA this CPU lacks (it has {ISA_NAMES[kernel.isa]})"]
         if workload.dtype not in _ISA_DTYPES.get(isa, (workload.dtype,)):
             return [f"variant {isa} does not take dtype {workload.dtype_name}"]
         return []
@@ -385,8 +227,8 @@ class CpuDecodeBackend(Backend):
         if self.force_isa is not None:
             return self.force_isa
         for code in range(kernel.isa, 0, -1):
-            if dtype in _ISA_DTYPES.get(_ISA_NAMES[code], (dtype,)):
-                return _ISA_NAMES[code]
+            if dtype in _ISA_DTYPES.get(ISA_NAMES[code], (dtype,)):
+                return ISA_NAMES[code]
         return "c-scalar"
 
     def _variant(self, workload: Workload, config: Mapping[str, Any] | None = None) -> str | None:
@@ -455,7 +297,7 @@ class CpuDecodeBackend(Backend):
         cache.seq_lens32.copy_(torch.tensor(base.seq_lens_after, dtype=torch.int32))
         threads = torch.get_num_threads()
         g = cache.geometry
-        splits = _splits(
+        splits = kv_splits_for(
             cache.kv_splits,
             work=cache.batch * g.num_kv_heads,
             threads=threads,
@@ -516,7 +358,7 @@ class CpuDecodeBackend(Backend):
         rc = getattr(kernel.lib, self.kernel_functions[1])(
             q.data_ptr(), *cache.layer_ptrs[layer], cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(),
             out.data_ptr(), cache.workspace.data_ptr(), cache.batch, g.num_q_heads, g.num_kv_heads, g.qk_head_dim,
-            cache.page_size, cache.pages_per_seq, plan.splits, _DTYPE_CODES[cache.dtype], cache.isa_code,
+            cache.page_size, cache.pages_per_seq, plan.splits, DTYPE_CODES[cache.dtype], cache.isa_code,
             plan.threads, cache.prefetch, g.scale,
         )  # fmt: skip
         if rc != 0:

@@ -25,7 +25,10 @@ denormals as zero; ``lookup`` is exact for every e4m3 value: two byte lookups (`
 blends per 64 bytes. ``c-amx`` (where the CPU
 has AMX-BF16 and the OS grants the tile data; GQA groups up to 16): the same lookups convert a page's
 tiles into a bf16 scratch buffer and AMX tile multiplies compute the scores and p·v of up to 128 keys
-a step; the softmax stays in AVX-512, fp32. ``c-scalar`` (plain C, any compute dtype) runs the same
+a step (a page of 256 or 512 keys in several steps); the softmax stays in AVX-512, fp32. Which one
+runs is the tunable ``isa``: ``auto`` is the variant measured fastest on the closest known CPU
+(:data:`FP8_MEASURED`; ``c-avx512bf16`` on AMX Xeons too), and a tune measures the others this CPU
+runs. ``c-scalar`` (plain C, any compute dtype) runs the same
 arithmetic in fp32 where the CPU lacks those (``force_isa``; tests run it everywhere).
 
 Lossy, so it competes only when the user allows it (``--allow-lossy``, ``select(allow_lossy=True)``).
@@ -42,15 +45,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backends.cpu_decode import (
-    _DTYPE_CODES,
-    _FP8_SHIFT_CODE,
-    _ISA_NAMES,
-    CpuDecodeBackend,
-    CpuDecodeCache,
-    Kernel,
-    load_kernel,
-)
+from attnbench.backends.cpu_decode import CpuDecodeBackend, CpuDecodeCache
+from attnbench.backends.cpu_kernel import DTYPE_CODES, FP8_SHIFT_CODE, ISA_NAMES, Kernel, load_kernel
 from attnbench.backends.fp8 import EXACT_TOLERANCE, STORED_TOLERANCE
 from attnbench.core.backend import Resolution, Tolerance, Tunable
 from attnbench.core.device import empty_huge
@@ -58,7 +54,7 @@ from attnbench.core.workload import Workload
 from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 
 #: the variants that read an fp8 cache: the AVX-512 ones (bf16 only) and plain C (any dtype)
-_FP8_DTYPES = {"c-amx": (torch.bfloat16,), "c-avx512bf16": (torch.bfloat16,), "c-scalar": tuple(_DTYPE_CODES)}
+_FP8_DTYPES = {"c-amx": (torch.bfloat16,), "c-avx512bf16": (torch.bfloat16,), "c-scalar": tuple(DTYPE_CODES)}
 #: the variants ``isa`` may name (plain C is for tests: ``force_isa``)
 ISA_CHOICES = ("auto", "c-avx512bf16", "c-amx")
 
@@ -143,13 +139,13 @@ class CpuDecodeFp8Cache(CpuDecodeCache):
     def isa_code(self) -> int:
         """``c-avx512bf16`` with ``convert = "shift"`` is its own code in the kernel; else the variant's."""
         if self.isa == "c-avx512bf16" and self.convert == "shift":
-            return _FP8_SHIFT_CODE
+            return FP8_SHIFT_CODE
         return super().isa_code
 
     def writer_args(self) -> tuple[int, ...]:
         """The fp8 writer's last arguments: the compute dtype's code (it quantises in C) and the variant's
         (c-scalar quantises in plain C, every other fp8 variant in AVX-512; the bytes are the same)."""
-        return (_DTYPE_CODES[self.dtype], self.isa_code)
+        return (DTYPE_CODES[self.dtype], self.isa_code)
 
     def bytes_per_token(self) -> int:
         g = self.geometry
@@ -268,7 +264,7 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
         if isa is None:
             return [
                 "the fp8 kernel needs AVX512_BF16 and AVX512_VBMI and bf16 compute "
-                f"(this CPU runs {_ISA_NAMES[kernel.isa]}, dtype {workload.dtype_name})"
+                f"(this CPU runs {ISA_NAMES[kernel.isa]}, dtype {workload.dtype_name})"
             ]
         if workload.dtype not in _FP8_DTYPES[isa]:
             return [f"variant {isa} with fp8 K/V does not take dtype {workload.dtype_name}"]

@@ -42,12 +42,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnbench.backends.cpu_decode import (
-    _DTYPE_CODES,
-    _ISA_CODES,
-    _ISA_NAMES,
+from attnbench.backends.cpu_decode import kv_splits_for
+from attnbench.backends.cpu_kernel import (
+    DTYPE_CODES,
+    ISA_CODES,
+    ISA_NAMES,
     MAX_SPLITS,
-    _splits,
     kernel_failed,
     load_kernel,
 )
@@ -87,15 +87,40 @@ class CpuDecodeMLABackend(Backend):
         Tunable(
             "kv_splits", ("auto", 1, 2, 4, 8), "auto", "KV splits per sequence (auto: only when B < threads)"
         ),
+        Tunable(
+            "isa",
+            ("auto", "c-avx512bf16", "c-amx"),
+            "auto",
+            "the kernel variant (auto: AMX tiles where granted and the row is a multiple of 32, else AVX-512 BF16)",
+        ),
     )
     #: run this variant instead of the best the CPU has ("c-scalar" in tests); None: the best
     force_isa: ClassVar[str | None] = None
     #: the build of the kernel this backend loads (``cpu_decode.BUILDS``; tests use "amx-emulated")
     kernel_build: ClassVar[str] = "native"
 
-    def _variant(self, workload: Workload) -> tuple[str | None, list[str]]:
-        """The variant that runs ``workload`` here (AMX where granted, else AVX-512 BF16), or None with
-        the reasons."""
+    def _variant(
+        self, workload: Workload, config: Mapping[str, Any] | None = None
+    ) -> tuple[str | None, list[str]]:
+        """The variant that runs ``workload`` here with ``config`` (``isa``: auto, AMX where granted and the
+        row takes its tiles, else AVX-512 BF16; or the variant named), or None with the reasons."""
+        isa = str((config or {}).get("isa", "auto"))
+        auto, reasons = self._auto_variant(workload)
+        if isa == "auto" or auto is None or self.force_isa is not None:
+            return auto, reasons
+        kernel = load_kernel(self.kernel_build)
+        assert not isinstance(kernel, str)
+        if isa == "c-amx" and kernel.fp8_level < 2:
+            return None, ["isa c-amx needs AMX-BF16 tiles granted by the OS; this CPU has none"]
+        if isa == "c-amx" and workload.geometry("latent").qk_head_dim % 32:
+            row = workload.geometry("latent").qk_head_dim
+            return None, [
+                f"isa c-amx takes latent rows that are a multiple of 32 (AMX tiles); this one is {row}"
+            ]
+        return isa, []
+
+    def _auto_variant(self, workload: Workload) -> tuple[str | None, list[str]]:
+        """The variant ``isa = auto`` runs (AMX where granted, else AVX-512 BF16), or None with the reasons."""
         kernel = load_kernel(self.kernel_build)
         if isinstance(kernel, str):
             return None, [kernel]
@@ -106,10 +131,10 @@ class CpuDecodeMLABackend(Backend):
             return None, [
                 f"the latent kernel computes in bf16 (AMX or AVX-512 BF16); dtype {workload.dtype_name}"
             ]
-        if kernel.isa < _ISA_CODES["c-avx512bf16"]:
+        if kernel.isa < ISA_CODES["c-avx512bf16"]:
             return None, [
                 "the latent kernel needs AVX-512 BF16 (vdpbf16ps) or AMX-BF16; this CPU runs "
-                f"{_ISA_NAMES[kernel.isa]}"
+                f"{ISA_NAMES[kernel.isa]}"
             ]
         if g.qk_head_dim % 2 or g.v_head_dim % 16:
             return None, [f"latent row {g.qk_head_dim} must be even and rank {g.v_head_dim} a multiple of 16"]
@@ -128,15 +153,29 @@ class CpuDecodeMLABackend(Backend):
             g = workload.geometry("latent")
             if g.v_head_dim > g.qk_head_dim:
                 reasons.append(f"rank {g.v_head_dim} > latent row {g.qk_head_dim}")
-            variant, why = self._variant(workload)
+            variant, why = self._variant(workload, self.resolve_config(config))
             reasons += why
         tunables = tuple(t for t in self.tunables if t.name != "kv_splits" or torch.get_num_threads() > 1)
+        tunables = self._isa_tunable(workload, tunables) if not reasons else tunables
         return self.resolution(
             workload,
             config,
             reasons=reasons,
             implementation=f"cpu_decode.c[{variant}, MLA latent]",
             tunables=tunables,
+        )
+
+    def _isa_tunable(self, workload: Workload, tunables: tuple[Tunable, ...]) -> tuple[Tunable, ...]:
+        """``isa`` offering ``auto`` and each other variant that runs ``workload`` here (none: no ``isa``),
+        so that a tune measures every variant this CPU runs rather than assume the matrix unit wins."""
+        auto, _ = self._variant(workload)
+        others = tuple(
+            v for v in ("c-avx512bf16", "c-amx") if v != auto and self._variant(workload, {"isa": v})[0] == v
+        )
+        return tuple(
+            Tunable(t.name, ("auto", *others), "auto", t.doc) if t.name == "isa" else t
+            for t in tunables
+            if t.name != "isa" or others
         )
 
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
@@ -157,7 +196,7 @@ class CpuDecodeMLABackend(Backend):
             page_order="random",
             share_v=True,
         )
-        variant, _ = self._variant(workload)
+        variant, _ = self._variant(workload, cfg)
         assert variant is not None
         cache.implementation = "cpu"
         cache.isa = variant
@@ -171,7 +210,9 @@ class CpuDecodeMLABackend(Backend):
         base = cache.plan_step(num_new)
         cache.seq_lens32.copy_(torch.tensor(base.seq_lens_after, dtype=torch.int32))
         threads = torch.get_num_threads()
-        splits = _splits(cache.kv_splits, work=cache.batch, threads=threads, max_len=max(base.seq_lens_after))
+        splits = kv_splits_for(
+            cache.kv_splits, work=cache.batch, threads=threads, max_len=max(base.seq_lens_after)
+        )
         return base.extend(CpuDecodeMLAPlan, seq_lens32=cache.seq_lens32, splits=splits, threads=threads)
 
     def decode(
@@ -190,7 +231,7 @@ class CpuDecodeMLABackend(Backend):
         rc = kernel.lib.cpu_decode_attend_latent(
             q.data_ptr(), cache.k_pages[layer].data_ptr(), cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(),
             out.data_ptr(), cache.workspace.data_ptr(), cache.batch, g.num_q_heads, g.qk_head_dim, g.v_head_dim,
-            cache.page_size, cache.pages_per_seq, plan.splits, _DTYPE_CODES[cache.dtype], _ISA_CODES[cache.isa],
+            cache.page_size, cache.pages_per_seq, plan.splits, DTYPE_CODES[cache.dtype], ISA_CODES[cache.isa],
             plan.threads, g.scale,
         )  # fmt: skip
         if rc != 0:

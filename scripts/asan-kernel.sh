@@ -84,7 +84,7 @@ export ATTNBENCH_CPU_DECODE_SANITIZE=address
 export ATTNBENCH_REQUIRE_CPU_DECODE=1
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 # the libraries are built first, without the runtime preloaded (the compiler need not run under it)
-python -c 'from attnbench.backends.cpu_decode import BUILDS, build_library
+python -c 'from attnbench.backends.cpu_kernel import BUILDS, build_library
 for b in BUILDS: print(f"asan-kernel: {b} build at {build_library(b)}")'
 log="$work/pytest.log"
 set +e

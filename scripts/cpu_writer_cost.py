@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from attnbench.backends.cpu_decode import CpuDecodeBackend, load_kernel
+from attnbench.backends.cpu_decode import CpuDecodeBackend
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
+from attnbench.backends.cpu_kernel import load_kernel
 from attnbench.cli.common import command_line, positive_int, run_record, write_report
 from attnbench.core.device import fingerprint
 from attnbench.core.workload import Workload, parse_int_list

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from attnbench.backends.cpu_decode import find_compiler
+from attnbench.backends.cpu_kernel import find_compiler
 from attnbench.cli.common import command_line, run_record, write_report
 from attnbench.core.device import fingerprint
 from attnbench.core.workload import parse_int_list

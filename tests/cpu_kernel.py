@@ -9,7 +9,7 @@ from typing import Any, ClassVar, TypeVar, cast
 
 import pytest
 
-from attnbench.backends.cpu_decode import Kernel, load_kernel
+from attnbench.backends.cpu_kernel import Kernel, load_kernel
 from attnbench.core.backend import Backend
 from attnbench.testing import CASES, BackendConformance
 

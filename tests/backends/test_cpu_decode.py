@@ -17,7 +17,8 @@ import torch
 from cpu_kernel import SPLIT_CONFIGS, ScalarConformance, scalar
 
 import attnbench.backends.cpu_decode as cpu_decode
-from attnbench.backends.cpu_decode import CpuDecodeBackend, load_kernel
+from attnbench.backends.cpu_decode import CpuDecodeBackend
+from attnbench.backends.cpu_kernel import load_kernel
 from attnbench.core.shapes import ModelShape
 from attnbench.core.workload import Workload
 from attnbench.correctness.gate import check
@@ -150,20 +151,6 @@ def test_refuses_what_it_cannot_run() -> None:
     backend = CpuDecodeBackend()
     odd = dataclasses.replace(GQA.shape, name="odd", head_dim=72, hidden_size=8 * 72)
     assert any("head_dim 72" in r for r in backend.supports(Workload(odd, (4,), torch.float32, "cpu")))
-
-
-def test_build_is_cached_per_source_and_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cc = cpu_decode.find_compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
-    first = cpu_decode._build(cc)
-    assert first.parent == tmp_path / "cpu_decode" and first.name.startswith("cpu_decode-")
-    mtime = first.stat().st_mtime_ns
-    assert cpu_decode._build(cc) == first and first.stat().st_mtime_ns == mtime  # no rebuild
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
-    monkeypatch.setattr(cpu_decode, "FLAGS", (*cpu_decode.FLAGS, "-DCPU_DECODE_NO_AVX512"))
-    assert cpu_decode._build(cc) != first  # other flags, other library
 
 
 def test_pages_hold_the_documented_layout() -> None:

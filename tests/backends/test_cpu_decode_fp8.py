@@ -22,12 +22,15 @@ from cpu_kernel import (
     require_kernel,
     scalar,
 )
+from tuning_helpers import planted_registry
 
-from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend, CpuDecodeFp8Cache
+from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend, CpuDecodeFp8Cache, measured_variant
+from attnbench.core.backend import ConfigError, Tunable
 from attnbench.core.shapes import ModelShape
 from attnbench.core.workload import Workload
 from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
 from attnbench.testing import CASES, BackendConformance
+from attnbench.tuning import ResultsTable, TuneOptions, tune
 
 
 class TestCpuDecodeFp8(BackendConformance):
@@ -268,3 +271,75 @@ class TestCpuDecodeFp8Avx512(BackendConformance):
         if kernel.fp8_level < 1:
             pytest.skip("this CPU lacks AVX512_BF16 + AVX512_VBMI")
         return super()._instance_for(case, dtype, lens, config)
+
+
+# -- the variant as a tunable ---------------------------------------------------------------------------
+class EmulatedTilesCpuDecodeFp8(CpuDecodeFp8Backend):
+    """The fp8 backend on the amx-emulated build, nothing forced: what an AMX CPU offers the tuner (AMX
+    tiles granted), with one choice for every tunable but ``isa`` so that a tune is two trials."""
+
+    name = "cpu_decode_fp8_emulated_tiles"
+    kernel_build = "amx-emulated"
+    tunables: ClassVar[tuple[Tunable, ...]] = tuple(
+        t if t.name == "isa" else Tunable(t.name, (t.default,), t.default, t.doc)
+        for t in CpuDecodeFp8Backend.tunables
+    )
+
+
+def test_isa_auto_runs_the_variant_measured_fastest_and_a_tune_offers_the_others() -> None:
+    require_amx_emulation()
+    w = Workload(GQA, (40,), torch.bfloat16, "cpu")
+    backend = EmulatedTilesCpuDecodeFp8()
+    # where AMX is granted (here: emulated) auto is still c-avx512bf16: measured faster on AMX Xeons
+    assert measured_variant(require_amx_emulation()).variant == "c-avx512bf16"  # type: ignore[union-attr]
+    assert backend.implementation(w) == "cpu_decode.c[c-avx512bf16, fp8 e4m3 K/V]"
+    (isa,) = (t for t in backend.tunables_for(w) if t.name == "isa")
+    assert isa.choices == ("auto", "c-amx") and isa.default == "auto"
+    for config, variant in (({}, "c-avx512bf16"), ({"isa": "c-amx"}, "c-amx")):
+        cache = backend.create_cache(w, config=config, num_layers=1, max_seq_len=48)
+        assert cache.isa == variant
+    # a group of 32 query heads per KV head is past the AMX item's 16: refused by name, not offered
+    wide = Workload(
+        ModelShape.attention_only("g32", num_heads=32, num_kv_heads=1, head_dim=64),
+        (8,),
+        torch.bfloat16,
+        "cpu",
+    )
+    res = backend.resolve(wide, {"isa": "c-amx"})
+    assert not res.runnable and "GQA groups up to 16" in res.reasons[0], res.reasons
+    assert all(t.name != "isa" for t in backend.tunables_for(wide))
+
+
+def test_isa_names_what_this_cpu_lacks() -> None:
+    kernel = require_kernel()
+    w = Workload(GQA, (40,), torch.bfloat16, "cpu")
+    if kernel.fp8_level >= 2:
+        pytest.skip("this CPU has AMX tiles: every isa choice runs here")
+    res = CpuDecodeFp8Backend().resolve(w, {"isa": "c-amx"})
+    assert not res.runnable, res
+    assert res.reasons[0] in (
+        "isa c-amx needs AMX-BF16 tiles granted by the OS; this CPU has none",
+        "isa c-amx needs AVX512_BF16 and AVX512_VBMI, which this CPU lacks",
+    )
+    with pytest.raises(ValueError, match="isa c-amx needs"):
+        CpuDecodeFp8Backend().create_cache(w, config={"isa": "c-amx"}, num_layers=1, max_seq_len=48)
+    with pytest.raises(ConfigError, match=r"isa = 'avx9' not in \('auto', 'c-avx512bf16', 'c-amx'\)"):
+        CpuDecodeFp8Backend.resolve_config({"isa": "avx9"})
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_a_tune_measures_each_variant_and_the_table_records_the_winner(tmp_path: Any, profile: Any) -> None:
+    """The tuner measures both variants the (emulated) AMX CPU runs; the emulated tiles are plain C, many
+    times slower than c-avx512bf16, so the faster is plain and the table must name it."""
+    require_amx_emulation()
+    w = Workload(GQA, (256,), torch.bfloat16, "cpu")
+    reg = planted_registry(EmulatedTilesCpuDecodeFp8)
+    options = TuneOptions(timeout_s=120.0, warmup=1, repeats=3, allow_lossy=True)
+    report = tune([w], registry=reg, results_dir=tmp_path, options=options, profile=profile, samples=7)
+    (entry,) = report.entries.values()
+    tried = sorted(c["config"]["isa"] for c in entry["candidates"] if c.get("step_ms"))
+    assert tried == ["auto", "c-amx"], entry["candidates"]
+    assert entry["winner"]["config"]["isa"] == "auto", entry
+    on_disk = ResultsTable.load(report.table_path, fingerprint=profile.fingerprint)
+    assert next(iter(on_disk.entries.values()))["winner"]["config"]["isa"] == "auto"

@@ -19,8 +19,8 @@ import pytest
 import torch
 from cpu_kernel import amx_emulated, require_amx_emulation, require_kernel, scalar
 
-from attnbench.backends.cpu_decode import _ISA_CODES, _ISA_NAMES
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
+from attnbench.backends.cpu_kernel import ISA_CODES, ISA_NAMES
 from attnbench.backends.mla import MLABackend
 from attnbench.core.shapes import load_shape
 from attnbench.core.workload import Workload
@@ -61,7 +61,7 @@ class TestCpuDecodeMLA(BackendConformance):
     def test_supports_some_case(self) -> None:
         """With a bf16 variant on this CPU, the conformance rule; without one, no case runs and each one
         says why."""
-        if require_kernel().isa >= _ISA_CODES["c-avx512bf16"]:
+        if require_kernel().isa >= ISA_CODES["c-avx512bf16"]:
             return super().test_supports_some_case()
         for c in self._cases():
             res = CpuDecodeMLABackend().resolve(Workload(c.shape, c.prompt_lens, torch.bfloat16, self.device))
@@ -121,8 +121,8 @@ def test_each_bf16_variant_agrees_with_scalar_and_the_mla_torch_path(variant: st
         pytest.skip("AMX-BF16 is not available (or not granted) on this CPU (c-amx:emulated runs its item)")
     if variant == "c-amx:emulated":
         require_amx_emulation()
-    if kernel.isa < _ISA_CODES["c-avx512bf16"]:
-        pytest.skip(f"this CPU has no AVX-512 BF16 (it runs {_ISA_NAMES[kernel.isa]})")
+    if kernel.isa < ISA_CODES["c-avx512bf16"]:
+        pytest.skip(f"this CPU has no AVX-512 BF16 (it runs {ISA_NAMES[kernel.isa]})")
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     lens = (300, 17, 129)
     w = Workload(MLA96, lens, torch.bfloat16, "cpu")
@@ -165,3 +165,26 @@ def test_plain_c_passes_the_fp32_gate_at_deepseek_v3_rows() -> None:
     for seed in range(5):
         result = check(ScalarCpuDecodeMLA(), w, decode_steps=1, num_layers=1, seed=seed)
         assert result.passed and result.retrieval == 1.0, result.summary()
+
+
+def test_isa_offers_every_variant_this_cpu_runs_and_names_what_it_lacks() -> None:
+    """Where AMX is granted (here on the emulated tiles) auto is c-amx and the tuner is offered
+    c-avx512bf16 too; a row that is no multiple of 32, or a CPU without AMX, is refused c-amx by name."""
+    kernel = require_kernel()
+    require_amx_emulation()
+    tiles = type(
+        "EmulatedTiles", (CpuDecodeMLABackend,), {"name": "mla_tiles", "kernel_build": "amx-emulated"}
+    )()
+    w = Workload(MLA96, (40,), torch.bfloat16, "cpu")
+    res = tiles.resolve(w)
+    (isa,) = (t for t in res.tunables if t.name == "isa")
+    assert res.implementation == "cpu_decode.c[c-amx, MLA latent]" and isa.choices == ("auto", "c-avx512bf16")
+    for config, variant in (({}, "c-amx"), ({"isa": "c-avx512bf16"}, "c-avx512bf16")):
+        assert tiles.create_cache(w, config=config, num_layers=1, max_seq_len=48).isa == variant
+    narrow = Workload(TINY_MLA, (8,), torch.bfloat16, "cpu")  # a latent row of 24
+    refused = tiles.resolve(narrow, {"isa": "c-amx"})
+    assert not refused.runnable and "multiple of 32" in refused.reasons[0], refused.reasons
+    if kernel.fp8_level < 2:
+        native = CpuDecodeMLABackend().resolve(w, {"isa": "c-amx"})
+        assert native.reasons == ("isa c-amx needs AMX-BF16 tiles granted by the OS; this CPU has none",)
+        assert all(t.name != "isa" for t in CpuDecodeMLABackend().resolve(w).tunables)

@@ -23,8 +23,8 @@ import transformers
 from tiny_hf import seeded, tiny_deepseek
 
 import attnbench
-from attnbench.backends.cpu_decode import _ISA_CODES, load_kernel
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
+from attnbench.backends.cpu_kernel import ISA_CODES, load_kernel
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.backend import Backend, Tolerance
 from attnbench.correctness.gate import within
@@ -437,7 +437,7 @@ def test_cpu_decode_mla_in_bf16() -> None:
     those of the same bf16 decoder with naive attention (scores, softmax and P·V in bf16 torch ops), and
     within bf16's tolerance of them."""
     kernel = load_kernel()
-    if isinstance(kernel, str) or kernel.isa < _ISA_CODES["c-avx512bf16"]:
+    if isinstance(kernel, str) or kernel.isa < ISA_CODES["c-avx512bf16"]:
         pytest.skip("neither AVX-512 BF16 nor AMX-BF16 on this CPU (or no kernel)")
     variant = "c-amx" if kernel.fp8_level >= 2 else "c-avx512bf16"
     hf = seeded(lambda: tiny_deepseek(kv_lora_rank=64, qk_rope_head_dim=32))
