@@ -231,6 +231,13 @@ class CpuDecodeBackend(Backend):
                 return ISA_NAMES[code]
         return "c-scalar"
 
+    def variant_for(self, dtype: torch.dtype) -> str:
+        """The variant this backend runs for ``dtype`` on this CPU (the kernel loaded)."""
+        kernel = load_kernel(self.kernel_build)
+        if isinstance(kernel, str):
+            raise RuntimeError(kernel)
+        return self._isa(dtype, kernel)
+
     def _variant(self, workload: Workload, config: Mapping[str, Any] | None = None) -> str | None:
         """The variant a cache for ``workload`` (and ``config``) runs (the kernel loaded)."""
         kernel = load_kernel(self.kernel_build)

@@ -1,0 +1,315 @@
+"""``CPU_ATTN`` as attnbench serves it: vLLM's CPU attention backend classes, subclassed so that each
+decoder layer runs ``cpu_decode`` on vLLM's own KV tensor (or vLLM's implementation where it must).
+
+Imported by vLLM's attention registry when :func:`attnbench_vllm.serving.register` has registered
+:class:`AttnbenchCPUBackend` (``ATTNBENCH_VLLM=1``); the module docstring of
+:mod:`attnbench_vllm.serving` describes the layout, the writes, the plan and the fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from vllm.v1.attention.backends import cpu_attn as vllm_cpu_attn
+
+#: under vLLM's logger, so the lines appear in vLLM's log with its format and level
+log = logging.getLogger("vllm.plugins.attnbench")
+
+
+def _kernel() -> Any:
+    from attnbench.backends.cpu_kernel import load_kernel
+
+    kernel = load_kernel()
+    if isinstance(kernel, str):
+        raise RuntimeError(kernel)
+    return kernel
+
+
+# -- the per-step plan ---------------------------------------------------------------------------------
+@dataclass
+class ServingPlan:
+    """One step's metadata in the kernel's terms, built once per step and read by every layer.
+
+    ``decode_rows``: the token rows (``[Nd]`` int64) of requests that decode one token;
+    ``decode_block_table`` ``[Nd, max_blocks]`` and ``decode_seq_lens`` ``[Nd]`` int32 (contiguous, as the
+    kernel reads them); ``prefills``: ``(first token row, query length, sequence length, request)`` of
+    every request that runs a prefill chunk; ``block_table`` ``[R, max_blocks]`` int32 of every request.
+    """
+
+    num_tokens: int
+    decode_rows: torch.Tensor
+    decode_block_table: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    all_decode: bool
+    prefills: list[tuple[int, int, int, int]]
+    block_table: torch.Tensor
+    splits: int
+    threads: int
+    workspace: torch.Tensor = field(repr=False)
+
+
+def build_plan(
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tokens: int,
+    num_kv_heads: int,
+    group: int,
+    head_size: int,
+) -> ServingPlan:
+    """The :class:`ServingPlan` of a step from vLLM's per-request tensors (host work, once per step)."""
+    from attnbench.backends.cpu_decode import kv_splits_for
+    from attnbench.backends.cpu_kernel import MAX_SPLITS
+
+    starts = query_start_loc.to("cpu", torch.int64)
+    lens = seq_lens.to("cpu", torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    table = block_table.to("cpu", torch.int32).contiguous()
+    decode = torch.nonzero(q_lens == 1).flatten()
+    prefills = [
+        (int(starts[r]), int(q_lens[r]), int(lens[r]), int(r))
+        for r in torch.nonzero(q_lens > 1).flatten().tolist()
+    ]
+    threads = torch.get_num_threads()
+    n_dec = int(decode.numel())
+    max_len = int(lens[decode].max()) if n_dec else 1
+    splits = kv_splits_for("auto", work=max(1, n_dec * num_kv_heads), threads=threads, max_len=max_len)
+    all_decode = n_dec == len(q_lens) and n_dec == num_tokens
+    return ServingPlan(
+        num_tokens=num_tokens,
+        decode_rows=starts[decode],
+        decode_block_table=table if all_decode else table[decode].contiguous(),
+        decode_seq_lens=lens[decode].to(torch.int32).contiguous(),
+        all_decode=all_decode,
+        prefills=prefills,
+        block_table=table,
+        splits=splits,
+        threads=threads,
+        workspace=torch.empty(max(1, n_dec) * num_kv_heads * MAX_SPLITS * group * (head_size + 2)),
+    )
+
+
+# -- vLLM's backend classes ----------------------------------------------------------------------------------
+@dataclass
+class AttnbenchCPUMetadata(vllm_cpu_attn.CPUAttentionMetadata):
+    plan: ServingPlan | None = None
+
+
+class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.v1.attention.backends.utils import get_layers_from_vllm_config
+
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+        #: whether any layer of this group runs cpu_decode (else no plan is built: vLLM's own runs them all)
+        self.serves = any(not getattr(layer.impl, "refusal", "x") for layer in layers.values())
+        served = sum(not getattr(layer.impl, "refusal", "x") for layer in layers.values())
+        kernel = _kernel()
+        log.info(
+            "attnbench (ATTNBENCH_VLLM=1): %d of %d attention layers on cpu_decode.c[%s], %s, %d query / %d KV "
+            "heads of %d, vLLM's block size %d as the page size (the others, if any, on vLLM's CPU_ATTN: "
+            "each says why)",
+            served,
+            len(layers),
+            _variant(kernel, cast(torch.dtype, self.dtype)),  # resolved to a torch dtype by vLLM
+            str(self.dtype).removeprefix("torch."),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+        )
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        plan = None
+        if self.serves and md.causal is True and md.encoder_cache is None and md.dynamic_causal is None:
+            plan = build_plan(
+                query_start_loc=common_attn_metadata.query_start_loc_cpu,
+                seq_lens=md.seq_lens,
+                block_table=md.block_table,
+                num_tokens=md.num_actual_tokens,
+                num_kv_heads=self.num_kv_heads,
+                group=self.num_heads // self.num_kv_heads,
+                head_size=self.head_dim,
+            )
+        fields = {f: getattr(md, f) for f in md.__dataclass_fields__}
+        return AttnbenchCPUMetadata(**fields, plan=plan)
+
+
+class AttnbenchCPUImpl(vllm_cpu_attn.CPUAttentionBackendImpl):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refusal = _refusal(self)
+        self.warned = False
+
+    def _falls_back(self, layer: Any) -> bool:
+        if self.refusal and not self.warned:
+            name = getattr(layer, "layer_name", "?")
+            log.warning(
+                "attnbench: layer %s has %s, which cpu_decode does not run exactly: vLLM's CPU_ATTN runs it",
+                name,
+                self.refusal,
+            )
+            self.warned = True
+        return bool(self.refusal)
+
+    def do_kv_cache_update(self, layer: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> None:
+        if self._falls_back(layer):
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        write_slots(kv_cache, key, value, slot_mapping)
+        return None
+
+    def forward(self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any, output: Any, output_scale: Any = None, output_block_scale: Any = None) -> Any:  # fmt: skip
+        plan = getattr(attn_metadata, "plan", None)
+        if self._falls_back(layer) or plan is None or output_scale is not None:
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+        attend(self, plan, query, key, value, kv_cache, output)
+        return output
+
+
+class AttnbenchCPUBackend(vllm_cpu_attn.CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type:
+        return AttnbenchCPUImpl
+
+    @staticmethod
+    def get_builder_cls() -> type:
+        return AttnbenchCPUMetadataBuilder
+
+
+def _refusal(impl: Any) -> str:
+    """What of a layer ``cpu_decode`` does not run exactly ("" where it runs the layer)."""
+    from vllm.v1.attention.backend import AttentionType
+
+    if impl.attn_type != AttentionType.DECODER:
+        return f"{impl.attn_type} attention"
+    if impl.sliding_window != -1:
+        return f"a sliding window of {impl.sliding_window}"
+    if impl.sinks is not None:
+        return "attention sinks"
+    if impl.logits_soft_cap:
+        return f"logit soft-capping at {impl.logits_soft_cap}"
+    if impl.alibi_slopes is not None:
+        return "ALiBi"
+    if impl.is_fp8_kv_cache:
+        return f"an {impl.kv_cache_dtype} KV cache"
+    if impl.head_size % 16 or impl.head_size > 1024:
+        return f"head size {impl.head_size} (cpu_decode takes multiples of 16 up to 1024)"
+    if impl.num_heads // impl.num_kv_heads > 64:
+        return f"a GQA group of {impl.num_heads // impl.num_kv_heads} query heads per KV head (cpu_decode: up to 64)"
+    return ""
+
+
+# -- the per-layer work ------------------------------------------------------------------------------------
+def _pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """The kernel's ``kc`` and ``vc`` for a layer's KV tensor: its first K tile and first V tile."""
+    d = kv_cache.shape[-1] // 2
+    return kv_cache.data_ptr(), kv_cache.data_ptr() + 16 * d * kv_cache.element_size()
+
+
+def write_slots(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``key``/``value`` ``[N, Hkv, D]`` into the layer's pages at vLLM's slots (``-1``: padding, skipped),
+    with the kernel's writer: each token a one-token sequence whose one block is its slot's."""
+    _, hkv, ps, two_d = kv_cache.shape
+    d = two_d // 2
+    n = slot_mapping.shape[0]
+    slots = slot_mapping[:n].to(torch.int64)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
+    else:
+        key, value = key[:n], value[:n]
+    count = int(slots.numel())
+    if count == 0:
+        return
+    k = key.to(kv_cache.dtype).contiguous().view(count, 1, hkv, d)
+    v = value.to(kv_cache.dtype).contiguous().view(count, 1, hkv, d)
+    table = (slots // ps).to(torch.int32).view(count, 1).contiguous()
+    positions = (slots % ps).to(torch.int32).contiguous()
+    ones = torch.ones(count, dtype=torch.int32)
+    pair = 2 if kv_cache.dtype == torch.bfloat16 else 1
+    kernel = _kernel()
+    rc = kernel.lib.cpu_decode_write(
+        *_pointers(kv_cache), k.data_ptr(), v.data_ptr(), table.data_ptr(), positions.data_ptr(),
+        ones.data_ptr(), count, 1, hkv, d, ps, 1, pair, kv_cache.element_size(),
+    )  # fmt: skip
+    if rc != 0:
+        from attnbench.backends.cpu_kernel import kernel_failed
+
+        raise kernel_failed("cpu_decode (vLLM)", rc, "kernel's writer")
+
+
+def read_prefix(
+    kv_cache: torch.Tensor, blocks: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k``/``v`` ``[length, Hkv, D]`` of one sequence back from its pages (``blocks``: its block table row)."""
+    n_blocks, hkv, ps, two_d = kv_cache.shape
+    d = two_d // 2
+    pair = 2 if kv_cache.dtype == torch.bfloat16 else 1
+    n_pages = -(-length // ps)
+    pages = kv_cache.view(n_blocks, hkv, ps // 16, 2, 16 * d).index_select(0, blocks[:n_pages].long())
+    k = pages[:, :, :, 0].reshape(n_pages, hkv, ps // 16, d // pair, 16, pair)
+    k = k.permute(0, 2, 4, 1, 3, 5).reshape(-1, hkv, d)
+    v = pages[:, :, :, 1].reshape(n_pages, hkv, ps // 16, 16 // pair, d, pair)
+    v = v.permute(0, 2, 3, 5, 1, 4).reshape(-1, hkv, d)
+    return k[:length], v[:length]
+
+
+def attend(
+    impl: Any, plan: ServingPlan, query: Any, key: Any, value: Any, kv_cache: Any, output: Any
+) -> None:
+    """One layer's attention for the step: decode rows through the kernel, prefill chunks through
+    :func:`attnbench.core.prefill_attention` over their cached prefix and themselves."""
+    from attnbench.backends.cpu_kernel import DTYPE_CODES, ISA_CODES, kernel_failed
+    from attnbench.core.prefill import prefill_attention
+
+    n, hq, hkv, d = plan.num_tokens, impl.num_heads, impl.num_kv_heads, impl.head_size
+    out = output[:n].view(n, hq, d)
+    if plan.decode_rows.numel():
+        q = query[:n] if plan.all_decode else query[:n].index_select(0, plan.decode_rows)
+        q = q.contiguous()
+        res = out if plan.all_decode and out.is_contiguous() else torch.empty_like(q)
+        kernel = _kernel()
+        isa = ISA_CODES[_variant(kernel, q.dtype)]
+        rc = kernel.lib.cpu_decode_attend(
+            q.data_ptr(), *_pointers(kv_cache), plan.decode_block_table.data_ptr(), plan.decode_seq_lens.data_ptr(),
+            res.data_ptr(), plan.workspace.data_ptr(), q.shape[0], hq, hkv, d, kv_cache.shape[2],
+            plan.decode_block_table.shape[1], plan.splits, DTYPE_CODES[q.dtype], isa, plan.threads, 2, impl.scale,
+        )  # fmt: skip
+        if rc != 0:
+            raise kernel_failed("cpu_decode (vLLM)", rc)
+        if res is not out:
+            out.index_copy_(0, plan.decode_rows, res)
+    for start, q_len, seq_len, req in plan.prefills:
+        prefix_len = seq_len - q_len
+        prefix = [read_prefix(kv_cache, plan.block_table[req], prefix_len) if prefix_len > 0 else None]
+        chunk = prefill_attention(
+            query[start : start + q_len][None],
+            key[start : start + q_len][None].to(query.dtype),
+            value[start : start + q_len][None].to(query.dtype),
+            lengths=[q_len],
+            scale=impl.scale,
+            prefix=prefix,
+        )
+        out[start : start + q_len] = chunk[0]
+
+
+_VARIANTS: dict[torch.dtype, str] = {}
+
+
+def _variant(kernel: Any, dtype: torch.dtype) -> str:
+    """The variant ``cpu_decode`` runs for ``dtype`` on this CPU (what its backend picks)."""
+    if dtype not in _VARIANTS:
+        from attnbench.backends.cpu_decode import CpuDecodeBackend
+
+        _VARIANTS[dtype] = CpuDecodeBackend().variant_for(dtype)
+    return _VARIANTS[dtype]

@@ -1,0 +1,127 @@
+"""vLLM's engine serving through attnbench's cpu_decode (``ATTNBENCH_VLLM=1``): the same greedy tokens
+and logprobs as vLLM's own CPU_ATTN, through mixed prefill/decode steps; a layer with a feature the
+kernel does not run falls back to vLLM's own with one log line; the switch refuses a bad value.
+
+Each engine runs in a fresh process (``vllm_generate.py``): vLLM loads its plugins once per process.
+The decoder is a transformers Llama with wide random weights (``initializer_range`` 0.2, so the
+attention is far from uniform and a wrong key moves the logits), saved and loaded as a checkpoint,
+without a tokenizer. Needs vLLM's CPU build: skipped with the reason where it is missing, failed
+under ``ATTNBENCH_REQUIRE_VLLM=1`` (CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_REQUIRED = os.environ.get("ATTNBENCH_REQUIRE_VLLM") == "1"
+try:
+    from attnbench_vllm import isa as isa_mod
+    from attnbench_vllm import serving
+except ImportError as err:
+    if _REQUIRED:
+        raise
+    pytest.skip(f"attnbench-vllm is not installed ({err})", allow_module_level=True)
+if isa_mod.vllm_error() and not _REQUIRED:
+    pytest.skip(f"vLLM's CPU kernels unavailable: {isa_mod.vllm_error()}", allow_module_level=True)
+
+HERE = Path(__file__).resolve().parent
+#: a ragged batch around 1k tokens; 512-token steps split the long prompts into chunks after a cached
+#: prefix, and the short one decodes beside the others' prefill chunks
+LENS = "1000,700,1000,33"
+
+
+def _save_llama(path: Path, **config: Any) -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(1234)
+    fields: dict[str, Any] = dict(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,  # GQA groups of 4
+        head_dim=64,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    fields.update(config)
+    arch = transformers.MistralForCausalLM if "sliding_window" in config else transformers.LlamaForCausalLM
+    cfg_cls = transformers.MistralConfig if "sliding_window" in config else transformers.LlamaConfig
+    arch(cfg_cls(**fields)).eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _generate(model: Path, dtype: str, *, served: bool) -> tuple[dict[str, Any], str]:
+    env = os.environ | {
+        "ATTNBENCH_VLLM": "1" if served else "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: the counters see it
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(model), dtype, LENS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT ")), proc.stdout + proc.stderr  # vLLM logs to stdout
+
+
+def _assert_same(off: dict[str, Any], on: dict[str, Any], atol: float) -> None:
+    for i, (a, b) in enumerate(zip(off["outputs"], on["outputs"], strict=True)):
+        assert a["tokens"] == b["tokens"], f"request {i}: {a['tokens']} != {b['tokens']}"
+        for step, (la, lb) in enumerate(zip(a["logprobs"], b["logprobs"], strict=True)):
+            for tok, value in la.items():
+                assert abs(value - lb[tok]) <= atol, (i, step, tok, value, lb[tok])
+
+
+def test_the_engine_generates_the_same_tokens_through_cpu_decode(tmp_path: Path) -> None:
+    model = _save_llama(tmp_path / "llama")
+    off, _ = _generate(model, "float32", served=False)
+    on, log = _generate(model, "float32", served=True)
+    calls = on["calls"]
+    # cpu_decode ran every layer of every step: decode rows, prefill chunks, and steps mixing both
+    assert calls["decode_rows"] == 2 * 4 * 23, calls  # 2 layers x 4 requests x 23 decode steps
+    assert calls["prefill_chunks"] >= 2 * 6 and calls["mixed_steps"] >= 1, calls
+    assert calls["writes"] == calls["layer_steps"], calls
+    assert "attnbench (ATTNBENCH_VLLM=1): 2 of 2 attention layers on cpu_decode.c[" in log, log[-3000:]
+    # fp32: the same greedy tokens, and the top-3 logprobs within fp32 summation-order noise
+    _assert_same(off, on, atol=2e-4)
+
+
+def test_a_sliding_window_falls_back_to_vllms_own_with_one_line(tmp_path: Path) -> None:
+    model = _save_llama(tmp_path / "mistral", sliding_window=256)
+    off, _ = _generate(model, "float32", served=False)
+    on, log = _generate(model, "float32", served=True)
+    assert on["calls"].get("layer_steps", 0) == 0, on["calls"]  # vLLM's kernel ran every layer
+    lines = [x for x in log.splitlines() if "which cpu_decode does not run exactly" in x]
+    assert len(lines) == 2, log[-3000:]  # one line per layer, once
+    assert "a sliding window of 256" in lines[0] and "vLLM's CPU_ATTN runs it" in lines[0]
+    assert "attnbench (ATTNBENCH_VLLM=1): 0 of 2 attention layers" in log, log[-3000:]
+    _assert_same(off, on, atol=0.0)
+
+
+def test_the_switch_names_what_it_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, on in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv(serving.SWITCH, value)
+        assert serving.enabled() is on
+    monkeypatch.delenv(serving.SWITCH)
+    assert serving.enabled() is False
+    monkeypatch.setenv(serving.SWITCH, "yes")
+    with pytest.raises(ValueError, match=r"ATTNBENCH_VLLM='yes': expected 1 .* or 0"):
+        serving.enabled()
