@@ -42,7 +42,7 @@ even AVX2). Unavailable, with the reason, where no C compiler builds the file.
 Which call may allocate: ``create_cache`` (the pages, workspace and step buffers); ``plan`` (host
 work: small host tensors, copied into the cache's step buffers, which the plan then names);
 ``decode`` allocates only its output. ``prefill`` is the base class's: the prompt's attention is
-torch SDPA's flash kernel (:func:`attnbench.core.prefill_attention`), its K/V go through ``append``
+torch SDPA's flash kernel (:func:`attnbench.core.prefill.prefill_attention`), its K/V go through ``append``
 (the kernel's writer, one call per layer); a prompt after a cached prefix reads the prefix back with
 :meth:`CpuDecodeCache.read`. Everything runs on the host: there is no graph capture.
 """

@@ -400,7 +400,7 @@ class Backend(ABC):
         ``q [B, T, Hq, Dk]`` → ``[B, T, Hq, Dv]``; rows past ``plan.num_new[i]`` are zero. Sequence
         ``i``'s new tokens start at ``plan.positions[i]``: a non-empty cache (the second turn of a
         chat) is read back through :meth:`KVCache.read` and the prompt attends to it and to itself.
-        The default runs :func:`attnbench.core.prefill_attention` — torch SDPA's fused kernel, ragged
+        The default runs :func:`attnbench.core.prefill.prefill_attention` — torch SDPA's fused kernel, ragged
         prompts without padding, chunked past a memory budget — then writes the prompt's K/V with
         :meth:`append` (one vectorised write into this backend's layout). A backend with its own
         prefill kernel may override it. Host work; may allocate; not capturable.
@@ -483,7 +483,7 @@ def base_plan(cache: KVCache, num_new: Sequence[int]) -> StepPlan:
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], *, scale: float
 ) -> torch.Tensor:
-    """Causal attention of right-padded prompts on an empty cache (:func:`attnbench.core.prefill_attention`).
+    """Causal attention of right-padded prompts on an empty cache (:func:`attnbench.core.prefill.prefill_attention`).
 
     ``q [B, T, Hq, Dk]``, ``k [B, T, Hkv, Dk]``, ``v [B, T, Hkv, Dv]`` → ``[B, T, Hq, Dv]``; rows past
     ``lengths[i]`` are zero. torch SDPA (its flash kernel where the platform has one), GQA without

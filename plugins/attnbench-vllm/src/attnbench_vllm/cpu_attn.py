@@ -268,7 +268,7 @@ def attend(
     impl: Any, plan: ServingPlan, query: Any, key: Any, value: Any, kv_cache: Any, output: Any
 ) -> None:
     """One layer's attention for the step: decode rows through the kernel, prefill chunks through
-    :func:`attnbench.core.prefill_attention` over their cached prefix and themselves."""
+    :func:`attnbench.core.prefill.prefill_attention` over their cached prefix and themselves."""
     from attnbench.backends.cpu_kernel import DTYPE_CODES, ISA_CODES, kernel_failed
     from attnbench.core.prefill import prefill_attention
 

@@ -21,7 +21,7 @@ layer to vLLM's ``CPU_ATTN`` implementation, decided once when the layer is buil
   requests decode one token and which run a prefill chunk, their block table rows and lengths as int32,
   the KV splits and a workspace. Decode rows go through the kernel in one call per layer; a prefill
   chunk attends to its cached prefix (read back from the pages) and to itself with
-  :func:`attnbench.core.prefill_attention` (SDPA's flash kernel, chunked, never a T×T matrix).
+  :func:`attnbench.core.prefill.prefill_attention` (SDPA's flash kernel, chunked, never a T×T matrix).
 - **Fallback.** A layer with a feature the kernel does not run exactly — a sliding window, attention
   sinks, logit soft-capping, ALiBi, an fp8 KV cache, encoder or cross attention, a head size that is
   not a multiple of 16 — runs vLLM's implementation, with one log line naming the feature, the layer and
