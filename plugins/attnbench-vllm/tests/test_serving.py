@@ -63,13 +63,27 @@ def _save_llama(path: Path, **config: Any) -> Path:
     return path
 
 
-def _generate(model: Path, dtype: str, *, served: bool) -> tuple[dict[str, Any], str]:
-    env = os.environ | {
-        "ATTNBENCH_VLLM": "1" if served else "0",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: the counters see it
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    }
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The saved Llama and what vLLM's own engine generates from it (fp32), shared by this module's tests."""
+    model = _save_llama(tmp_path_factory.mktemp("llama") / "llama")
+    off, _ = _generate(model, "float32", served=False)
+    return model, off
+
+
+def _generate(model: Path, dtype: str, *, served: bool, **extra_env: str) -> tuple[dict[str, Any], str]:
+    env = (
+        os.environ
+        | extra_env
+        | {
+            # an empty results location: no tuned table, so select() answers with its roofline fallback
+            "ATTNBENCH_RESULTS_DIR": str(model.parent),
+            "ATTNBENCH_VLLM": "1" if served else "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: the counters see it
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        }
+    )
     proc = subprocess.run(
         [sys.executable, str(HERE / "vllm_generate.py"), str(model), dtype, LENS],
         env=env,
@@ -90,9 +104,8 @@ def _assert_same(off: dict[str, Any], on: dict[str, Any], atol: float) -> None:
                 assert abs(value - lb[tok]) <= atol, (i, step, tok, value, lb[tok])
 
 
-def test_the_engine_generates_the_same_tokens_through_cpu_decode(tmp_path: Path) -> None:
-    model = _save_llama(tmp_path / "llama")
-    off, _ = _generate(model, "float32", served=False)
+def test_the_engine_generates_the_same_tokens_through_cpu_decode(llama: tuple[Path, dict[str, Any]]) -> None:
+    model, off = llama
     on, log = _generate(model, "float32", served=True)
     calls = on["calls"]
     # cpu_decode ran every layer of every step: decode rows, prefill chunks, and steps mixing both
@@ -100,6 +113,8 @@ def test_the_engine_generates_the_same_tokens_through_cpu_decode(tmp_path: Path)
     assert calls["prefill_chunks"] >= 2 * 6 and calls["mixed_steps"] >= 1, calls
     assert calls["writes"] == calls["layer_steps"], calls
     assert "attnbench (ATTNBENCH_VLLM=1): 2 of 2 attention layers on cpu_decode.c[" in log, log[-3000:]
+    # the choice at engine start, explained: no tuned table here, so the roofline fallback, said so
+    assert "chosen: cpu_decode" in log and "[heuristic]" in log and "no tuned entry" in log, log[-3000:]
     # fp32: the same greedy tokens, and the top-3 logprobs within fp32 summation-order noise
     _assert_same(off, on, atol=2e-4)
 
@@ -114,6 +129,34 @@ def test_a_sliding_window_falls_back_to_vllms_own_with_one_line(tmp_path: Path) 
     assert "a sliding window of 256" in lines[0] and "vLLM's CPU_ATTN runs it" in lines[0]
     assert "attnbench (ATTNBENCH_VLLM=1): 0 of 2 attention layers" in log, log[-3000:]
     _assert_same(off, on, atol=0.0)
+
+
+def test_where_the_choice_is_vllms_own_kernel_vllm_runs_every_layer(
+    llama: tuple[Path, dict[str, Any]],
+) -> None:
+    model, off = llama
+    on, log = _generate(model, "float32", served=True, ATTNBENCH_TEST_CHOICE="vllm_cpu")
+    assert on["calls"].get("layer_steps", 0) == 0, on["calls"]
+    assert "attnbench (ATTNBENCH_VLLM=1): 0 of 2 attention layers" in log and "chosen: vllm_cpu" in log
+    assert "does not run exactly" not in log  # not a feature it refuses: the choice, said once
+    _assert_same(off, on, atol=0.0)
+
+
+def test_a_choice_that_fails_keeps_vllms_own_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from attnbench_vllm import cpu_attn
+
+    import attnbench
+
+    def broken(**_: Any) -> Any:
+        raise OSError("results location unreadable")
+
+    monkeypatch.setattr(attnbench, "select", broken)
+    decision = cpu_attn.choose(
+        num_heads=8, num_kv_heads=2, head_size=64, num_layers=2, dtype=torch.float32, context=2048
+    )
+    assert not decision.serves
+    assert decision.why_not == "attnbench.select() could not choose (OSError: results location unreadable)"
 
 
 def test_the_switch_names_what_it_accepts(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,6 +93,64 @@ def build_plan(
     )
 
 
+# -- the choice at engine start -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`choose` decided for a KV-cache group: whether ``cpu_decode`` serves it, and why."""
+
+    serves: bool
+    #: the reason a served layer runs vLLM's own kernel instead (empty where ``serves``)
+    why_not: str
+    #: ``attnbench.select``'s explanation, or why it could not answer
+    explanation: str
+
+
+#: what each vLLM attention form can be served by: attnbench's kernel, or vLLM's own (its attnbench backend)
+CANDIDATES = ("cpu_decode", "vllm_cpu")
+
+
+def choose(
+    *, num_heads: int, num_kv_heads: int, head_size: int, num_layers: int, dtype: torch.dtype, context: int
+) -> Decision:
+    """Ask ``attnbench.select()`` which of ``cpu_decode`` and vLLM's own kernel (``vllm_cpu``) is faster for
+    this geometry and dtype on this CPU, at batch 1 and the engine's longest context: from the tuned
+    table where one covers it (``attnbench tune`` with both as candidates), else the fitted or roofline
+    fallback (the explanation says which). Where it cannot answer, vLLM's own kernel runs: the plugin
+    never puts an unmeasured guess ahead of what vLLM ships."""
+    import dataclasses
+
+    import attnbench
+    from attnbench.core.registry import load_registry
+    from attnbench.core.shapes import ModelShape
+
+    try:
+        registry = load_registry()
+        entries = {name: registry.entries[name] for name in CANDIDATES if name in registry.entries}
+        shape = ModelShape.attention_only(
+            f"vllm-h{num_heads}-kv{num_kv_heads}-d{head_size}",
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_size,
+            num_layers=num_layers,
+            source="vLLM's model config (attnbench-vllm)",
+        )
+        dtype_name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+        choice = attnbench.select(
+            model=shape,
+            batch=1,
+            context=context,
+            dtype=dtype_name,
+            device="cpu",
+            registry=dataclasses.replace(registry, entries=entries),
+        )
+    except Exception as exc:  # any failure of the choice: vLLM's own kernel, said in one line
+        why = f"attnbench.select() could not choose ({type(exc).__name__}: {exc})"
+        return Decision(False, why, f"{why}: vLLM's CPU_ATTN runs every layer")
+    if choice.backend == "cpu_decode":
+        return Decision(True, "", choice.explain())
+    return Decision(False, f"attnbench.select() chose {choice.backend} for this geometry", choice.explain())
+
+
 # -- vLLM's backend classes ----------------------------------------------------------------------------------
 @dataclass
 class AttnbenchCPUMetadata(vllm_cpu_attn.CPUAttentionMetadata):
@@ -106,18 +164,31 @@ class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
         from vllm.v1.attention.backends.utils import get_layers_from_vllm_config
 
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+        dtype = cast(torch.dtype, self.dtype)  # resolved to a torch dtype by vLLM
+        decision = choose(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_dim,
+            num_layers=len(layers),
+            dtype=dtype,
+            context=vllm_config.model_config.max_model_len,
+        )
+        log.info("attnbench (ATTNBENCH_VLLM=1) at engine start:\n%s", decision.explanation)
+        served = 0
+        for layer in layers.values():
+            if isinstance(layer.impl, AttnbenchCPUImpl):
+                layer.impl.delegated = decision.why_not
+                served += not layer.impl.refusal and not layer.impl.delegated
         #: whether any layer of this group runs cpu_decode (else no plan is built: vLLM's own runs them all)
-        self.serves = any(not getattr(layer.impl, "refusal", "x") for layer in layers.values())
-        served = sum(not getattr(layer.impl, "refusal", "x") for layer in layers.values())
-        kernel = _kernel()
+        self.serves = served > 0
         log.info(
             "attnbench (ATTNBENCH_VLLM=1): %d of %d attention layers on cpu_decode.c[%s], %s, %d query / %d KV "
             "heads of %d, vLLM's block size %d as the page size (the others, if any, on vLLM's CPU_ATTN: "
             "each says why)",
             served,
             len(layers),
-            _variant(kernel, cast(torch.dtype, self.dtype)),  # resolved to a torch dtype by vLLM
-            str(self.dtype).removeprefix("torch."),
+            _variant(_kernel(), dtype),
+            str(dtype).removeprefix("torch."),
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
@@ -145,6 +216,8 @@ class AttnbenchCPUImpl(vllm_cpu_attn.CPUAttentionBackendImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.refusal = _refusal(self)
+        #: set at engine start where attnbench.select() chose vLLM's own kernel for this geometry (why)
+        self.delegated = ""
         self.warned = False
 
     def _falls_back(self, layer: Any) -> bool:
@@ -156,7 +229,7 @@ class AttnbenchCPUImpl(vllm_cpu_attn.CPUAttentionBackendImpl):
                 self.refusal,
             )
             self.warned = True
-        return bool(self.refusal)
+        return bool(self.refusal or self.delegated)
 
     def do_kv_cache_update(self, layer: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> None:
         if self._falls_back(layer):
