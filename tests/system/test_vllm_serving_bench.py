@@ -1,0 +1,45 @@
+"""scripts/vllm_serving_bench.py without vLLM: its points are checked before anything runs, and its
+report marks an ITL that the runs' spread does not resolve (the committed 8k row is one)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from script_module import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_points_are_checked_and_named() -> None:
+    bench = load_script("vllm_serving_bench")
+    assert bench._points("1x1024, 4x8192") == [(1, 1024), (4, 8192)]
+    for bad in ("1024", "0x1024", "ax8"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"point {bad!r}"):
+            bench._point(bad)
+
+
+def test_an_itl_the_prefill_spread_swamps_is_marked_unresolved() -> None:
+    bench = load_script("vllm_serving_bench")
+
+    def runs(one: list[float], many: list[float]) -> dict:
+        return {"1": {"latencies_s": one, "median_s": sorted(one)[1]}, "32": {"latencies_s": many, "median_s": sorted(many)[1], "attnbench": "x"}}  # fmt: skip
+
+    row = {
+        "batch": 1, "input_len": 8192, "vllm_ttft_s": 10.0, "attnbench_ttft_s": 10.0, "ttft_ratio": 1.0,
+        "runs": {"vllm": runs([10.0, 10.01, 10.02], [13.1, 13.1, 13.11]), "attnbench": runs([9.0, 10.0, 11.0], [12.0, 13.0, 14.0])},
+    }  # fmt: skip
+    row["vllm_itl_ms"], row["attnbench_itl_ms"], row["itl_ratio"] = 100.0, 96.8, 0.968
+    report = {"command": "c", "machine": "m", "cpus": 2, "date": "d", "load_before": [0, 0, 0], "load_after": [0, 0, 0], "model": "q", "rows": [row]}  # fmt: skip
+    text = bench.render(report)
+    assert "unresolved (0.97 of medians)" in text
+    row["runs"]["attnbench"] = runs([10.0, 10.01, 10.02], [13.0, 13.0, 13.01])
+    assert "| 0.968 |" in bench.render(report)
+
+
+def test_the_committed_report_is_what_its_json_renders() -> None:
+    bench = load_script("vllm_serving_bench")
+    path = ROOT / "results" / "engines" / "vllm-serving-bench-epyc-avx512.json"
+    assert path.with_suffix(".md").read_text() == bench.render(json.loads(path.read_text()))
