@@ -3,7 +3,7 @@
 A path is an inline code span that starts with one of the repository's top-level folders
 (``backends/csrc/cpu_decode.c``, ``results/cpu/bench/fp8-t1.md``; a benchmark's ``--out`` prefix counts
 when its ``.md`` or ``.json`` exists; a ``#anchor``, ``::test`` or ``:line`` suffix is dropped; globs and
-placeholders are not checked). A name is a code span ``attnbench.a.b.c``, or ``a.b.c`` whose first part is
+placeholders are not checked; a guide's ``File `path`:`` headings are its example project's files). A name is a code span ``attnbench.a.b.c``, or ``a.b.c`` whose first part is
 one of attnbench's subpackages (``measure.synthetic.SyntheticModel``): its longest importable module
 prefix is imported and the rest looked up on it. Relative Markdown links must reach a file. Docs that
 name what no longer exists send a reader to nothing; this keeps them honest as the code moves.
@@ -45,7 +45,8 @@ def _path_exists(path: str) -> bool:
 
 
 def _missing(doc: Path) -> list[str]:
-    text = doc.read_text(encoding="utf-8")
+    # a guide's "File `path`:" headings name files of its example project, not of this repository
+    text = re.sub(r"(?m)^File `[^`]+`:$", "", doc.read_text(encoding="utf-8"))
     out = []
     for match in re.finditer(r"`([^`\s]+)`", text):
         token = match.group(1).rstrip(".,;:)")
