@@ -143,16 +143,26 @@ class CpuDecodeCache(KVCache):
 
     def read(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``k``/``v`` ``[length, Hkv, D]`` of sequence ``seq``: its pages' tiles back in token order."""
-        g, pair, d = self.geometry, self.pair, self.geometry.qk_head_dim
-        pages = self.block_table[seq, : math.ceil(length / self.page_size)].long()
-        tiles = self.pages[layer].index_select(0, pages)  # [np, Hkv, ps/16, 2, 16·D]
-        n_pages, tiles_per_page = tiles.shape[0], self.page_size // 16
-        # K tile [D/P, 16, P] -> [16, D]; V tile [16/P, D, P] -> [16, D]
-        k = tiles[:, :, :, 0].reshape(n_pages, g.num_kv_heads, tiles_per_page, d // pair, 16, pair)
-        k = k.permute(0, 2, 4, 1, 3, 5).reshape(-1, g.num_kv_heads, d)
-        v = tiles[:, :, :, 1].reshape(n_pages, g.num_kv_heads, tiles_per_page, 16 // pair, d, pair)
-        v = v.permute(0, 2, 3, 5, 1, 4).reshape(-1, g.num_kv_heads, d)
-        return k[:length], v[:length]
+        return read_pages(self.pages[layer], self.block_table[seq], length, pair=self.pair)
+
+
+def read_pages(
+    pages: torch.Tensor, blocks: torch.Tensor, length: int, *, pair: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k``/``v`` ``[length, Hkv, D]`` of one sequence from a layer's pages in the kernel's layout
+    (``pages [n, Hkv, page_size / 16, 2, 16 · D]``; ``blocks``: the sequence's block-table row; ``pair``:
+    P, 2 for bf16 tiles): its tiles back in token order. The vLLM integration reads vLLM's own KV tensor
+    with it, viewed in this layout."""
+    _, hkv, tiles_per_page, _, row = pages.shape
+    d = row // 16
+    tiles = pages.index_select(0, blocks[: math.ceil(length / (16 * tiles_per_page))].long())
+    n_pages = tiles.shape[0]
+    # K tile [D/P, 16, P] -> [16, D]; V tile [16/P, D, P] -> [16, D]
+    k = tiles[:, :, :, 0].reshape(n_pages, hkv, tiles_per_page, d // pair, 16, pair)
+    k = k.permute(0, 2, 4, 1, 3, 5).reshape(-1, hkv, d)
+    v = tiles[:, :, :, 1].reshape(n_pages, hkv, tiles_per_page, 16 // pair, d, pair)
+    v = v.permute(0, 2, 3, 5, 1, 4).reshape(-1, hkv, d)
+    return k[:length], v[:length]
 
 
 def kv_splits_for(kv_splits: str | int, *, work: int, threads: int, max_len: int) -> int:
@@ -273,7 +283,7 @@ class CpuDecodeBackend(Backend):
         out = []
         for t in self.tunables:
             if t.name == "page_size":
-                out.append(Tunable(t.name, tuple(c for c in t.choices if c != 16), t.default, t.doc))
+                out.append(t.narrowed(c for c in t.choices if c != 16))
             elif t.name != "kv_splits" or torch.get_num_threads() > 1:
                 out.append(t)
         return tuple(out)

@@ -46,7 +46,14 @@ from typing import Any, ClassVar
 import torch
 
 from attnbench.backends.cpu_decode import CpuDecodeBackend, CpuDecodeCache
-from attnbench.backends.cpu_kernel import DTYPE_CODES, FP8_SHIFT_CODE, ISA_NAMES, Kernel, load_kernel
+from attnbench.backends.cpu_kernel import (
+    DTYPE_CODES,
+    FP8_SHIFT_CODE,
+    ISA_NAMES,
+    Kernel,
+    load_kernel,
+    with_variants,
+)
 from attnbench.backends.fp8 import EXACT_TOLERANCE, STORED_TOLERANCE
 from attnbench.core.backend import Resolution, Tolerance, Tunable
 from attnbench.core.device import empty_huge
@@ -215,15 +222,10 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
     def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
         """The base class's; ``isa`` offering ``auto`` and each other variant this CPU runs for
         ``workload`` (so a tune measures them all); ``convert`` where some choice runs c-avx512bf16."""
-        out = super().tunables_for(workload)
         auto = self._variant(workload)
         others = tuple(v for v in self._runnable(workload) if v != auto)
-        runs = {auto, *others}
-        return tuple(
-            Tunable(t.name, ("auto", *others), "auto", t.doc) if t.name == "isa" else t
-            for t in out
-            if (t.name != "convert" or "c-avx512bf16" in runs) and (t.name != "isa" or others)
-        )
+        out = with_variants(super().tunables_for(workload), others=others)
+        return out if "c-avx512bf16" in {auto, *others} else tuple(t for t in out if t.name != "convert")
 
     def resolve(self, workload: Workload, config: Mapping[str, Any] | None = None) -> Resolution:
         """The base answer, refused where the config names a variant this CPU cannot run for ``workload``

@@ -50,6 +50,7 @@ from attnbench.backends.cpu_kernel import (
     MAX_SPLITS,
     kernel_failed,
     load_kernel,
+    with_variants,
 )
 from attnbench.backends.mla import LatentCache
 from attnbench.core.backend import Backend, KVCache, Resolution, StepPlan, Tunable
@@ -96,7 +97,7 @@ class CpuDecodeMLABackend(Backend):
     )
     #: run this variant instead of the best the CPU has ("c-scalar" in tests); None: the best
     force_isa: ClassVar[str | None] = None
-    #: the build of the kernel this backend loads (``cpu_decode.BUILDS``; tests use "amx-emulated")
+    #: the build of the kernel this backend loads (``cpu_kernel.BUILDS``; tests use "amx-emulated")
     kernel_build: ClassVar[str] = "native"
 
     def _variant(
@@ -172,11 +173,7 @@ class CpuDecodeMLABackend(Backend):
         others = tuple(
             v for v in ("c-avx512bf16", "c-amx") if v != auto and self._variant(workload, {"isa": v})[0] == v
         )
-        return tuple(
-            Tunable(t.name, ("auto", *others), "auto", t.doc) if t.name == "isa" else t
-            for t in tunables
-            if t.name != "isa" or others
-        )
+        return with_variants(tunables, others=others)
 
     def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
         """The default, 2: P is rounded to bf16 for P·V (as the bf16 cpu_decode kernel rounds it), the

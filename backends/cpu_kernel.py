@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from attnbench.core.resolution import Tunable
+
 __all__ = [
     "BUILDS",
     "DTYPE_CODES",
@@ -44,6 +46,7 @@ __all__ = [
     "find_compiler",
     "kernel_failed",
     "load_kernel",
+    "with_variants",
 ]
 
 #: the kernel's source tree: ``cpu_decode.c`` and the headers it includes (``amx_emu.h``)
@@ -200,4 +203,13 @@ def load_kernel(build: str = "native") -> Kernel | str:
         path=path,
         fp8_level=int(lib.cpu_decode_fp8_fast()),
         build=build,
+    )
+
+
+def with_variants(tunables: tuple[Tunable, ...], *, others: tuple[str, ...]) -> tuple[Tunable, ...]:
+    """``tunables`` with ``isa`` offering ``auto`` and ``others`` — the variants besides the one ``auto``
+    runs that run the workload on this CPU — so that a tune measures each; without ``isa`` where there
+    are none (one variant runs: nothing to choose). Shared by the kernel's backends."""
+    return tuple(
+        t.narrowed(("auto", *others)) if t.name == "isa" else t for t in tunables if t.name != "isa" or others
     )

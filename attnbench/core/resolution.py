@@ -5,7 +5,7 @@ Both are re-exported by :mod:`attnbench.core.backend`, where the protocol that p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,18 @@ class Tunable:
     def __post_init__(self) -> None:
         if self.default not in self.choices:
             raise ValueError(f"tunable {self.name!r}: default {self.default!r} not in choices {self.choices}")
+
+    def narrowed(self, choices: Iterable[Any]) -> Tunable:
+        """This tunable with only ``choices`` (a subset of its own, in the order given), the default
+        kept: what ``tunables_for`` offers a workload where some choices cannot run or do not matter."""
+        kept = tuple(choices)
+        extra = [c for c in kept if c not in self.choices]
+        if extra or self.default not in kept:
+            raise ValueError(
+                f"tunable {self.name!r}: narrowed choices {kept} must be among {self.choices} and keep the "
+                f"default {self.default!r}"
+            )
+        return Tunable(self.name, kept, self.default, self.doc)
 
 
 @dataclass(frozen=True)

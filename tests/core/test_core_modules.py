@@ -87,6 +87,17 @@ def test_tunable_default_must_be_a_choice() -> None:
         Tunable("block", (16, 32), 64)
 
 
+def test_a_narrowed_tunable_keeps_its_default_and_names_what_it_may_hold() -> None:
+    t = Tunable("page_size", (16, 32, 64), 32, "tokens per page")
+    assert t.narrowed(c for c in t.choices if c != 16) == Tunable(
+        "page_size", (32, 64), 32, "tokens per page"
+    )
+    with pytest.raises(ValueError, match=r"narrowed choices \(16, 128\) must be among \(16, 32, 64\)"):
+        t.narrowed((16, 128))
+    with pytest.raises(ValueError, match=r"keep the default 32"):
+        t.narrowed((16, 64))
+
+
 def test_resolution_round_trips_and_refuses_with_its_reasons() -> None:
     res = Resolution("naive", W, {"a": 1}, tunables=(Tunable("a", (1, 2), 1),), kv_bytes_per_token=64)
     assert res.runnable and res.require() is res

@@ -176,7 +176,7 @@ class VllmCpuBackend(Backend):
             for i in isa_mod.available_isas(dtype=workload.dtype, head_dim=g.qk_head_dim, fp8=self.fp8)
             if i != auto
         ]
-        isa = Tunable("isa", ("auto", *others), "auto", self.tunables[0].doc)
+        isa = self.tunables[0].narrowed(("auto", *others))
         return (isa, *self.tunables[1:])
 
     def engine_setting(self, config: Mapping[str, Any]) -> str:

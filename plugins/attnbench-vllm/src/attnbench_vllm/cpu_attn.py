@@ -8,20 +8,37 @@ Imported by vLLM's attention registry when :func:`attnbench_vllm.serving.registe
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends import cpu_attn as vllm_cpu_attn
+from vllm.v1.attention.backends.utils import get_layers_from_vllm_config
+
+import attnbench
+from attnbench.backends.cpu_decode import CpuDecodeBackend, kv_splits_for, read_pages
+from attnbench.backends.cpu_kernel import (
+    DTYPE_CODES,
+    ISA_CODES,
+    MAX_SPLITS,
+    Kernel,
+    kernel_failed,
+    load_kernel,
+)
+from attnbench.core.prefill import prefill_attention
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import ModelShape
 
 #: under vLLM's logger, so the lines appear in vLLM's log with its format and level
 log = logging.getLogger("vllm.plugins.attnbench")
 
 
-def _kernel() -> Any:
-    from attnbench.backends.cpu_kernel import load_kernel
-
+def _kernel() -> Kernel:
     kernel = load_kernel()
     if isinstance(kernel, str):
         raise RuntimeError(kernel)
@@ -62,9 +79,6 @@ def build_plan(
     head_size: int,
 ) -> ServingPlan:
     """The :class:`ServingPlan` of a step from vLLM's per-request tensors (host work, once per step)."""
-    from attnbench.backends.cpu_decode import kv_splits_for
-    from attnbench.backends.cpu_kernel import MAX_SPLITS
-
     starts = query_start_loc.to("cpu", torch.int64)
     lens = seq_lens.to("cpu", torch.int64)
     q_lens = starts[1:] - starts[:-1]
@@ -115,14 +129,9 @@ def choose(
     """Ask ``attnbench.select()`` which of ``cpu_decode`` and vLLM's own kernel (``vllm_cpu``) is faster for
     this geometry and dtype on this CPU, at batch 1 and the engine's longest context: from the tuned
     table where one covers it (``attnbench tune`` with both as candidates), else the fitted or roofline
-    fallback (the explanation says which). Where it cannot answer, vLLM's own kernel runs: the plugin
-    never puts an unmeasured guess ahead of what vLLM ships."""
-    import dataclasses
-
-    import attnbench
-    from attnbench.core.registry import load_registry
-    from attnbench.core.shapes import ModelShape
-
+    fallback (the explanation says which: the roofline cannot tell two kernels that read the same
+    bytes apart, and breaks the tie to ``cpu_decode``). Where ``select()`` fails, vLLM's own kernel
+    runs, with the reason."""
     try:
         registry = load_registry()
         entries = {name: registry.entries[name] for name in CANDIDATES if name in registry.entries}
@@ -160,9 +169,6 @@ class AttnbenchCPUMetadata(vllm_cpu_attn.CPUAttentionMetadata):
 class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        from vllm.model_executor.layers.attention import Attention
-        from vllm.v1.attention.backends.utils import get_layers_from_vllm_config
-
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         dtype = cast(torch.dtype, self.dtype)  # resolved to a torch dtype by vLLM
         decision = choose(
@@ -259,8 +265,6 @@ class AttnbenchCPUBackend(vllm_cpu_attn.CPUAttentionBackend):
 
 def _refusal(impl: Any) -> str:
     """What of a layer ``cpu_decode`` does not run exactly ("" where it runs the layer)."""
-    from vllm.v1.attention.backend import AttentionType
-
     if impl.attn_type != AttentionType.DECODER:
         return f"{impl.attn_type} attention"
     if impl.sliding_window != -1:
@@ -316,25 +320,17 @@ def write_slots(
         ones.data_ptr(), count, 1, hkv, d, ps, 1, pair, kv_cache.element_size(),
     )  # fmt: skip
     if rc != 0:
-        from attnbench.backends.cpu_kernel import kernel_failed
-
         raise kernel_failed("cpu_decode (vLLM)", rc, "kernel's writer")
 
 
 def read_prefix(
     kv_cache: torch.Tensor, blocks: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k``/``v`` ``[length, Hkv, D]`` of one sequence back from its pages (``blocks``: its block table row)."""
+    """``k``/``v`` ``[length, Hkv, D]`` of one sequence back from vLLM's KV tensor, read in ``cpu_decode``'s
+    layout (``blocks``: its block-table row)."""
     n_blocks, hkv, ps, two_d = kv_cache.shape
-    d = two_d // 2
-    pair = 2 if kv_cache.dtype == torch.bfloat16 else 1
-    n_pages = -(-length // ps)
-    pages = kv_cache.view(n_blocks, hkv, ps // 16, 2, 16 * d).index_select(0, blocks[:n_pages].long())
-    k = pages[:, :, :, 0].reshape(n_pages, hkv, ps // 16, d // pair, 16, pair)
-    k = k.permute(0, 2, 4, 1, 3, 5).reshape(-1, hkv, d)
-    v = pages[:, :, :, 1].reshape(n_pages, hkv, ps // 16, 16 // pair, d, pair)
-    v = v.permute(0, 2, 3, 5, 1, 4).reshape(-1, hkv, d)
-    return k[:length], v[:length]
+    pages = kv_cache.view(n_blocks, hkv, ps // 16, 2, 16 * (two_d // 2))
+    return read_pages(pages, blocks, length, pair=2 if kv_cache.dtype == torch.bfloat16 else 1)
 
 
 def attend(
@@ -342,9 +338,6 @@ def attend(
 ) -> None:
     """One layer's attention for the step: decode rows through the kernel, prefill chunks through
     :func:`attnbench.core.prefill.prefill_attention` over their cached prefix and themselves."""
-    from attnbench.backends.cpu_kernel import DTYPE_CODES, ISA_CODES, kernel_failed
-    from attnbench.core.prefill import prefill_attention
-
     n, hq, hkv, d = plan.num_tokens, impl.num_heads, impl.num_kv_heads, impl.head_size
     out = output[:n].view(n, hq, d)
     if plan.decode_rows.numel():
@@ -376,13 +369,7 @@ def attend(
         out[start : start + q_len] = chunk[0]
 
 
-_VARIANTS: dict[torch.dtype, str] = {}
-
-
-def _variant(kernel: Any, dtype: torch.dtype) -> str:
+@functools.cache
+def _variant(kernel: Kernel, dtype: torch.dtype) -> str:
     """The variant ``cpu_decode`` runs for ``dtype`` on this CPU (what its backend picks)."""
-    if dtype not in _VARIANTS:
-        from attnbench.backends.cpu_decode import CpuDecodeBackend
-
-        _VARIANTS[dtype] = CpuDecodeBackend().variant_for(dtype)
-    return _VARIANTS[dtype]
+    return CpuDecodeBackend().variant_for(dtype)
