@@ -112,11 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         help="BATCHxINPUT points, comma-separated (default 1x1024)",
     )
     p.add_argument(
-        "--iters", type=positive_int, default=3, help="timed iterations per run (vLLM's --num-iters; default 3)"
+        "--iters",
+        type=positive_int,
+        default=3,
+        help="timed iterations per run (vLLM's --num-iters; default 3)",
     )
     p.add_argument("--warmup", type=positive_int, default=1, help="warm-up iterations per run (default 1)")
     p.add_argument(
-        "--block-size", type=positive_int, default=128, help="vLLM's block size, cpu_decode's page size (default 128)"
+        "--block-size",
+        type=positive_int,
+        default=128,
+        help="vLLM's block size, cpu_decode's page size (default 128)",
     )
     p.add_argument("--kv-space-gib", type=positive_int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
     p.add_argument("--timeout", type=positive_int, default=1800, help="seconds per run (default 1800)")
