@@ -39,6 +39,7 @@ NaN or inf are stored as zeros and refused with :class:`attnbench.kernels.fp8_ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -121,6 +122,31 @@ def fp8_phys(n: int) -> torch.Tensor:
     return (L & ~63) | ((L & 31) << 1) | ((L >> 5) & 1)
 
 
+@functools.cache
+def _perm(n: int) -> torch.Tensor:
+    return fp8_phys(n)
+
+
+def dequantized_pages(
+    pages: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor, blocks: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``k``/``v`` ``[length, Hkv, D]`` of one sequence as stored (bytes × scales), from one
+    layer's fp8 pages ``[pages, Hkv, page_size / 16, 2, 16 · D]`` uint8, its scales ``[pages, Hkv,
+    page_size]`` and the sequence's block-table row ``blocks``."""
+    n_pages = -(-length // (pages.shape[2] * 16))
+    hkv, tpp, d = pages.shape[1], pages.shape[2], pages.shape[-1] // 16
+    rows = blocks[:n_pages].long()
+    tiles = pages.index_select(0, rows)[..., _perm(16 * d)]  # logical order
+    tiles = tiles.view(torch.float8_e4m3fn).double()
+    k = tiles[:, :, :, 0].reshape(n_pages, hkv, tpp, d // 2, 16, 2)
+    k = k.permute(0, 2, 4, 1, 3, 5).reshape(-1, hkv, d)
+    v = tiles[:, :, :, 1].reshape(n_pages, hkv, tpp, 8, d, 2)
+    v = v.permute(0, 2, 3, 5, 1, 4).reshape(-1, hkv, d)
+    ks = k_scales.index_select(0, rows).transpose(1, 2).reshape(-1, hkv)
+    vs = v_scales.index_select(0, rows).transpose(1, 2).reshape(-1, hkv)
+    return (k * ks.double()[..., None])[:length], (v * vs.double()[..., None])[:length]
+
+
 class CpuDecodeFp8Cache(CpuDecodeCache):
     """``CpuDecodeCache`` with fp8 bytes for pages and float32 scales per token and KV head."""
 
@@ -135,7 +161,6 @@ class CpuDecodeFp8Cache(CpuDecodeCache):
         shape = (self.num_layers, self.num_pages, self.geometry.num_kv_heads, self.page_size)
         self.k_scales = empty_huge(shape, torch.float32).zero_()
         self.v_scales = empty_huge(shape, torch.float32).zero_()
-        self._perm = fp8_phys(16 * self.geometry.qk_head_dim)
         # the fp8 kernel's pointers: kc, vc, then the layer's K and V scales
         self.layer_ptrs = [
             (*ptrs, self.k_scales[i].data_ptr(), self.v_scales[i].data_ptr())
@@ -163,19 +188,9 @@ class CpuDecodeFp8Cache(CpuDecodeCache):
 
     def dequantized(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 ``k``/``v`` ``[length, Hkv, D]`` of sequence ``seq`` as stored (bytes × scales)."""
-        g, d = self.geometry, self.geometry.qk_head_dim
-        n_pages = -(-length // self.page_size)
-        pages = self.block_table[seq, :n_pages].long()
-        tiles = self.pages[layer].index_select(0, pages)[..., self._perm]  # logical order
-        tiles = tiles.view(torch.float8_e4m3fn).double()
-        tpp = self.page_size // 16
-        k = tiles[:, :, :, 0].reshape(n_pages, g.num_kv_heads, tpp, d // 2, 16, 2)
-        k = k.permute(0, 2, 4, 1, 3, 5).reshape(-1, g.num_kv_heads, d)
-        v = tiles[:, :, :, 1].reshape(n_pages, g.num_kv_heads, tpp, 8, d, 2)
-        v = v.permute(0, 2, 3, 5, 1, 4).reshape(-1, g.num_kv_heads, d)
-        ks = self.k_scales[layer].index_select(0, pages).transpose(1, 2).reshape(-1, g.num_kv_heads)
-        vs = self.v_scales[layer].index_select(0, pages).transpose(1, 2).reshape(-1, g.num_kv_heads)
-        return (k * ks.double()[..., None])[:length], (v * vs.double()[..., None])[:length]
+        return dequantized_pages(
+            self.pages[layer], self.k_scales[layer], self.v_scales[layer], self.block_table[seq], length
+        )
 
     def read(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.dequantized(layer, seq, length)

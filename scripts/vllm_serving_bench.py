@@ -94,7 +94,7 @@ def _run(model: Path, *, served: bool, batch: int, input_len: int, output_len: i
         "--model", str(model), "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
         "--batch-size", str(batch), "--input-len", str(input_len), "--output-len", str(output_len),
         "--max-model-len", str(input_len + args.steps + 64), "--block-size", str(args.block_size),
-        *iters, "--disable-detokenize", "--output-json", str(out),
+        "--kv-cache-dtype", args.kv_cache_dtype, *iters, "--disable-detokenize", "--output-json", str(out),
     ]  # fmt: skip
     env = os.environ | {
         "ATTNBENCH_VLLM": "1" if served else "0",
@@ -154,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         default=128,
         help="vLLM's block size, cpu_decode's page size (default 128)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8"),
+        help="vLLM's --kv-cache-dtype on both paths (default auto: the model's dtype; fp8: e4m3)",
+    )
     p.add_argument("--kv-space-gib", type=positive_int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
     p.add_argument("--timeout", type=positive_int, default=1800, help="seconds per run (default 1800)")
     p.add_argument("--out", help="output prefix: OUT.json and OUT.md")
@@ -206,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "load_before": load_before,
         "load_after": os.getloadavg(),
-        "model": "Qwen2.5-0.5B geometry, vLLM dummy weights, bf16",
+        "model": "Qwen2.5-0.5B geometry, vLLM dummy weights, bf16"
+        + (f", --kv-cache-dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""),
         "rows": rows,
     }
     out = Path(args.out)
@@ -239,16 +246,21 @@ def render(report: dict) -> str:
         "latency with 1 output token, prefix caching off (each iteration prefills the batch). ITL: "
         "(latency(1 + STEPS) − latency(1)) / STEPS with prefix caching on (the warm-up prefills, timed "
         "iterations recompute at most the last block, then decode), from the runs' medians, with the "
-        "interval their iterations allow (min/max)",
+        "interval their iterations allow (min/max); an interval wider than ±25 % of the ITL is marked "
+        "unresolved",
         "",
         "| batch | input | vLLM TTFT s | attnbench TTFT s | TTFT ratio | vLLM ITL ms (interval) | attnbench ITL ms (interval) | ITL ratio | attnbench in the engine |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["rows"]:
         cells = []
+        resolved = True
         for path in ("vllm", "attnbench"):
             lo, hi = _itl_interval(r, path)
-            cells.append(f"{r[f'{path}_itl_ms']:.1f} ({lo:.1f}–{hi:.1f})")
+            itl = r[f"{path}_itl_ms"]
+            resolved &= hi - lo <= 0.5 * abs(itl)
+            cells.append(f"{itl:.1f} ({lo:.1f}–{hi:.1f})")
+        ratio = f"{r['itl_ratio']:.3f}" if resolved else f"unresolved ({r['itl_ratio']:.2f} of medians)"
         ttft = (
             f"{r['vllm_ttft_s']:.3f} | {r['attnbench_ttft_s']:.3f} | {r['ttft_ratio']:.3f}"
             if "ttft_ratio" in r
@@ -256,7 +268,7 @@ def render(report: dict) -> str:
         )
         engine = r["runs"]["attnbench"]["itlN"]["attnbench"]
         lines.append(
-            f"| {r['batch']} | {r['input_len']} | {ttft} | {cells[0]} | {cells[1]} | {r['itl_ratio']:.3f} | {engine} |"
+            f"| {r['batch']} | {r['input_len']} | {ttft} | {cells[0]} | {cells[1]} | {ratio} | {engine} |"
         )
     return "\n".join(lines) + "\n"
 

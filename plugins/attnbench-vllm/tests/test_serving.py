@@ -113,11 +113,55 @@ def test_the_engine_generates_the_same_tokens_through_cpu_decode(llama: tuple[Pa
     assert calls["prefill_chunks"] >= 2 * 6 and calls["mixed_steps"] >= 1, calls
     assert calls["prefixed_chunks"] >= 2 * 2, calls  # chunks after their cached prefix (512-token steps)
     assert calls["writes"] == calls["layer_steps"], calls
+    assert calls["planned_writes"] == calls["writes"], calls  # every layer's writes came from the step's plan
     assert "attnbench (ATTNBENCH_VLLM=1): 2 of 2 attention layers on cpu_decode.c[" in log, log[-3000:]
     # the choice at engine start, explained: no tuned table here, so the roofline fallback, said so
     assert "chosen: cpu_decode" in log and "[heuristic]" in log and "no tuned entry" in log, log[-3000:]
     # fp32: the same greedy tokens, and the top-3 logprobs within fp32 summation-order noise
     _assert_same(off, on, atol=2e-4)
+
+
+def test_bf16_attention_in_the_engine_passes_the_gate_on_the_engines_own_cache(
+    llama: tuple[Path, dict[str, Any]],
+) -> None:
+    """bf16: every decode call of every layer, judged by attnbench's correctness gate (float64 attention,
+    the dtype's calibrated bounds) on the step's queries and the K/V read back from vLLM's KV tensor;
+    the same judgement refuses a planted wrong answer on the same inputs."""
+    model, _ = llama
+    on, _ = _generate(model, "bfloat16", served=True, ATTNBENCH_TEST_GATE="1")
+    assert on["calls"]["gate_calls"] >= 2 * 23, on["calls"]  # 2 layers x at least 23 decode steps
+    assert on["gate"]["torch.bfloat16"] == [], on["gate"]
+    assert on["gate"]["torch.bfloat16/planted"], on["gate"]  # the planted bug is caught
+
+
+def test_an_fp8_kv_cache_runs_cpu_decode_fp8_and_passes_its_gate(llama: tuple[Path, dict[str, Any]]) -> None:
+    """``--kv-cache-dtype fp8``: cpu_decode_fp8 on vLLM's KV tensor (e4m3 bytes, a scale per token and KV
+    head beside it), every decode call judged as the fp8 backend is judged (exact attention over the
+    K/V the model wrote, and the K/V as stored); a planted wrong answer refused. On a CPU without the
+    fp8 kernel's vector variant, the fallback's line instead."""
+    from attnbench.backends.cpu_decode_fp8 import measured_variant
+    from attnbench.backends.cpu_kernel import load_kernel
+
+    model, _ = llama
+    on, log = _generate(
+        model, "bfloat16", served=True, ATTNBENCH_TEST_GATE="1", ATTNBENCH_TEST_KV_DTYPE="fp8"
+    )
+    kernel = load_kernel()
+    assert not isinstance(kernel, str), kernel
+    if measured_variant(kernel) is None:
+        assert on["calls"].get("layer_steps", 0) == 0, on["calls"]
+        assert "an fp8 KV cache on a CPU without AVX512_BF16 and AVX512_VBMI" in log, log[-3000:]
+        return
+    assert "2 of 2 attention layers on cpu_decode_fp8.c[" in log, log[-3000:]
+    assert on["calls"]["gate_calls"] >= 2 * 23, on["calls"]
+    # against the K/V as stored, every bound; against exact attention (the fp8 rounding itself) the
+    # relative ones: the absolute max_abs of the fp8 backend's exact bound (0.5) is set for the gate's
+    # unit-normal inputs, and this wide-weight model's attention outputs reach 12.6 (its worst error
+    # there, 2.96, is within rel_l2 0.2 and cosine 0.98 of exact attention)
+    failures = on["gate"]["torch.bfloat16/fp8"]
+    assert [f for f in failures if not f.startswith("max_abs")] == [], on["gate"]
+    assert on["gate"]["torch.bfloat16/fp8/planted"], on["gate"]
+    assert any(f.startswith("vs stored K/V") for f in on["gate"]["torch.bfloat16/fp8/planted"]), on["gate"]
 
 
 def test_a_sliding_window_falls_back_to_vllms_own_with_one_line(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -18,14 +19,17 @@ import torch
 from vllm import _custom_ops as vllm_ops
 from vllm import envs as vllm_envs
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends import cpu_attn as vllm_cpu_attn
 from vllm.v1.attention.backends.utils import get_layers_from_vllm_config
 
 import attnbench
 from attnbench.backends.cpu_decode import CpuDecodeBackend, kv_splits_for, read_pages
+from attnbench.backends.cpu_decode_fp8 import dequantized_pages, measured_variant
 from attnbench.backends.cpu_kernel import (
     DTYPE_CODES,
+    FP8_SHIFT_CODE,
     ISA_CODES,
     MAX_SPLITS,
     Kernel,
@@ -90,6 +94,9 @@ class ServingPlan:
     prefill: PrefillPlan | None
     block_table: torch.Tensor
     splits: int
+    prefetch: int
+    #: the step's KV writes, shared by every layer (None: each layer makes its own)
+    writes: SlotWrites | None
     threads: int
     workspace: torch.Tensor = field(repr=False)
 
@@ -106,8 +113,12 @@ def build_plan(
     block_size: int,
     dtype: torch.dtype,
     isa: str,
+    step_params: Callable[[int, int], tuple[str | int, int]] | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> ServingPlan:
-    """The :class:`ServingPlan` of a step from vLLM's per-request tensors (host work, once per step)."""
+    """The :class:`ServingPlan` of a step from vLLM's per-request tensors (host work, once per step);
+    ``step_params(batch, context)`` gives the decode's KV splits and prefetch distance (default: ``auto``
+    and 2, ``cpu_decode``'s defaults)."""
     starts = query_start_loc.to("cpu", torch.int64)
     lens = seq_lens.to("cpu", torch.int64)
     q_lens = starts[1:] - starts[:-1]
@@ -116,7 +127,8 @@ def build_plan(
     threads = torch.get_num_threads()
     n_dec = int(decode.numel())
     max_len = int(lens[decode].max()) if n_dec else 1
-    splits = kv_splits_for("auto", work=max(1, n_dec * num_kv_heads), threads=threads, max_len=max_len)
+    kv_splits, prefetch = step_params(max(1, n_dec), max_len) if step_params else ("auto", 2)
+    splits = kv_splits_for(kv_splits, work=max(1, n_dec * num_kv_heads), threads=threads, max_len=max_len)
     all_decode = n_dec == len(q_lens) and n_dec == num_tokens
     group = num_heads // num_kv_heads
     prefill_reqs = torch.nonzero(q_lens > 1).flatten().tolist()
@@ -133,6 +145,8 @@ def build_plan(
         else None,
         block_table=table,
         splits=splits,
+        prefetch=prefetch,
+        writes=SlotWrites.of(slot_mapping, block_size) if slot_mapping is not None else None,
         threads=threads,
         workspace=torch.empty(max(1, n_dec) * num_kv_heads * MAX_SPLITS * group * (head_size + 2)),
     )
@@ -182,7 +196,8 @@ def _prefill_plan(
         prefix_slots=prefix_slots,
         chunk_slots=torch.cat(chunk_slots),
         isa=isa,
-        scratch=torch.empty(first_block, num_kv_heads, block_size, 2 * head_size, dtype=dtype),
+        # zeros: vLLM's kernel masks the slots past a sequence's end but multiplies them (0 · NaN = NaN)
+        scratch=torch.zeros(first_block, num_kv_heads, block_size, 2 * head_size, dtype=dtype),
         scheduler_metadata=vllm_ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(reqs),
             num_heads=num_heads,
@@ -209,10 +224,33 @@ class Decision:
     why_not: str
     #: ``attnbench.select``'s explanation, or why it could not answer
     explanation: str
+    #: the page size the chosen ``cpu_decode`` config wants (vLLM's ``--block-size``), where it serves
+    page_size: int | None = None
 
 
 #: what each vLLM attention form can be served by: attnbench's kernel, or vLLM's own (its attnbench backend)
 CANDIDATES = ("cpu_decode", "vllm_cpu")
+
+
+def _shape(num_heads: int, num_kv_heads: int, head_size: int, num_layers: int) -> ModelShape:
+    return ModelShape.attention_only(
+        f"vllm-h{num_heads}-kv{num_kv_heads}-d{head_size}",
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_size,
+        num_layers=num_layers,
+        source="vLLM's model config (attnbench-vllm)",
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+def _registry(names: tuple[str, ...]) -> Any:
+    registry = load_registry()
+    entries = {name: registry.entries[name] for name in names if name in registry.entries}
+    return dataclasses.replace(registry, entries=entries)
 
 
 def choose(
@@ -225,31 +263,48 @@ def choose(
     bytes apart, and breaks the tie to ``cpu_decode``). Where ``select()`` fails, vLLM's own kernel
     runs, with the reason."""
     try:
-        registry = load_registry()
-        entries = {name: registry.entries[name] for name in CANDIDATES if name in registry.entries}
-        shape = ModelShape.attention_only(
-            f"vllm-h{num_heads}-kv{num_kv_heads}-d{head_size}",
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_size,
-            num_layers=num_layers,
-            source="vLLM's model config (attnbench-vllm)",
-        )
-        dtype_name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
         choice = attnbench.select(
-            model=shape,
+            model=_shape(num_heads, num_kv_heads, head_size, num_layers),
             batch=1,
             context=context,
-            dtype=dtype_name,
+            dtype=_dtype_name(dtype),
             device="cpu",
-            registry=dataclasses.replace(registry, entries=entries),
+            registry=_registry(CANDIDATES),
         )
     except Exception as exc:  # any failure of the choice: vLLM's own kernel, said in one line
         why = f"attnbench.select() could not choose ({type(exc).__name__}: {exc})"
         return Decision(False, why, f"{why}: vLLM's CPU_ATTN runs every layer")
     if choice.backend == "cpu_decode":
-        return Decision(True, "", choice.explain())
+        return Decision(True, "", choice.explain(), int(choice.config.get("page_size", 128)))
     return Decision(False, f"attnbench.select() chose {choice.backend} for this geometry", choice.explain())
+
+
+class StepParams:
+    """Per step, the ``cpu_decode`` parameters (KV splits, prefetch distance) for the step's decode batch
+    and longest context, from the tuned dispatch map through ``attnbench.select()`` restricted to
+    ``cpu_decode`` (its defaults where no table covers the geometry, or where ``select()`` fails). Asked
+    once per step by the metadata builder and remembered per (batch, context rounded up to 512)."""
+
+    def __init__(self, shape: ModelShape, dtype: torch.dtype) -> None:
+        self.shape = shape
+        self.dtype = _dtype_name(dtype)
+        self.registry = _registry(("cpu_decode",))
+        self.remembered: dict[tuple[int, int], tuple[str | int, int]] = {}
+
+    def __call__(self, batch: int, context: int) -> tuple[str | int, int]:
+        key = (batch, -(-context // 512) * 512)
+        params = self.remembered.get(key)
+        if params is None:
+            try:
+                config = attnbench.select(
+                    model=self.shape, batch=batch, context=key[1], dtype=self.dtype, device="cpu",
+                    registry=self.registry,
+                ).config  # fmt: skip
+                params = (config.get("kv_splits", "auto"), int(config.get("prefetch", 2)))
+            except Exception:  # the defaults, as without a table: the step must run
+                params = ("auto", 2)
+            self.remembered[key] = params
+        return params
 
 
 # -- vLLM's backend classes ----------------------------------------------------------------------------------
@@ -272,6 +327,17 @@ class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
             context=vllm_config.model_config.max_model_len,
         )
         log.info("attnbench (ATTNBENCH_VLLM=1) at engine start:\n%s", decision.explanation)
+        if decision.serves and decision.page_size != self.block_size:
+            log.warning(
+                "attnbench: the chosen cpu_decode config pages %d tokens; this engine's --block-size is %d, "
+                "which cpu_decode runs as its page size (start vLLM with --block-size %d for the tuned one)",
+                decision.page_size,
+                self.block_size,
+                decision.page_size,
+            )
+        self.step_params = StepParams(
+            _shape(self.num_heads, self.num_kv_heads, self.head_dim, len(layers)), dtype
+        )
         served = 0
         for layer in layers.values():
             if isinstance(layer.impl, AttnbenchCPUImpl):
@@ -279,13 +345,16 @@ class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
                 served += not layer.impl.refusal and not layer.impl.delegated
         #: whether any layer of this group runs cpu_decode (else no plan is built: vLLM's own runs them all)
         self.serves = served > 0
+        fp8 = self.kv_cache_dtype in FP8_KV_DTYPES
         log.info(
-            "attnbench (ATTNBENCH_VLLM=1): %d of %d attention layers on cpu_decode.c[%s], %s, %d query / %d KV "
+            "attnbench (ATTNBENCH_VLLM=1): %d of %d attention layers on %s, %s, %d query / %d KV "
             "heads of %d, vLLM's block size %d as the page size (the others, if any, on vLLM's CPU_ATTN: "
             "each says why)",
             served,
             len(layers),
-            _variant(_kernel(), dtype),
+            "cpu_decode_fp8.c[c-avx512bf16, e4m3 K/V with a float32 scale per token and KV head]"
+            if fp8
+            else f"cpu_decode.c[{_variant(_kernel(), dtype)}]",
             str(dtype).removeprefix("torch."),
             self.num_heads,
             self.num_kv_heads,
@@ -308,6 +377,8 @@ class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
                 block_size=self.block_size,
                 dtype=cast(torch.dtype, self.dtype),
                 isa=self.isa,
+                step_params=self.step_params,
+                slot_mapping=common_attn_metadata.slot_mapping,
             )
         fields = {f: getattr(md, f) for f in md.__dataclass_fields__}
         return AttnbenchCPUMetadata(**fields, plan=plan)
@@ -320,6 +391,17 @@ class AttnbenchCPUImpl(vllm_cpu_attn.CPUAttentionBackendImpl):
         #: set at engine start where attnbench.select() chose vLLM's own kernel for this geometry (why)
         self.delegated = ""
         self.warned = False
+        #: fp8 caches: the layer's float32 K and V scales per token and KV head ``[blocks, Hkv,
+        #: block_size]``, beside vLLM's KV tensor (which holds the e4m3 bytes); made at the first write
+        self.fp8 = bool(self.is_fp8_kv_cache) and not self.refusal
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def scales_for(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's fp8 scales (zeros at first: a slot is read only after it is written)."""
+        if self.scales is None or self.scales[0].shape[0] != kv_cache.shape[0]:
+            shape = kv_cache.shape[:3]
+            self.scales = torch.zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.float32)
+        return self.scales
 
     def _falls_back(self, layer: Any) -> bool:
         if self.refusal and not self.warned:
@@ -335,7 +417,8 @@ class AttnbenchCPUImpl(vllm_cpu_attn.CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> None:
         if self._falls_back(layer):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        write_slots(kv_cache, key, value, slot_mapping)
+        scales = self.scales_for(kv_cache) if self.fp8 else None
+        write_slots(kv_cache, key, value, slot_mapping, scales, _step_writes(layer))
         return None
 
     def forward(self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any, output: Any, output_scale: Any = None, output_block_scale: Any = None) -> Any:  # fmt: skip
@@ -348,6 +431,17 @@ class AttnbenchCPUImpl(vllm_cpu_attn.CPUAttentionBackendImpl):
         return output
 
 
+def _step_writes(layer: Any) -> SlotWrites | None:
+    """The step's :class:`SlotWrites` from the plan in vLLM's forward context for ``layer`` (None where
+    there is none: the writer then makes them from the slot mapping it is given)."""
+    try:
+        md = get_attention_context(layer.layer_name)[0]
+    except Exception:  # no forward context (vLLM's warm-up), or another vLLM's
+        return None
+    plan = getattr(md, "plan", None)
+    return plan.writes if plan is not None else None
+
+
 class AttnbenchCPUBackend(vllm_cpu_attn.CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type:
@@ -356,6 +450,10 @@ class AttnbenchCPUBackend(vllm_cpu_attn.CPUAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type:
         return AttnbenchCPUMetadataBuilder
+
+
+#: vLLM's ``--kv-cache-dtype`` values ``cpu_decode_fp8`` serves (e4m3 bytes; its own scales, see below)
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 
 
 def _refusal(impl: Any) -> str:
@@ -371,7 +469,12 @@ def _refusal(impl: Any) -> str:
     if impl.alibi_slopes is not None:
         return "ALiBi"
     if impl.is_fp8_kv_cache:
-        return f"an {impl.kv_cache_dtype} KV cache"
+        if impl.kv_cache_dtype not in FP8_KV_DTYPES:
+            return f"an {impl.kv_cache_dtype} KV cache (cpu_decode_fp8 stores e4m3: --kv-cache-dtype fp8 or fp8_e4m3)"
+        if measured_variant(_kernel()) is None:
+            return "an fp8 KV cache on a CPU without AVX512_BF16 and AVX512_VBMI (cpu_decode_fp8's vector variant)"
+        if impl.head_size % 32:
+            return f"an fp8 KV cache with head size {impl.head_size} (cpu_decode_fp8 takes multiples of 32)"
     if impl.head_size % 16 or impl.head_size > 1024:
         return f"head size {impl.head_size} (cpu_decode takes multiples of 16 up to 1024)"
     if impl.num_heads // impl.num_kv_heads > 64:
@@ -386,45 +489,102 @@ def _pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
     return kv_cache.data_ptr(), kv_cache.data_ptr() + 16 * d * kv_cache.element_size()
 
 
+@dataclass
+class SlotWrites:
+    """Where a step's new tokens go, in the writer's terms, from vLLM's slot mapping (``-1``: padding,
+    skipped): ``rows`` (``None`` where every row is written) and, per written token, its block
+    (``table`` ``[count, 1]``) and position in it (``positions``) as int32, each token a one-token
+    sequence. Made once per step in the plan (every layer reuses it) or per call where no plan has it."""
+
+    slot_ptr: int
+    num_slots: int
+    rows: torch.Tensor | None
+    table: torch.Tensor
+    positions: torch.Tensor
+    ones: torch.Tensor
+
+    @classmethod
+    def of(cls, slot_mapping: torch.Tensor, block_size: int) -> SlotWrites:
+        slots = slot_mapping.to(torch.int64)
+        valid = slots >= 0
+        rows = None if bool(valid.all()) else torch.nonzero(valid).flatten()
+        if rows is not None:
+            slots = slots[rows]
+        count = int(slots.numel())
+        return cls(
+            slot_ptr=slot_mapping.data_ptr(),
+            num_slots=int(slot_mapping.numel()),
+            rows=rows,
+            table=(slots // block_size).to(torch.int32).view(count, 1).contiguous(),
+            positions=(slots % block_size).to(torch.int32).contiguous(),
+            ones=torch.ones(count, dtype=torch.int32),
+        )
+
+    def matches(self, slot_mapping: torch.Tensor) -> bool:
+        """Whether these are ``slot_mapping``'s writes (the same tensor memory, within the same step)."""
+        return slot_mapping.data_ptr() == self.slot_ptr and int(slot_mapping.numel()) == self.num_slots
+
+
 def write_slots(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    writes: SlotWrites | None = None,
 ) -> None:
     """``key``/``value`` ``[N, Hkv, D]`` into the layer's pages at vLLM's slots (``-1``: padding, skipped),
-    with the kernel's writer: each token a one-token sequence whose one block is its slot's."""
+    with the kernel's writer (``writes``: the step's, where the plan made them for ``slot_mapping``).
+    With ``scales`` (an fp8 cache), the fp8 writer quantises each token and KV head to e4m3 with its own
+    scale (``amax / 448``), as ``cpu_decode_fp8`` stores them."""
     _, hkv, ps, two_d = kv_cache.shape
     d = two_d // 2
     n = slot_mapping.shape[0]
-    slots = slot_mapping[:n].to(torch.int64)
-    valid = slots >= 0
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
-    else:
-        key, value = key[:n], value[:n]
-    count = int(slots.numel())
+    if writes is None or not writes.matches(slot_mapping):
+        writes = SlotWrites.of(slot_mapping[:n], ps)
+    count = int(writes.ones.numel())
     if count == 0:
+        return
+    key, value = key[:n], value[:n]
+    if writes.rows is not None:
+        key, value = key.index_select(0, writes.rows), value.index_select(0, writes.rows)
+    kernel = _kernel()
+    if scales is not None:
+        k, v = (t.to(torch.bfloat16).contiguous().view(count, 1, hkv, d) for t in (key, value))
+        rc = kernel.lib.cpu_decode_write_fp8(
+            *_pointers(kv_cache), scales[0].data_ptr(), scales[1].data_ptr(), k.data_ptr(), v.data_ptr(),
+            writes.table.data_ptr(), writes.positions.data_ptr(), writes.ones.data_ptr(), count, 1, hkv, d, ps, 1,
+            DTYPE_CODES[torch.bfloat16], FP8_SHIFT_CODE,
+        )  # fmt: skip
+        if rc != 0:
+            raise kernel_failed("cpu_decode_fp8 (vLLM)", rc, "kernel's writer")
         return
     k = key.to(kv_cache.dtype).contiguous().view(count, 1, hkv, d)
     v = value.to(kv_cache.dtype).contiguous().view(count, 1, hkv, d)
-    table = (slots // ps).to(torch.int32).view(count, 1).contiguous()
-    positions = (slots % ps).to(torch.int32).contiguous()
-    ones = torch.ones(count, dtype=torch.int32)
     pair = 2 if kv_cache.dtype == torch.bfloat16 else 1
-    kernel = _kernel()
     rc = kernel.lib.cpu_decode_write(
-        *_pointers(kv_cache), k.data_ptr(), v.data_ptr(), table.data_ptr(), positions.data_ptr(),
-        ones.data_ptr(), count, 1, hkv, d, ps, 1, pair, kv_cache.element_size(),
+        *_pointers(kv_cache), k.data_ptr(), v.data_ptr(), writes.table.data_ptr(), writes.positions.data_ptr(),
+        writes.ones.data_ptr(), count, 1, hkv, d, ps, 1, pair, kv_cache.element_size(),
     )  # fmt: skip
     if rc != 0:
         raise kernel_failed("cpu_decode (vLLM)", rc, "kernel's writer")
 
 
 def read_prefix(
-    kv_cache: torch.Tensor, blocks: torch.Tensor, length: int
+    kv_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    length: int,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``k``/``v`` ``[length, Hkv, D]`` of one sequence back from vLLM's KV tensor, read in ``cpu_decode``'s
-    layout (``blocks``: its block-table row)."""
+    layout (``blocks``: its block-table row); an fp8 cache (``scales`` given) dequantised as stored, in
+    ``dtype``."""
     n_blocks, hkv, ps, two_d = kv_cache.shape
     pages = kv_cache.view(n_blocks, hkv, ps // 16, 2, 16 * (two_d // 2))
+    if scales is not None:
+        k, v = dequantized_pages(pages.view(torch.uint8), scales[0], scales[1], blocks, length)
+        return k.to(dtype or torch.bfloat16), v.to(dtype or torch.bfloat16)
     return read_pages(pages, blocks, length, pair=2 if kv_cache.dtype == torch.bfloat16 else 1)
 
 
@@ -440,12 +600,21 @@ def attend(
         q = q.contiguous()
         res = out if plan.all_decode and out.is_contiguous() else torch.empty_like(q)
         kernel = _kernel()
-        isa = ISA_CODES[_variant(kernel, q.dtype)]
-        rc = kernel.lib.cpu_decode_attend(
-            q.data_ptr(), *_pointers(kv_cache), plan.decode_block_table.data_ptr(), plan.decode_seq_lens.data_ptr(),
-            res.data_ptr(), plan.workspace.data_ptr(), q.shape[0], hq, hkv, d, kv_cache.shape[2],
-            plan.decode_block_table.shape[1], plan.splits, DTYPE_CODES[q.dtype], isa, plan.threads, 2, impl.scale,
-        )  # fmt: skip
+        if impl.fp8:
+            ks, vs = impl.scales_for(kv_cache)
+            rc = kernel.lib.cpu_decode_attend_fp8(
+                q.data_ptr(), *_pointers(kv_cache), ks.data_ptr(), vs.data_ptr(), plan.decode_block_table.data_ptr(),
+                plan.decode_seq_lens.data_ptr(), res.data_ptr(), plan.workspace.data_ptr(), q.shape[0], hq, hkv, d,
+                kv_cache.shape[2], plan.decode_block_table.shape[1], plan.splits, DTYPE_CODES[q.dtype],
+                FP8_SHIFT_CODE, plan.threads, plan.prefetch, impl.scale,
+            )  # fmt: skip
+        else:
+            rc = kernel.lib.cpu_decode_attend(
+                q.data_ptr(), *_pointers(kv_cache), plan.decode_block_table.data_ptr(),
+                plan.decode_seq_lens.data_ptr(), res.data_ptr(), plan.workspace.data_ptr(), q.shape[0], hq, hkv, d,
+                kv_cache.shape[2], plan.decode_block_table.shape[1], plan.splits, DTYPE_CODES[q.dtype],
+                ISA_CODES[_variant(kernel, q.dtype)], plan.threads, plan.prefetch, impl.scale,
+            )  # fmt: skip
         if rc != 0:
             raise kernel_failed("cpu_decode (vLLM)", rc)
         if res is not out:
@@ -471,7 +640,8 @@ def prefill_chunks(
     blocks, hkv, ps, two_d = pf.scratch.shape
     key_cache, value_cache = pf.scratch.view(blocks, hkv, 2 * ps, two_d // 2).chunk(2, dim=2)
     for req, length, slots in pf.prefix_slots:
-        pk, pv = read_prefix(kv_cache, plan.block_table[req], length)
+        scales = impl.scales_for(kv_cache) if impl.fp8 else None
+        pk, pv = read_prefix(kv_cache, plan.block_table[req], length, scales, pf.scratch.dtype)
         vllm_ops.cpu_attn_reshape_and_cache(pk, pv, key_cache, value_cache, slots, pf.isa)
     vllm_ops.cpu_attn_reshape_and_cache(
         k.to(pf.scratch.dtype), v.to(pf.scratch.dtype), key_cache, value_cache, pf.chunk_slots, pf.isa
