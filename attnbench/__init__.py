@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from attnbench.core import moved
 from attnbench.core.backend import (
     PLUGIN_API_VERSION,
     Backend,
@@ -19,9 +18,6 @@ from attnbench.core.workload import Workload
 from attnbench.correctness.gate import CheckResult, check
 from attnbench.hookspecs import hookimpl
 from attnbench.selection.select import Choice, select
-
-moved.install()
-
 
 __all__ = [
     "PLUGIN_API_VERSION",

@@ -98,28 +98,10 @@ __all__ = [
 _LAZY = dict.fromkeys(("StorageError", "repair_journal"), "storage")
 _LAZY |= dict.fromkeys(("TuneReport", "tune"), "tuner")
 _STUDY = ("JOURNAL_NAME", "KeyResult", "StudyPlan", "TuneOptions", "open_storage")
-#: renamed in 0.2, still importable with a DeprecationWarning: old name -> (new name, where it is)
-_RENAMED = {
-    "default_results_dir": ("_default_results_dir", "attnbench.core.locations.results_location().path"),
-    "TrialRecord": ("CandidateResult", "attnbench.tuning.CandidateResult (the one trial record)"),
-}
 _LAZY |= dict.fromkeys((*_STUDY, "plan_studies", "run_study"), "study")
 
 
-def _default_results_dir() -> Any:
-    """Deprecated: :func:`attnbench.core.locations.results_location` (its ``.path``)."""
-    from attnbench.core.locations import results_location
-
-    return results_location().path
-
-
 def __getattr__(name: str) -> Any:
-    if name in _RENAMED:  # one results-location function, one trial record
-        import warnings
-
-        new, where = _RENAMED[name]
-        warnings.warn(f"attnbench.tuning.{name} is {where}", DeprecationWarning, stacklevel=2)
-        return globals()[new]
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'attnbench.tuning' has no attribute {name!r}")

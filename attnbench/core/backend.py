@@ -441,19 +441,6 @@ def _hooks_from_resolve(cls: type[Backend]) -> None:
     cls._answers_in_resolve = True
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ResolvingBackend":  # one protocol style since 0.1: a Backend that overrides resolve()
-        import warnings
-
-        warnings.warn(
-            "ResolvingBackend is Backend now: subclass Backend and override resolve()",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return Backend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _unavailable(reasons: Sequence[str]) -> str:
     return "unavailable: " + "; ".join(reasons)
 

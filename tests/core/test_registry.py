@@ -83,7 +83,6 @@ def test_env_switches(monkeypatch, tmp_path) -> None:
 def test_one_protocol_style_hooks_read_from_an_overridden_resolve() -> None:
     """A backend that answers in ``resolve()`` gets hooks that read from it; one that later overrides a
     hook without ``resolve()`` is refused at class creation (its hook would disagree with resolve)."""
-    import warnings
 
     import pytest
 
@@ -114,8 +113,3 @@ def test_one_protocol_style_hooks_read_from_an_overridden_resolve() -> None:
         class Disagrees(OnePass):
             def supports(self, workload):
                 return []
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from attnbench.core.backend import ResolvingBackend
-    assert ResolvingBackend is Backend and any(issubclass(c.category, DeprecationWarning) for c in caught)

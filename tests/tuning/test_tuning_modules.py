@@ -95,16 +95,3 @@ def test_tune_with_nothing_to_tune_writes_nothing_and_refuses_a_reference_folder
     (tmp_path / REFERENCE_MARKER).write_text("committed runs\n")
     with pytest.raises(ResultsLocationError, match=REFERENCE_MARKER):
         tune([], results_dir=tmp_path, profile=stated_profile(), samples=0)
-
-
-def test_renamed_tuning_names_still_import_with_a_deprecation_warning() -> None:
-    """TrialRecord is the one trial record, CandidateResult; default_results_dir is the one
-    results-location function's path. Both old names answer, with a warning that says so."""
-    import attnbench.tuning as tuning
-    from attnbench.core.locations import results_location
-    from attnbench.tuning.table_schema import CandidateResult
-
-    with pytest.warns(DeprecationWarning, match="CandidateResult"):
-        assert tuning.TrialRecord is CandidateResult
-    with pytest.warns(DeprecationWarning, match="results_location"):
-        assert tuning.default_results_dir() == results_location().path
