@@ -34,9 +34,9 @@ _SAME = ("attnbench", "torch", "triton")
 def versions() -> dict[str, str]:
     import torch
 
-    from attnbench.core.device import _triton_version
+    from attnbench.core.device import triton_version
 
-    return {"attnbench": __version__, "torch": str(torch.__version__), "triton": str(_triton_version())}
+    return {"attnbench": __version__, "torch": str(torch.__version__), "triton": str(triton_version())}
 
 
 def candidate_label(c: Mapping[str, Any]) -> str:

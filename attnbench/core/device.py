@@ -38,6 +38,7 @@ __all__ = [
     "load_profile",
     "measure_bandwidth",
     "resolve_device",
+    "triton_version",
 ]
 
 #: The device every command and :func:`attnbench.select` use by default: CUDA when available, else CPU.
@@ -87,7 +88,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _triton_version() -> str:
+def triton_version() -> str:
     try:
         import triton
 
@@ -102,7 +103,7 @@ def fingerprint(device: str | torch.device = "cpu") -> dict[str, Any]:
     fp: dict[str, Any] = {
         "kind": dev.type,
         "torch": torch.__version__,
-        "triton": _triton_version(),
+        "triton": triton_version(),
         "python": platform.python_version(),
     }
     if dev.type == "cuda":

@@ -31,16 +31,12 @@ from attnbench.core.backend import Backend, Resolution
 from attnbench.core.child import Child
 from attnbench.core.workload import Workload, bucket, workload_from_dict, workload_to_dict
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Answers", "ask", "ask_many"]
+__all__ = ["DEFAULT_TIMEOUT_S", "ask", "ask_many", "plugin_timeout"]
 
 #: Seconds a plugin backend has to answer (``$ATTNBENCH_PLUGIN_TIMEOUT`` overrides).
 DEFAULT_TIMEOUT_S = 60.0
 #: A backend that gave no answer is asked again after this long (until then, the cached refusal).
 _RETRY_S = 3600.0
-
-
-#: What :func:`ask` returns (the backend's :class:`~attnbench.core.backend.Resolution`); the old name stays.
-Answers = Resolution
 
 
 def _enc(value: Any) -> Any:
@@ -124,7 +120,8 @@ def _cache_file(cls: type[Backend], workload: Workload) -> Path:
     return cache_dir() / "probes" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
-def _timeout() -> float:
+def plugin_timeout() -> float:
+    """Seconds a plugin backend has to answer: ``$ATTNBENCH_PLUGIN_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`."""
     try:
         return float(os.environ.get("ATTNBENCH_PLUGIN_TIMEOUT") or DEFAULT_TIMEOUT_S)
     except ValueError:
@@ -141,7 +138,7 @@ def ask_many(
 ) -> list[Resolution]:
     """Resolutions for each of ``classes``, in order: built-ins asked here, the rest in one child process
     (a new one after a backend that hangs), from the cache where it holds them."""
-    timeout = _timeout() if timeout is None else timeout
+    timeout = plugin_timeout() if timeout is None else timeout
     out: dict[int, Resolution] = {}
     pending: list[int] = []
     for i, cls in enumerate(classes):

@@ -340,13 +340,13 @@ def _import_hangs(ep: EntryPoint) -> str:
 
     from attnbench.core.child import run_child
     from attnbench.core.device import cache_dir
-    from attnbench.core.plugin_call import _timeout
+    from attnbench.core.plugin_call import plugin_timeout
 
     marker = cache_dir() / "plugin-imports" / f"{_import_key(ep)}.ok"
     if marker.exists():
         return ""
     module = ep.value.partition(":")[0].strip()
-    timeout = _timeout()
+    timeout = plugin_timeout()
     run = run_child(
         ["-c", f"import importlib; importlib.import_module({module!r})"],
         timeout=timeout,

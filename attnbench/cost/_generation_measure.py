@@ -24,7 +24,7 @@ import transformers
 from attnbench.core.device import fingerprint, last_level_cache_bytes
 from attnbench.core.shapes import dtype_bytes, dtype_name
 from attnbench.core.timing import measure, synchronize
-from attnbench.cost.fit import _nnls
+from attnbench.cost.fit import nonnegative_lstsq
 from attnbench.cost.generation import (
     FRAME_LAYERS,
     DecodeFit,
@@ -184,7 +184,7 @@ def fit(rows: list[list[float]], seconds: list[float]) -> tuple[list[float], flo
     """Non-negative ``coef`` with ``rows @ coef ≈ seconds`` in relative error, and that error's rms."""
     a, t = np.array(rows, dtype=float), np.maximum(np.array(seconds, dtype=float), 1e-9)
     scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
-    coef = _nnls(a / scale / t[:, None], np.ones_like(t)) / scale
+    coef = nonnegative_lstsq(a / scale / t[:, None], np.ones_like(t)) / scale
     return [float(c) for c in coef], float(np.sqrt(np.mean((a @ coef / t - 1) ** 2)))
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "find_calibration",
     "fit_points",
     "geometry_key",
+    "nonnegative_lstsq",
     "points_from_bench",
     "points_from_table",
 ]
@@ -151,7 +152,7 @@ def _past_knee(seq_bytes: float, knee: float) -> float:
     return math.log2(seq_bytes / knee) if seq_bytes > knee else 0.0
 
 
-def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with non-negative coefficients (exact for a few unknowns: every active set)."""
     best, best_res = np.zeros(a.shape[1]), float(np.sum(y**2))
     for k in range(1, a.shape[1] + 1):
@@ -221,7 +222,7 @@ def _fit_knee(points: list[CalibrationPoint], t: np.ndarray, knee: float) -> tup
         rows.append([p.layers, p.layers * p.batch, p.kv_bytes, p.kv_bytes * past])
     a = np.array(rows, dtype=float)
     scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)  # condition the columns, weight rows by 1 / t
-    coef = _nnls(a / scale / t[:, None], np.ones_like(t)) / scale
+    coef = nonnegative_lstsq(a / scale / t[:, None], np.ones_like(t)) / scale
     return coef, (a @ coef) / t - 1
 
 
