@@ -3,7 +3,7 @@
 For every cell (dtype × context, batch 1) and seed, one gate case (inputs with needle probes, the
 float64 and calibration outputs) is built per cache form and shared by every candidate of that form:
 
-- every planted wrong backend (:mod:`planted`) must fail, every seed;
+- every planted wrong backend (:mod:`helpers.planted`) must fail, every seed;
 - every built-in backend that runs natively here must pass, with its worst error at most 0.8 of its
   bound (``bound share`` = worst over metrics of error / bound); Triton backends, interpreted on a CPU,
   only at the contexts given by ``--interpreted-contexts``.
@@ -26,10 +26,10 @@ import sys
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run interpreted on a CPU (checked only)
-# the planted wrong backends are test fixtures: tests/planted.py
+# the planted wrong backends are test fixtures: tests/helpers/planted.py
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 
-from planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
+from helpers.planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
 
 from attnbench.cli.common import command_line, run_record, write_report
 from attnbench.core.device import fingerprint

@@ -30,7 +30,7 @@ def one_thread():  # type: ignore[no-untyped-def]
 @pytest.fixture
 def profile():  # type: ignore[no-untyped-def]
     """This machine's device profile with a stated read bandwidth of 10 GB/s (tests never measure it)."""
-    from tuning_helpers import stated_profile  # imports attnbench: after TRITON_INTERPRET is set
+    from helpers.tuning_helpers import stated_profile  # imports attnbench: after TRITON_INTERPRET is set
 
     return stated_profile(1e10)
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from cpu_kernel import SPLIT_CONFIGS, ScalarConformance, scalar
+from helpers.cpu_kernel import SPLIT_CONFIGS, ScalarConformance, scalar
 
 import attnbench.backends.cpu_decode as cpu_decode
 from attnbench.backends.cpu_decode import CpuDecodeBackend

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from cpu_kernel import (
+from helpers.cpu_kernel import (
     SPLIT_CONFIGS,
     ScalarConformance,
     amx_emulated,
@@ -22,7 +22,7 @@ from cpu_kernel import (
     require_kernel,
     scalar,
 )
-from tuning_helpers import planted_registry
+from helpers.tuning_helpers import planted_registry
 
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend, CpuDecodeFp8Cache, measured_variant
 from attnbench.core.backend import ConfigError, Tunable

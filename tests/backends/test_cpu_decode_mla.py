@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from cpu_kernel import amx_emulated, require_amx_emulation, require_kernel, scalar
+from helpers.cpu_kernel import amx_emulated, require_amx_emulation, require_kernel, scalar
 
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend
 from attnbench.backends.cpu_kernel import ISA_CODES, ISA_NAMES

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_kernel import require_kernel, scalar
+from helpers.cpu_kernel import require_kernel, scalar
 
 from attnbench.backends.cpu_decode import CpuDecodeBackend
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend

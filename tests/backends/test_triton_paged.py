@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-from triton_modes import run_uninterpreted
+from helpers.triton_modes import run_uninterpreted
 
 from attnbench.backends.triton_paged import (
     BLOCK_N,

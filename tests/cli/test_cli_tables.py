@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from helpers.tuning_helpers import stated_profile
 from rich.table import Table
 from rich.text import Text
-from tuning_helpers import stated_profile
 
 from attnbench.cli import build_parser, main
 from attnbench.cli.common import cli_table, config_text, ms_text, render_text, truncated_cells

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from fake_plugins import plugin_env, write_fake_dist
+from helpers.fake_plugins import plugin_env, write_fake_dist
 
 from attnbench.cli import main
 

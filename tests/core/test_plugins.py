@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_plugins import plugin_source, pythonpath, write_fake_dist
+from helpers.fake_plugins import plugin_source, pythonpath, write_fake_dist
 
 from attnbench import Workload, check, load_registry
 from attnbench.core.registry import SUPPORTED_PLUGIN_API, Registry

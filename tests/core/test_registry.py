@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib.metadata import EntryPoint
 
 import pytest
-from fake_plugins import plugin_source
+from helpers.fake_plugins import plugin_source
 
 import attnbench.core.registry as registry_mod
 from attnbench.core.registry import RegistryError, load_registry

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
+from helpers.planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
 
 from attnbench.core.backend import Backend
 from attnbench.core.registry import load_registry

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tuning_helpers import planted_registry
+from helpers.tuning_helpers import planted_registry
 
 import attnbench
 from attnbench.backends.naive import NaiveBackend
@@ -80,7 +80,7 @@ def test_a_stale_profile_is_checked_against_the_bandwidth_measured_again_now() -
     cache) does not refuse an honest step: the read bandwidth is measured again before refusing."""
     import dataclasses
 
-    from tuning_helpers import stated_profile
+    from helpers.tuning_helpers import stated_profile
 
     from attnbench.core.device import last_level_cache_bytes
 

@@ -7,7 +7,7 @@ import math
 import random
 
 import pytest
-from tuning_helpers import planted_entry, planted_result, save_table, stated_profile
+from helpers.tuning_helpers import planted_entry, planted_result, save_table, stated_profile
 
 import attnbench
 from attnbench.cli import main

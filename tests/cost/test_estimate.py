@@ -273,7 +273,7 @@ def test_latency_model_docs_show_current_cli_output(monkeypatch: pytest.MonkeyPa
     """Every ``<!-- example: … -->`` block in docs/latency-model.md is what the CLI prints today."""
     from pathlib import Path
 
-    from script_module import load_script
+    from helpers.script_module import load_script
 
     root = Path(__file__).resolve().parents[2]
     module = load_script("latency_model_docs")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_hf import TINY_COMMON, seeded, tiny_deepseek
+from helpers.tiny_hf import TINY_COMMON, seeded, tiny_deepseek
 
 import attnbench
 from attnbench.backends.naive import NaiveBackend

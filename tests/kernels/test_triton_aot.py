@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # as tests/conftest.py: the interpreter, chos
 import pytest
 import triton
 import triton.language as tl
-from triton_modes import run_uninterpreted
+from helpers.triton_modes import run_uninterpreted
 
 from attnbench.backends import fp8, mla
 from attnbench.backends.triton_paged import AOT_GEOMETRIES, BLOCK_N, PAGE_SIZES

@@ -63,7 +63,7 @@ def test_absorbed_mla_attention_scores_and_outputs_equal_the_expanded_form() -> 
 
 
 def test_a_checkpoint_folder_loads_as_the_deepseek_latent_decoder(tmp_path: Path) -> None:
-    from tiny_hf import seeded, tiny_deepseek
+    from helpers.tiny_hf import seeded, tiny_deepseek
 
     hf = seeded(tiny_deepseek)
     hf.save_pretrained(tmp_path)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_hf import seeded, tiny_deepseek
+from helpers.tiny_hf import seeded, tiny_deepseek
 
 import attnbench
 from attnbench.backends.cpu_decode_mla import CpuDecodeMLABackend

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tuning_helpers import planted_entry, save_table, stated_profile
+from helpers.tuning_helpers import planted_entry, save_table, stated_profile
 
 import attnbench
 from attnbench.cli import main
@@ -349,7 +349,7 @@ def test_device_defaults_to_auto_everywhere(argv):
 
 
 def test_the_latency_script_runs(tmp_path):
-    from script_module import load_script
+    from helpers.script_module import load_script
 
     module = load_script("select_latency")
     assert (

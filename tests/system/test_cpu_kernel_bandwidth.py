@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from script_module import load_script
+from helpers.script_module import load_script
 
 
 @pytest.mark.parametrize(

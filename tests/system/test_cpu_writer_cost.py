@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from cpu_kernel import require_kernel
-from script_module import load_script
+from helpers.cpu_kernel import require_kernel
+from helpers.script_module import load_script
 
 
 @pytest.mark.parametrize(

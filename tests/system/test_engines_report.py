@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from script_module import load_script
-from tuning_helpers import planted_result, stated_profile
+from helpers.script_module import load_script
+from helpers.tuning_helpers import planted_result, stated_profile
 
 from attnbench.core.workload import Workload
 from attnbench.tuning import summarize

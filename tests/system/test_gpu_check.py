@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from script_module import load_script
+from helpers.script_module import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 

@@ -4,9 +4,10 @@ attnbench (``attnbench/<sub>/``, plus ``backends/`` and ``tuning/``, installed a
 module of the subpackage (no leading underscore) is imported by at least one test file of that
 folder — by an ``import`` or ``from`` statement, found by parsing the files, not by running them.
 
-Whole-system tests (docs, scripts, module sizes, this rule) live in ``tests/system/``; helper modules
-shared by every folder (``tuning_helpers``, ``fake_plugins``, …) stay in ``tests/`` itself, which
-``[tool.pytest.ini_options] pythonpath`` puts on ``sys.path``."""
+Whole-system tests (docs, scripts, module sizes, this rule) live in ``tests/system/``; helpers shared
+by every folder (``helpers.tuning_helpers``, ``helpers.fake_plugins``, …) in the package
+``tests/helpers/``, importable because ``[tool.pytest.ini_options] pythonpath`` puts ``tests/`` on
+``sys.path``; no other module sits at ``tests/``'s top besides ``conftest.py``."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ SOURCES = {sub: ROOT / "attnbench" / sub for sub in SUBPACKAGES} | {
     "tuning": ROOT / "tuning",
 }
 #: folders of tests/ that mirror no subpackage
-OWN_FOLDERS = {"system"}
+OWN_FOLDERS = {"system", "helpers"}
 
 
 def public_modules(sub: str) -> list[str]:
@@ -62,8 +63,10 @@ def test_every_subpackage_has_its_test_folder_and_every_test_folder_a_subpackage
     assert folders <= set(SOURCES) | OWN_FOLDERS, (
         f"tests/ folders that mirror nothing: {folders - set(SOURCES)}"
     )
-    loose = sorted(p.name for p in TESTS.glob("test_*.py"))
-    assert not loose, f"test files directly in tests/ (put each in the folder of what it tests): {loose}"
+    loose = sorted(p.name for p in TESTS.glob("*.py") if p.name != "conftest.py")
+    assert not loose, (
+        f"modules directly in tests/ (tests in the folder of what they test, helpers in tests/helpers/): {loose}"
+    )
 
 
 def test_every_public_module_is_imported_by_a_test_of_its_own_folder() -> None:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from script_module import load_script
+from helpers.script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 

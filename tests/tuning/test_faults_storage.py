@@ -9,7 +9,7 @@ import stat
 import optuna
 import pytest
 import yaml
-from tuning_helpers import planted_entry, save_table, stated_profile
+from helpers.tuning_helpers import planted_entry, save_table, stated_profile
 
 from attnbench.core.device import DeviceProfile
 from attnbench.core.workload import Workload

@@ -13,7 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from fake_plugins import plugin_env, plugin_source, write_fake_dist
+from helpers.fake_plugins import plugin_env, plugin_source, write_fake_dist
 
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.workload import Workload, workload_to_dict
@@ -21,7 +21,7 @@ from attnbench.tuning import WorkerTask
 
 W = Workload.uniform("tiny-gqa", batch=1, context=32, dtype="fp32")
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent  # tests/: the helper modules (fake_plugins) a subprocess imports too
+TESTS = HERE.parent  # tests/: the helpers package (helpers.fake_plugins) a subprocess imports too
 
 
 class GILHangBackend(NaiveBackend):

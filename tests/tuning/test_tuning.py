@@ -18,7 +18,7 @@ import time
 import optuna
 import pytest
 import torch
-from tuning_helpers import RefuseBackend, planted_registry
+from helpers.tuning_helpers import RefuseBackend, planted_registry
 
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.workload import Workload

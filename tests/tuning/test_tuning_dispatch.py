@@ -11,7 +11,7 @@ import math
 import random
 
 import pytest
-from tuning_helpers import build_map
+from helpers.tuning_helpers import build_map
 
 from attnbench.tuning.dispatch import (
     DispatchMap,

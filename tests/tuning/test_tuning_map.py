@@ -12,7 +12,7 @@ import time
 from typing import NamedTuple
 
 import pytest
-from tuning_helpers import planted_registry
+from helpers.tuning_helpers import planted_registry
 
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.workload import Workload

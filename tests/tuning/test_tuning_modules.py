@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from tuning_helpers import stated_profile
+from helpers.tuning_helpers import stated_profile
 
 from attnbench.core.locations import REFERENCE_MARKER, ResultsLocationError
 from attnbench.core.workload import Workload

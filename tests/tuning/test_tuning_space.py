@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optuna
 import pytest
-from tuning_helpers import RefuseBackend, stated_profile
+from helpers.tuning_helpers import RefuseBackend, stated_profile
 
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.backend import Tunable
@@ -167,7 +167,7 @@ def test_worker_loads_backends_by_import_path_or_registry_name():
 def test_the_worker_answers_one_trial_record_that_reaches_the_table_unchanged():
     """The worker's verdict carries the trial's CandidateResult; its dict reads back as the same record
     (worker pipe, study attribute and table file use this one pair), measured or failed."""
-    from planted import NewestDropped
+    from helpers.planted import NewestDropped
 
     w = workload_to_dict(Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32"))
     good = evaluate(WorkerTask("naive", {}, w, repeats=3, warmup=1, backend="naive").as_dict())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from tuning_helpers import planted_result, stated_profile
+from helpers.tuning_helpers import planted_result, stated_profile
 
 from attnbench.core.device import fingerprint
 from attnbench.core.workload import Workload

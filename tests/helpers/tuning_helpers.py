@@ -1,7 +1,7 @@
 """Helpers for the tuner, results-table and select() tests: registries of planted backends, device
 profiles with a stated bandwidth, and results-table entries built from planted step times.
 
-Workers load a planted backend by import path (``tuning_helpers:RefuseBackend``), so planted backends
+Workers load a planted backend by import path (``helpers.tuning_helpers:RefuseBackend``), so planted backends
 live at the top level of a module, here or in the test module that plants them.
 """
 

@@ -5,7 +5,7 @@ reference computes it (scores, softmax and P·V in float32, one rounding of the 
 passes at every dtype and context — with one bug planted. The gate must fail each of them in bf16,
 fp16 and fp32 at any context (``tests/correctness/test_gate_planted.py``; the table in docs/correctness.md)::
 
-    from planted import PLANTED
+    from helpers.planted import PLANTED
     check(PLANTED["newest-dropped"](), workload).passed   # False
 
 They are test fixtures (``scripts/gate_matrix.py`` imports them from here too); none is registered as
