@@ -6,7 +6,7 @@ every backend of the space at its default config, plus every config the dispatch
 checked against float64 and timed **interleaved** in one worker (the tuner's re-timing,
 :func:`attnbench.tuning.interleave.retime`). select()'s choice is compared with the fastest:
 regret = median(choice) / median(best), counted as 1.0 when the best does not beat the choice
-beyond both intervals (:func:`attnbench.tuning.margin.beats` with no margin: the one margin
+beyond both intervals (:func:`attnbench.tables.margin.beats` with no margin: the one margin
 policy). Lossy caches (fp8) compete only with ``--allow-lossy``.
 
 Printed and written (results/cpu/select/regret-<model>-<dtypes>-<device>.json and .md, with the command, machine, date
@@ -44,10 +44,11 @@ import optuna
 from attnbench.core.device import load_profile
 from attnbench.core.workload import Workload, parse_int_list
 from attnbench.selection.select import select
-from attnbench.tuning import Candidate, TuneOptions, Worker, backend_refs, build_space, hardware_id, tune
-from attnbench.tuning.dispatch import map_key
+from attnbench.tables import Candidate, hardware_id
+from attnbench.tables.dispatch import map_key
+from attnbench.tables.margin import SWITCH_MARGIN, beats
+from attnbench.tuning import TuneOptions, Worker, backend_refs, build_space, tune
 from attnbench.tuning.interleave import Finalist, retime
-from attnbench.tuning.margin import SWITCH_MARGIN, beats
 
 TARGETS = {"median": 1.01, "p90": 1.05, "max": 1.15, "evaluations_vs_dense": 0.5}
 QUICK = {

@@ -46,7 +46,7 @@ from attnbench.core.device import fingerprint
 from attnbench.core.shapes import load_shape
 from attnbench.core.workload import bucket
 from attnbench.selection.select import Selector
-from attnbench.tuning.dispatch import (
+from attnbench.tables.dispatch import (
     DispatchMap,
     GridPoint,
     MapCandidate,
@@ -55,8 +55,8 @@ from attnbench.tuning.dispatch import (
     map_key,
     save_maps,
 )
-from attnbench.tuning.margin import Interval
-from attnbench.tuning.table import ResultsTable, hardware_id, table_path
+from attnbench.tables.margin import Interval
+from attnbench.tables.table import ResultsTable, hardware_id, table_path
 
 #: the repository's results folder (the default --out), wherever the script is run from
 RESULTS = Path(__file__).resolve().parents[1] / "results"

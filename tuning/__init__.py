@@ -9,7 +9,7 @@ Typical use is the command line (``attnbench tune``); in Python::
 and, at run time, :func:`attnbench.select` reads the table this writes.
 
 The study, its storage and the tuner need Optuna; their names are imported on first use, so that
-reading a results table (``select()``, ``attnbench.tuning.table``) and checking or timing a backend
+reading a results table (``select()``, ``attnbench.tables.table``) and checking or timing a backend
 work where Optuna is not installed (the GPU check runs on such a machine).
 """
 
@@ -19,28 +19,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from attnbench.core.registry import code_hash, load_backend_class
-from attnbench.tuning.key import TuningKey, bucket_distance
 from attnbench.tuning.space import (
-    DEFAULT_BACKENDS,
     BackendRef,
-    Candidate,
     Excluded,
     SearchSpace,
     backend_refs,
     build_space,
 )
-from attnbench.tuning.table import (
-    SWITCH_MARGIN,
-    CandidateResult,
-    DeviceMismatchError,
-    ResultsTable,
-    TableEntry,
-    TableError,
-    TableReadError,
-    hardware_id,
-    summarize,
-    table_path,
-)
+from attnbench.tuning.summary import summarize
 from attnbench.tuning.worker import Outcome, Worker, WorkerTask, evaluate
 
 if TYPE_CHECKING:  # what __getattr__ below imports on first use, for type checkers
@@ -57,41 +43,28 @@ if TYPE_CHECKING:  # what __getattr__ below imports on first use, for type check
     from attnbench.tuning.tuner import TuneReport, tune
 
 __all__ = [
-    "DEFAULT_BACKENDS",
     "JOURNAL_NAME",
-    "SWITCH_MARGIN",
     "BackendRef",
-    "Candidate",
-    "CandidateResult",
-    "DeviceMismatchError",
     "Excluded",
     "KeyResult",
     "Outcome",
-    "ResultsTable",
     "SearchSpace",
     "StorageError",
     "StudyPlan",
-    "TableEntry",
-    "TableError",
-    "TableReadError",
     "TuneOptions",
     "TuneReport",
-    "TuningKey",
     "Worker",
     "WorkerTask",
     "backend_refs",
-    "bucket_distance",
     "build_space",
     "code_hash",
     "evaluate",
-    "hardware_id",
     "load_backend_class",
     "open_storage",
     "plan_studies",
     "repair_journal",
     "run_study",
     "summarize",
-    "table_path",
     "tune",
 ]
 #: names of the Optuna-backed modules, imported on first use (``attnbench.tuning.tune``...)

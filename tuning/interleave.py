@@ -8,7 +8,7 @@ every other candidate, equally often). A change in the machine's load then hits 
 alike, and so does what one step leaves behind for the next (caches holding another candidate's
 pool, freed memory, a busy allocator): with a mere rotation each candidate would follow the same one
 in almost every round and inherit its after-effects every time. Each candidate's median gets a
-seeded bootstrap interval (:func:`attnbench.tuning.margin.bootstrap_median`). If the interleaved run
+seeded bootstrap interval (:func:`attnbench.tables.margin.bootstrap_median`). If the interleaved run
 kills its worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails
 with the reason.
 
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from attnbench.tuning.dispatch import MapCandidate
-from attnbench.tuning.margin import bootstrap_median, sample_rounds
+from attnbench.tables.dispatch import MapCandidate
+from attnbench.tables.margin import bootstrap_median, sample_rounds
 from attnbench.tuning.refine import PointMeasurement
 
 __all__ = ["Finalist", "retime", "round_order", "run_interleaved"]

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from attnbench.tuning.dispatch import DispatchMap, GridPoint, MapCandidate
-from attnbench.tuning.margin import SWITCH_MARGIN, Interval, beats, decide
+from attnbench.tables.dispatch import DispatchMap, GridPoint, MapCandidate
+from attnbench.tables.margin import SWITCH_MARGIN, Interval, beats, decide
 
 __all__ = [
     "Measure",

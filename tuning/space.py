@@ -21,19 +21,16 @@ from typing import Any
 from attnbench.core.backend import Backend, Tunable
 from attnbench.core.registry import Registry, load_registry
 from attnbench.core.workload import Workload
+from attnbench.tables.table_schema import DEFAULT_BACKENDS, Candidate
 
 __all__ = [
-    "DEFAULT_BACKENDS",
     "BackendRef",
-    "Candidate",
     "Excluded",
     "SearchSpace",
     "backend_refs",
     "build_space",
 ]
 
-#: What a user gets without tuning: the first of these that can run the workload.
-DEFAULT_BACKENDS = ("flash", "naive")
 
 _PRIMITIVE = (bool, int, float, str, type(None))
 
@@ -73,21 +70,6 @@ def backend_refs(
             raise ValueError(f"unknown backend {unknown[0]!r}; registered: {', '.join(by_name) or 'none'}")
         refs = [by_name[n] for n in only]
     return refs
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One point of the space: a backend and a complete config."""
-
-    backend: str
-    config: Mapping[str, Any]
-
-    def label(self) -> str:
-        cfg = ",".join(f"{k}={v}" for k, v in sorted(self.config.items()))
-        return f"{self.backend}[{cfg}]" if cfg else self.backend
-
-    def ident(self) -> str:
-        return json.dumps([self.backend, sorted(self.config.items())], default=str)
 
 
 @dataclass(frozen=True)

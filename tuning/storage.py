@@ -27,7 +27,7 @@ from typing import Any
 
 import optuna
 
-from attnbench.tuning.files import write_atomically
+from attnbench.tables.files import write_atomically
 
 __all__ = [
     "JOURNAL_NAME",

@@ -33,10 +33,10 @@ from optuna.trial import FrozenTrial, TrialState
 from attnbench.core.device import DeviceProfile
 from attnbench.core.registry import code_hash
 from attnbench.core.workload import Workload, workload_to_dict
-from attnbench.tuning.key import TuningKey
-from attnbench.tuning.space import BackendRef, Candidate, SearchSpace, build_space
+from attnbench.tables.key import TuningKey
+from attnbench.tables.table_schema import Candidate, CandidateResult
+from attnbench.tuning.space import BackendRef, SearchSpace, build_space
 from attnbench.tuning.storage import JOURNAL_NAME, fail_stale, heartbeat, heartbeats_enabled, open_storage
-from attnbench.tuning.table_schema import CandidateResult
 from attnbench.tuning.worker import MEASURE_SETTINGS, Outcome, Worker, WorkerTask
 
 __all__ = [

@@ -1,6 +1,6 @@
 """A study's outcome as a results-table entry: finalists' intervals, the margin policy, merging.
 
-The winner is decided by :func:`attnbench.tuning.margin.decide` over the finalists' interleaved
+The winner is decided by :func:`attnbench.tables.margin.decide` over the finalists' interleaved
 times (:mod:`attnbench.tuning.interleave`), never over times from two different runs. **Merging,
 never shrinking**: an existing entry's candidates that this run did not measure are kept when they
 were measured under the same attnbench/torch/triton versions and their backend's own code hash is
@@ -17,11 +17,10 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from attnbench.core.device import DeviceProfile
-from attnbench.core.version import __version__
-from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide, too_wide
+from attnbench.tables.margin import SWITCH_MARGIN, Interval, decide, too_wide
+from attnbench.tables.table import versions
+from attnbench.tables.table_schema import Candidate, CandidateResult, TableEntry
 from attnbench.tuning.refine import PointMeasurement
-from attnbench.tuning.space import Candidate
-from attnbench.tuning.table_schema import CandidateResult, TableEntry
 
 if TYPE_CHECKING:  # the study needs Optuna; a summary of its records does not
     from attnbench.tuning.study import KeyResult
@@ -29,14 +28,6 @@ if TYPE_CHECKING:  # the study needs Optuna; a summary of its records does not
 __all__ = ["candidate_label", "mergeable", "summarize", "versions"]
 
 _SAME = ("attnbench", "torch", "triton")
-
-
-def versions() -> dict[str, str]:
-    import torch
-
-    from attnbench.core.device import triton_version
-
-    return {"attnbench": __version__, "torch": str(torch.__version__), "triton": str(triton_version())}
 
 
 def candidate_label(c: Mapping[str, Any]) -> str:

@@ -19,9 +19,10 @@ from attnbench.core.device import DeviceProfile, load_profile
 from attnbench.core.locations import ResultsLocation, writable_results
 from attnbench.core.registry import Registry, code_hash
 from attnbench.core.workload import Workload
-from attnbench.tuning.dispatch import DispatchMap, GridPoint, dispatch_path, save_maps
+from attnbench.tables.dispatch import DispatchMap, GridPoint, dispatch_path, save_maps
+from attnbench.tables.margin import SWITCH_MARGIN, finalists
+from attnbench.tables.table import CandidateResult, ResultsTable, TableError, hardware_id, table_path
 from attnbench.tuning.interleave import Finalist, retime
-from attnbench.tuning.margin import SWITCH_MARGIN, finalists
 from attnbench.tuning.refine import RESOLUTION, PointMeasurement, grid_point, refine_map
 from attnbench.tuning.space import BackendRef, backend_refs
 from attnbench.tuning.storage import redact
@@ -35,7 +36,6 @@ from attnbench.tuning.study import (
     run_study,
 )
 from attnbench.tuning.summary import candidate_label, summarize
-from attnbench.tuning.table import CandidateResult, ResultsTable, TableError, hardware_id, table_path
 from attnbench.tuning.worker import Worker
 
 __all__ = ["TuneReport", "tune"]
@@ -94,7 +94,7 @@ def tune(
         update_reference: allow writing into a folder of committed reference runs (one holding
             ``REFERENCE.md``, like the repository's ``results/``); refused otherwise.
         storage: an Optuna RDB URL instead of the embedded journal.
-        margin: the switch margin of the margin policy (:func:`attnbench.tuning.margin.decide`).
+        margin: the switch margin of the margin policy (:func:`attnbench.tables.margin.decide`).
         samples: interleaved samples per finalist (0: no re-timing, no map).
         refine / resolution: add grid lines where winners differ, to within ``resolution`` octaves.
         on_plan / on_trial / on_point: progress hooks (the plans, each trial, each map point).

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from attnbench.core.child import Child
 from attnbench.core.workload import workload_from_dict
-from attnbench.tuning.margin import Interval
-from attnbench.tuning.table_schema import CandidateResult
+from attnbench.tables.margin import Interval
+from attnbench.tables.table_schema import CandidateResult
 
 if TYPE_CHECKING:
     from attnbench.core.timing import Timing

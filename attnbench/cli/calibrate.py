@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         points_from_table,
     )
     from attnbench.cost.gpuspec import device_memory_bytes, measured_flops
-    from attnbench.tuning.table import hardware_id, table_path
+    from attnbench.tables.table import hardware_id, table_path
 
     profile = load_profile(args.device)
     dev = torch.device(args.device)

@@ -29,10 +29,10 @@ from attnbench.cli.common import (
 )
 from attnbench.cli.gate_options import add_gate_options, gate_options
 from attnbench.core.timing import TIMING_MODES, timing_mode
-from attnbench.tuning.margin import SWITCH_MARGIN
+from attnbench.tables.margin import SWITCH_MARGIN
 
 if TYPE_CHECKING:
-    from attnbench.tuning.table_schema import CandidateResult, TableEntry
+    from attnbench.tables.table_schema import CandidateResult, TableEntry
 
 DEFAULT_BATCH = "1"
 DEFAULT_CONTEXT = "1k,4k"
@@ -302,7 +302,7 @@ def summary_table(entries: Mapping[str, Mapping[str, Any]], *, wide: bool = Fals
     when every row has the same. ``wide`` adds the winner's interval, GB/s and share of bandwidth, the
     runner-up, the default's time, the decision, the load average, the failed candidates and the
     trial count (``--json`` has every field). ``entries`` are read through the table's schema."""
-    from attnbench.tuning.table_schema import validate_entries
+    from attnbench.tables.table_schema import validate_entries
 
     rows = sorted(
         validate_entries(entries).values(),

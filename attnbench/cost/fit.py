@@ -389,7 +389,7 @@ class Calibration:
 
 def calibration_path(results_dir: str | Path, fingerprint: Mapping[str, Any]) -> Path:
     """``<results_dir>/calibration-<kind>-<name>-<hardware id>.yaml``, beside the tuned table."""
-    from attnbench.tuning.table import table_path
+    from attnbench.tables.table import table_path
 
     tuned = table_path(Path(results_dir), fingerprint)
     return tuned.with_name(tuned.name.replace("tuning-", "calibration-", 1))
@@ -407,7 +407,7 @@ def find_calibration(
 
 def device_entry(profile: Any, *, flops: Mapping[str, float], memory_bytes: float) -> dict[str, Any]:
     """The ``device`` section of a calibration file from a device profile."""
-    from attnbench.tuning.table import hardware_id
+    from attnbench.tables.table import hardware_id
 
     return {
         "name": profile.name,
@@ -445,7 +445,7 @@ def _point(
 
 def points_from_table(path: str | Path, registry: Registry) -> list[CalibrationPoint]:
     """Every measured candidate of a tuned table (step time and GB/s give the bytes read)."""
-    from attnbench.tuning.table_schema import validate_entries
+    from attnbench.tables.table_schema import validate_entries
 
     data = yaml.safe_load(Path(path).read_text()) or {}
     out = []

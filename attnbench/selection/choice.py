@@ -15,7 +15,7 @@ from typing import Any, Literal, overload
 from attnbench.core.backend import Backend
 from attnbench.core.registry import Registry, load_registry
 from attnbench.core.workload import Workload
-from attnbench.tuning.dispatch import Basis, Lookup
+from attnbench.tables.dispatch import Basis, Lookup
 
 __all__ = ["Choice", "Rejected"]
 

@@ -16,7 +16,7 @@ from attnbench.core.backend import Resolution
 from attnbench.core.traffic import kv_bytes_per_step
 from attnbench.core.workload import Workload
 from attnbench.selection.choice import Choice, Rejected
-from attnbench.tuning.space import DEFAULT_BACKENDS
+from attnbench.tables.table_schema import DEFAULT_BACKENDS
 
 __all__ = ["HeuristicRanking", "rank"]
 

@@ -48,8 +48,8 @@ from attnbench.selection.choice import Choice, Rejected
 from attnbench.selection.fitted import calibrated_ranking
 from attnbench.selection.heuristic import HeuristicRanking, rank, runnable_reason
 from attnbench.selection.tuned import Location, entry_choice, file_signature
-from attnbench.tuning.dispatch import dispatch_path, map_key
-from attnbench.tuning.table import hardware_id, table_path
+from attnbench.tables.dispatch import dispatch_path, map_key
+from attnbench.tables.table import hardware_id, table_path
 
 __all__ = ["Choice", "Rejected", "Selector", "backend_for", "default_selector", "select"]
 
@@ -139,7 +139,7 @@ class Selector:
                 per-user ``$XDG_DATA_HOME/attnbench``, see :mod:`attnbench.core.locations`); a folder given
                 here that does not exist raises :class:`~attnbench.core.locations.ResultsLocationError`.
             table: a specific table file instead (it must exist; refused with
-                :class:`~attnbench.tuning.DeviceMismatchError` when tuned on another device).
+                :class:`~attnbench.tables.DeviceMismatchError` when tuned on another device).
             registry: the backends to choose from (default: the full registry).
             bandwidth: bytes/s for the heuristic's roofline (default: the device profile's, measured once).
             allow_lossy: a lossy KV cache (``Backend.lossy``, e.g. fp8 K/V) may be chosen — from the table

@@ -2,7 +2,7 @@
 tuned entry of the results table.
 
 :class:`TunedIndex` is built once per version of the device's files (the table and the dispatch map,
-read through :mod:`attnbench.tuning.table`'s and :mod:`attnbench.tuning.dispatch`'s typed API) and
+read through :mod:`attnbench.tables.table`'s and :mod:`attnbench.tables.dispatch`'s typed API) and
 answers every later call from memory; :class:`Location` keeps the files as last read
 (:class:`TunedFiles`) and reads them again when ``tune`` rewrote them. Whether a candidate can run here (registered, runnable, not
 interpreted, lossy only when allowed, never after failing the gate) is asked by the caller through
@@ -22,8 +22,8 @@ from attnbench.core.locations import check_table_file
 from attnbench.core.workload import Workload, bucket
 from attnbench.cost.fit import Calibration, CalibrationError
 from attnbench.selection.choice import Choice, Rejected
-from attnbench.tuning.dispatch import DispatchMap, Lookup, load_maps, map_key
-from attnbench.tuning.table import CandidateResult, DeviceMismatchError, ResultsTable, TableEntry, TableError
+from attnbench.tables.dispatch import DispatchMap, Lookup, load_maps, map_key
+from attnbench.tables.table import CandidateResult, DeviceMismatchError, ResultsTable, TableEntry, TableError
 
 __all__ = [
     "Location",
@@ -284,7 +284,7 @@ class Location:
         """What the files hold, read again when one was rewritten: one ``os.stat`` of their folder
         when it has settled, else of the files too (see :class:`attnbench.selection.select.Selector`);
         ``recheck_s`` > 0 checks at most that often. Another device's table or map is refused
-        (:class:`~attnbench.tuning.DeviceMismatchError`); an unreadable one is ignored with a note,
+        (:class:`~attnbench.tables.DeviceMismatchError`); an unreadable one is ignored with a note,
         unless the table was named."""
         files = self.files
         now = time.monotonic() if recheck_s else 0.0

@@ -29,8 +29,9 @@ from attnbench.core.backend import ConfigError, Tunable
 from attnbench.core.shapes import ModelShape
 from attnbench.core.workload import Workload
 from attnbench.kernels.fp8_cache import NonFiniteKVError, dequantize, quantize
+from attnbench.tables import ResultsTable
 from attnbench.testing import CASES, BackendConformance
-from attnbench.tuning import ResultsTable, TuneOptions, tune
+from attnbench.tuning import TuneOptions, tune
 
 
 class TestCpuDecodeFp8(BackendConformance):

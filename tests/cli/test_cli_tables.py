@@ -84,15 +84,9 @@ def _tune_entries(*, dtypes: tuple[str, ...] = ("bf16",)) -> dict[str, dict[str,
     interleaved), with real backends' names and configs: a switch to cpu_decode, a tie, the default
     winning, a long plugin config, and a bucket where nothing passed."""
     from attnbench.core.workload import Workload
-    from attnbench.tuning import (
-        CandidateResult,
-        KeyResult,
-        TuneOptions,
-        backend_refs,
-        plan_studies,
-        summarize,
-    )
-    from attnbench.tuning.margin import Interval
+    from attnbench.tables import CandidateResult
+    from attnbench.tables.margin import Interval
+    from attnbench.tuning import KeyResult, TuneOptions, backend_refs, plan_studies, summarize
     from attnbench.tuning.refine import PointMeasurement
 
     profile = stated_profile()

@@ -110,7 +110,7 @@ def test_sigterm_during_tune_marks_the_trial_interrupted_and_writes_the_table(tm
     )
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert "interrupted" in proc.stderr and "Traceback" not in proc.stderr
-    from attnbench.tuning import ResultsTable
+    from attnbench.tables import ResultsTable
 
     (path,) = tmp_path.glob("tuning-*.yaml")
     entries = ResultsTable.load(path).typed()

@@ -26,7 +26,7 @@ from helpers.fake_plugins import plugin_source, pythonpath, write_fake_dist
 
 from attnbench import Workload, check, load_registry
 from attnbench.core.registry import SUPPORTED_PLUGIN_API, Registry
-from attnbench.tuning.margin import Interval, decide
+from attnbench.tables.margin import Interval, decide
 from attnbench.tuning.summary import candidate_label
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,8 +37,9 @@ from attnbench.cost.fit import (
 )
 from attnbench.selection.select import backend_for
 from attnbench.selection.tuned import TunedIndex
-from attnbench.tuning import ResultsTable, summarize
-from attnbench.tuning.dispatch import map_key
+from attnbench.tables import ResultsTable
+from attnbench.tables.dispatch import map_key
+from attnbench.tuning import summarize
 
 # -- bytes and FLOPs by hand --------------------------------------------------------------------------
 

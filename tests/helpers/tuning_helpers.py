@@ -17,18 +17,10 @@ from attnbench.core.device import DeviceProfile, fingerprint
 from attnbench.core.registry import Registry, Source, load_registry
 from attnbench.core.workload import Workload
 from attnbench.hookspecs import hookimpl
-from attnbench.tuning import (
-    CandidateResult,
-    KeyResult,
-    ResultsTable,
-    TuneOptions,
-    backend_refs,
-    plan_studies,
-    summarize,
-    table_path,
-)
-from attnbench.tuning.dispatch import DispatchMap, GridPoint
-from attnbench.tuning.margin import SWITCH_MARGIN
+from attnbench.tables import CandidateResult, ResultsTable, table_path
+from attnbench.tables.dispatch import DispatchMap, GridPoint
+from attnbench.tables.margin import SWITCH_MARGIN
+from attnbench.tuning import KeyResult, TuneOptions, backend_refs, plan_studies, summarize
 from attnbench.tuning.refine import RESOLUTION, Measure, grid_point, refine_map
 
 

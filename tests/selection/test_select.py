@@ -11,7 +11,7 @@ import attnbench
 from attnbench.cli import main
 from attnbench.core.device import DeviceProfile
 from attnbench.core.workload import Workload
-from attnbench.tuning import DeviceMismatchError, ResultsTable
+from attnbench.tables import DeviceMismatchError, ResultsTable
 
 
 def _table(tmp_path, rows: list[tuple[str, dict]], profile: DeviceProfile | None = None):
@@ -378,9 +378,9 @@ def _planted_map(folder, *, batches=(1, 4), contexts=(256, 1024)):
     gives exactly those times between the points."""
     from attnbench.core.device import fingerprint
     from attnbench.core.shapes import load_shape
-    from attnbench.tuning.dispatch import DispatchMap, GridPoint, MapCandidate, dispatch_path, save_maps
-    from attnbench.tuning.margin import Interval
-    from attnbench.tuning.table import hardware_id, table_path
+    from attnbench.tables.dispatch import DispatchMap, GridPoint, MapCandidate, dispatch_path, save_maps
+    from attnbench.tables.margin import Interval
+    from attnbench.tables.table import hardware_id, table_path
 
     fp = fingerprint("cpu")
     candidates = {FLASH: MapCandidate("flash", {"num_splits": 0}), "naive": MapCandidate("naive", {})}
@@ -471,7 +471,7 @@ def test_later_calls_from_a_map_read_nothing_and_explain_only_when_asked(tmp_pat
 
     from attnbench.cost.fit import Calibration
     from attnbench.selection.select import Selector
-    from attnbench.tuning.dispatch import DispatchMap
+    from attnbench.tables.dispatch import DispatchMap
 
     monkeypatch.setenv("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", "1")  # built-ins: no plugin probe per bucket
     sel = importlib.import_module("attnbench.selection.select")

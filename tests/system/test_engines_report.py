@@ -8,8 +8,8 @@ from helpers.script_module import load_script
 from helpers.tuning_helpers import planted_result, stated_profile
 
 from attnbench.core.workload import Workload
+from attnbench.tables.margin import Interval
 from attnbench.tuning import summarize
-from attnbench.tuning.margin import Interval
 from attnbench.tuning.refine import PointMeasurement
 
 W = Workload.uniform("tiny-gqa", batch=1, context=512, dtype="fp32")

@@ -124,7 +124,7 @@ def test_the_absent_modules_are_absent_in_the_child(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode != 0 and "absent on the GPU machine" in proc.stderr
     ok = subprocess.run(
-        [sys.executable, "-c", "import attnbench, attnbench.tuning.table; attnbench.select"],
+        [sys.executable, "-c", "import attnbench, attnbench.tables.table; attnbench.select"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert ok.returncode == 0, ok.stderr[-2000:]

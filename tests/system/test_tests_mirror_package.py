@@ -23,6 +23,7 @@ SUBPACKAGES = (
     "measure",
     "cost",
     "selection",
+    "tables",
     "models",
     "integrations",
     "cli",
@@ -95,4 +96,4 @@ def test_the_scan_reads_both_import_forms(tmp_path: Path) -> None:
         "def f():\n    from attnbench.cost.fit import Fit\n"
     )
     got = imported_modules(probe)
-    assert {"attnbench.core.shapes", "attnbench.tuning.table", "attnbench.cost.fit"} <= got
+    assert {"attnbench.core.shapes", "attnbench.tables.table", "attnbench.cost.fit"} <= got

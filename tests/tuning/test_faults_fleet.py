@@ -168,7 +168,7 @@ def test_a_fleet_of_three_tuners_survives_a_sigkill(fresh_database, tmp_path, ca
     assert max(completes.values()) == 1, completes
 
     from attnbench import select
-    from attnbench.tuning import ResultsTable
+    from attnbench.tables import ResultsTable
 
     for host, folder in results.items():
         (table_file,) = folder.glob("tuning-*.yaml")

@@ -13,7 +13,8 @@ from helpers.tuning_helpers import planted_entry, save_table, stated_profile
 
 from attnbench.core.device import DeviceProfile
 from attnbench.core.workload import Workload
-from attnbench.tuning import JOURNAL_NAME, ResultsTable, StorageError, TableError, open_storage
+from attnbench.tables import ResultsTable, TableError
+from attnbench.tuning import JOURNAL_NAME, StorageError, open_storage
 
 W = Workload.uniform("tiny-gqa", batch=1, context=512, dtype="fp32")
 

@@ -22,7 +22,8 @@ from helpers.tuning_helpers import RefuseBackend, planted_registry
 
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.workload import Workload
-from attnbench.tuning import JOURNAL_NAME, ResultsTable, TuneOptions, open_storage, tune
+from attnbench.tables import ResultsTable
+from attnbench.tuning import JOURNAL_NAME, TuneOptions, open_storage, tune
 
 # one torch thread (the worker takes the parent's count): with two on a busy machine, back-to-back
 # tiny steps can stall at a thread barrier for longer than the planted sleeps (test_tuning_map.py)

@@ -17,8 +17,9 @@ from helpers.tuning_helpers import planted_registry
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.workload import Workload
 from attnbench.selection.select import select
-from attnbench.tuning import ResultsTable, TuneOptions, tune
-from attnbench.tuning.dispatch import load_maps, map_key
+from attnbench.tables import ResultsTable
+from attnbench.tables.dispatch import load_maps, map_key
+from attnbench.tuning import TuneOptions, tune
 
 # The studies time real steps. With two torch threads on a busy machine, a candidate's back-to-back
 # sub-millisecond steps stalled for 150-160 ms (its threads wait at a barrier for a thread the
@@ -278,9 +279,9 @@ class Twin(_Costed):
 def test_the_interleaved_order_spreads_what_a_step_leaves_for_the_next(profile):
     """Two identical candidates tie though one of them is listed right after a polluter: a rotated
     order would make that one follow the polluter in four rounds of five and lose by 4×."""
+    from attnbench.tables.margin import beats
     from attnbench.tuning import Worker
     from attnbench.tuning.interleave import Finalist, retime
-    from attnbench.tuning.margin import beats
 
     names = ["polluter", "twin_a", "twin_b", "twin_c", "twin_d"]
     refs = ["test_tuning_map:Polluter"] + ["test_tuning_map:Twin"] * 4

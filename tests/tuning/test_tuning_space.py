@@ -9,11 +9,10 @@ from helpers.tuning_helpers import RefuseBackend, stated_profile
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.backend import Tunable
 from attnbench.core.workload import Workload, workload_to_dict
+from attnbench.tables import CandidateResult, TuningKey
 from attnbench.tuning import (
-    CandidateResult,
     Outcome,
     TuneOptions,
-    TuningKey,
     backend_refs,
     build_space,
     evaluate,

@@ -13,7 +13,7 @@ import random
 import pytest
 from helpers.tuning_helpers import build_map
 
-from attnbench.tuning.dispatch import (
+from attnbench.tables.dispatch import (
     DispatchMap,
     GridPoint,
     MapCandidate,
@@ -21,7 +21,7 @@ from attnbench.tuning.dispatch import (
     load_maps,
     save_maps,
 )
-from attnbench.tuning.margin import Interval, bootstrap_median, decide, finalists, sample_rounds
+from attnbench.tables.margin import Interval, bootstrap_median, decide, finalists, sample_rounds
 from attnbench.tuning.refine import PointMeasurement
 
 DEFAULT = "steady"
@@ -335,7 +335,7 @@ def test_the_per_call_deciders_give_the_verdict_of_every_interval() -> None:
     """select()'s per-call shortcut (intervals only for the fastest, the default and the one
     challenger decide() would pick) gives decide()'s verdict over every candidate's interval, over
     random cells whose candidates beat, tie with or lose to the default."""
-    from attnbench.tuning.lookup import _deciders, _deciders_in, interval, weights
+    from attnbench.tables.lookup import _deciders, _deciders_in, interval, weights
 
     rng = random.Random(7)
     checked = 0

@@ -1,10 +1,10 @@
 """The dispatch map's lookup: the part of ``select()`` that runs per call.
 
-:meth:`attnbench.tuning.dispatch.DispatchMap.lookup` finds the grid cell around (batch, context) and
+:meth:`attnbench.tables.dispatch.DispatchMap.lookup` finds the grid cell around (batch, context) and
 hands it here. A :class:`Cell` holds what one cell needs, made once per cell and set of eligible
 candidates: each candidate's logs at the four corners. Per call, :func:`answer` interpolates each
 candidate's median (log-log bilinear), makes the intervals of the few that the one margin policy
-(:func:`attnbench.tuning.margin.decide`) compares (the fastest, the default, those that may beat
+(:func:`attnbench.tables.margin.decide`) compares (the fastest, the default, those that may beat
 it), decides, and returns a :class:`Lookup`; every candidate's interval is made only when
 :attr:`Lookup.predicted` is read. The medians and intervals are computed by the same expressions, so
 the answer is the one deciding over every interval gives, to the bit.
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from attnbench.tuning.margin import Interval, decide
+from attnbench.tables.margin import Interval, decide
 
 if TYPE_CHECKING:
-    from attnbench.tuning.dispatch import GridPoint, MapCandidate
+    from attnbench.tables.dispatch import GridPoint, MapCandidate
 
 __all__ = ["Basis", "Cell", "Lookup", "answer", "make_cell"]
 
@@ -143,7 +143,7 @@ def _medians(cells: Sequence[tuple[tuple[Row, ...] | None, float, float]]) -> di
 def _deciders_in(
     rows: tuple[Row, ...], places: dict[str, int], w: Weights, default: str | None, margin: float
 ) -> dict[str, Interval]:
-    """The intervals :func:`~attnbench.tuning.margin.decide` needs for the rows of one cell at
+    """The intervals :func:`~attnbench.tables.margin.decide` needs for the rows of one cell at
     weights ``w`` (``select()`` runs it per call): the fastest, the default, and of the candidates
     that beat the default by the margin only the one ``decide`` would pick — its verdict from these
     is the verdict from every row's interval. The medians are computed as :func:`interval` computes
@@ -185,7 +185,7 @@ def _deciders_in(
 
 
 def _deciders(medians: dict[str, Median], default: str | None, margin: float) -> dict[str, Interval]:
-    """The intervals :func:`~attnbench.tuning.margin.decide` needs, in ``medians``' order: the fastest
+    """The intervals :func:`~attnbench.tables.margin.decide` needs, in ``medians``' order: the fastest
     (the first of the lowest medians), the default, and of the candidates that beat it by the margin
     (``default.lo ≥ (1 + margin) · challenger.hi``) the one ``decide`` picks (the lowest median, the
     first in order among equal ones). ``decide`` of these gives the verdict ``decide`` of every

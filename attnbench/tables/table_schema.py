@@ -4,7 +4,7 @@
 :class:`CandidateResult` is one candidate in it, and the one record of a trial from the worker to the
 table: the worker builds it from its measurement, the study stores its :meth:`~CandidateResult.as_dict`
 with the Optuna trial, and :meth:`~CandidateResult.from_dict` reads it back there, from the worker's
-pipe and from the table file. :mod:`attnbench.tuning.table` re-exports both and
+pipe and from the table file. :mod:`attnbench.tables.table` re-exports both and
 validates every entry it reads or writes through them, so a file that does not validate (truncated,
 hand-broken) is refused with the field and the rule, and moved aside by the next ``tune``.
 
@@ -17,15 +17,35 @@ survives an older one's save.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, overload
 
-from attnbench.tuning.margin import Interval
-from attnbench.tuning.space import Candidate
+from attnbench.tables.margin import Interval
 
-__all__ = ["CandidateResult", "TableEntry", "TableError", "validate_entries"]
+#: What a user gets without tuning: the first of these that can run the workload (a table entry's
+#: ``default``, the candidate every other must beat by the switch margin).
+DEFAULT_BACKENDS = ("flash", "naive")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of a search space: a backend and a complete config."""
+
+    backend: str
+    config: Mapping[str, Any]
+
+    def label(self) -> str:
+        cfg = ",".join(f"{k}={v}" for k, v in sorted(self.config.items()))
+        return f"{self.backend}[{cfg}]" if cfg else self.backend
+
+    def ident(self) -> str:
+        return json.dumps([self.backend, sorted(self.config.items())], default=str)
+
+
+__all__ = ["DEFAULT_BACKENDS", "Candidate", "CandidateResult", "TableEntry", "TableError", "validate_entries"]
 
 
 class TableError(ValueError):

@@ -8,7 +8,8 @@ from helpers.tuning_helpers import planted_result, stated_profile
 
 from attnbench.core.device import fingerprint
 from attnbench.core.workload import Workload
-from attnbench.tuning import DeviceMismatchError, KeyResult, ResultsTable, TableError, summarize, table_path
+from attnbench.tables import DeviceMismatchError, ResultsTable, TableError, table_path
+from attnbench.tuning import KeyResult, summarize
 
 W = Workload.uniform("tiny-gqa", batch=1, context=512, dtype="fp32")
 

@@ -17,10 +17,10 @@ results table), readable without Optuna::
 
 :meth:`DispatchMap.lookup` interpolates every candidate's time (median and interval) bilinearly in
 log-log space between the four grid points around (batch, context), then decides by the one margin
-policy (:func:`attnbench.tuning.margin.decide`). Outside the grid it extends the trend between the
+policy (:func:`attnbench.tables.margin.decide`). Outside the grid it extends the trend between the
 first and last grid lines (linear in log-log space) and says it extrapolates. It reads no file and
 imports no torch: a map loaded once answers in microseconds (what a cell needs is made once, the
-per-call part is :mod:`attnbench.tuning.lookup`).
+per-call part is :mod:`attnbench.tables.lookup`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attnbench.tuning.files import locked, write_atomically
-from attnbench.tuning.lookup import Basis, Cell, Lookup, answer, make_cell
-from attnbench.tuning.margin import SWITCH_MARGIN, Interval, decide
+from attnbench.tables.files import locked, write_atomically
+from attnbench.tables.lookup import Basis, Cell, Lookup, answer, make_cell
+from attnbench.tables.margin import SWITCH_MARGIN, Interval, decide
 
 __all__ = [
     "FORMAT",

@@ -23,11 +23,11 @@ from typing import Any
 import yaml
 
 from attnbench.core.device import DeviceProfile
-from attnbench.tuning.files import locked as _locked
-from attnbench.tuning.files import write_atomically as _write_atomically
-from attnbench.tuning.margin import SWITCH_MARGIN
-from attnbench.tuning.summary import summarize, versions
-from attnbench.tuning.table_schema import CandidateResult, TableEntry, TableError, validate_entries
+from attnbench.core.version import __version__
+from attnbench.tables.files import locked as _locked
+from attnbench.tables.files import write_atomically as _write_atomically
+from attnbench.tables.margin import SWITCH_MARGIN
+from attnbench.tables.table_schema import CandidateResult, TableEntry, TableError, validate_entries
 
 __all__ = [
     "FORMAT",
@@ -39,7 +39,6 @@ __all__ = [
     "TableError",
     "TableReadError",
     "hardware_id",
-    "summarize",
     "table_path",
     "validate_entries",
     "versions",
@@ -49,6 +48,15 @@ __all__ = [
 FORMAT = 2
 _READS = (1, 2)
 _VERSION_KEYS = ("torch", "triton", "python", "cuda", "driver")
+
+
+def versions() -> dict[str, str]:
+    """The versions a table row records: attnbench's, torch's and Triton's."""
+    import torch  # deferred: reading a table (select()) does not need torch
+
+    from attnbench.core.device import triton_version
+
+    return {"attnbench": __version__, "torch": str(torch.__version__), "triton": str(triton_version())}
 
 
 class DeviceMismatchError(TableError):

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from attnbench.tuning.dispatch import DispatchMap, GridPoint, MapCandidate
-from attnbench.tuning.margin import Interval, decide
+from attnbench.tables.dispatch import DispatchMap, GridPoint, MapCandidate
+from attnbench.tables.margin import Interval, decide
 
 DEFAULT = "flash[num_splits=0]"
 
