@@ -1,7 +1,7 @@
 """Check the generation cost model against measured ``attnbench e2e`` runs: TTFT and ITL per row.
 
 For every e2e report given (``--runs``, the ``.json`` files ``attnbench e2e --save`` writes), the cost
-model is calibrated here and now on this device (:func:`attnbench.cost.generation.calibrate_generation`:
+model is calibrated here and now on this device (:func:`attnbench.cost.generation_calibration.calibrate_generation`:
 each linear layer timed alone, the matmul-free frames of the model's class; nothing runs the model
 being predicted) for the report's model, dtype, paths and batches, and each measured row is predicted
 with :func:`~attnbench.cost.generation.predict_generation`. Compared: TTFT with the measured TTFT, ITL
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from attnbench.core.shapes import parse_dtype
     from attnbench.cost import generation
+    from attnbench.cost.generation_calibration import calibrate_generation
 
     reports = [(path, _load(path)) for path in args.runs]
     threads = args.threads or max(int(r.get("threads") or 0) for _, r in reports) or None
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             f"calibrating {model} {dtype}: paths {sorted(g['paths'])}, batches {sorted(g['batches'])}",
             flush=True,
         )
-        calibrations[model, dtype] = generation.calibrate_generation(
+        calibrations[model, dtype] = calibrate_generation(
             cost, paths=sorted(g["paths"]), dtype=parse_dtype(dtype), batch_sizes=sorted(g["batches"]),
             max_seconds=args.max_seconds, progress=lambda line: print("  " + line, flush=True),
         )  # fmt: skip

@@ -261,13 +261,14 @@ def _predictor(
 ):
     """The cost model's prediction per row, calibrated once on this device, and that calibration
     (``(None, None)`` when unavailable)."""
-    try:
+    try:  # deferred: the cost model's calibration imports transformers (only for --predict)
         from attnbench.cost import generation
+        from attnbench.cost.generation_calibration import calibrate_generation
     except ImportError:
         return None, None
     cost = generation.ModelCost.from_hf_config(model.config)
     with err.status("calibrating the cost model (short measurements on this device)…"):
-        calibration = generation.calibrate_generation(
+        calibration = calibrate_generation(
             cost, paths=[p.name for p in paths], dtype=dtype, batch_sizes=batches
         )
 

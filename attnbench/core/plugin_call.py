@@ -29,12 +29,11 @@ from typing import Any
 
 from attnbench.core.backend import Backend, Resolution
 from attnbench.core.child import Child
+from attnbench.core.registry import code_hash, load_backend_class, plugin_timeout
 from attnbench.core.workload import Workload, bucket, workload_from_dict, workload_to_dict
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ask", "ask_many", "plugin_timeout"]
+__all__ = ["ask", "ask_many"]
 
-#: Seconds a plugin backend has to answer (``$ATTNBENCH_PLUGIN_TIMEOUT`` overrides).
-DEFAULT_TIMEOUT_S = 60.0
 #: A backend that gave no answer is asked again after this long (until then, the cached refusal).
 _RETRY_S = 3600.0
 
@@ -106,8 +105,6 @@ def _cache_file(cls: type[Backend], workload: Workload) -> Path:
     from attnbench.core.device import cache_dir
 
     try:
-        from attnbench.core.registry import code_hash
-
         code = code_hash([cls])
     except Exception:
         code = "?"
@@ -118,14 +115,6 @@ def _cache_file(cls: type[Backend], workload: Workload) -> Path:
     }
     key = json.dumps(["probe-3", _ref(cls), code, where, str(torch.__version__)], default=str)
     return cache_dir() / "probes" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-
-
-def plugin_timeout() -> float:
-    """Seconds a plugin backend has to answer: ``$ATTNBENCH_PLUGIN_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`."""
-    try:
-        return float(os.environ.get("ATTNBENCH_PLUGIN_TIMEOUT") or DEFAULT_TIMEOUT_S)
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
 
 
 def ask(cls: type[Backend], workload: Workload, *, timeout: float | None = None) -> Resolution:
@@ -212,8 +201,6 @@ def main() -> None:
     for entry in reversed(request["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    from attnbench.core.registry import load_backend_class
-
     workload = workload_from_dict(request["workload"])
     proto.write('{"ready": true}\n')
     for ref in request["refs"]:

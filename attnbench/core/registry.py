@@ -51,6 +51,7 @@ from attnbench.core.version import __version__
 
 __all__ = [
     "BUILTIN_MODULE",
+    "DEFAULT_TIMEOUT_S",
     "ENTRY_POINT_GROUP",
     "SUPPORTED_PLUGIN_API",
     "BackendEntry",
@@ -63,6 +64,7 @@ __all__ = [
     "load_backend_class",
     "load_plugin",
     "load_registry",
+    "plugin_timeout",
 ]
 
 ENTRY_POINT_GROUP = "attnbench.backends"
@@ -332,6 +334,18 @@ def _import_key(ep: EntryPoint) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
+#: Seconds a plugin backend has to answer, or its module to import (``$ATTNBENCH_PLUGIN_TIMEOUT`` overrides).
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def plugin_timeout() -> float:
+    """Seconds a plugin backend has to answer: ``$ATTNBENCH_PLUGIN_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`."""
+    try:
+        return float(os.environ.get("ATTNBENCH_PLUGIN_TIMEOUT") or DEFAULT_TIMEOUT_S)
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+
+
 def _import_hangs(ep: EntryPoint) -> str:
     """Import the plugin's module in a child process first, with a deadline (a thread cannot bound an
     import that hangs holding the GIL); ``""`` when it finishes (remembered, keyed by
@@ -340,7 +354,6 @@ def _import_hangs(ep: EntryPoint) -> str:
 
     from attnbench.core.child import run_child
     from attnbench.core.device import cache_dir
-    from attnbench.core.plugin_call import plugin_timeout
 
     marker = cache_dir() / "plugin-imports" / f"{_import_key(ep)}.ok"
     if marker.exists():

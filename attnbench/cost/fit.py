@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from attnbench.core.backend import Backend
     from attnbench.core.registry import Registry
     from attnbench.core.workload import Workload
-    from attnbench.cost.gpuspec import GPUSpec
 
 __all__ = [
     "Calibration",
@@ -302,24 +301,6 @@ class Calibration:
             per_token = backend_kv_bytes_per_token(backend, workload) / workload.shape.num_layers * layers
             kv_bytes = kv_bytes_per_step(per_token, tokens=workload.total_tokens + workload.batch)
         return fit.predict_s(batch=workload.batch, kv_bytes=kv_bytes, layers=layers), fit
-
-    def gpu(self) -> GPUSpec:
-        """The calibrated device as a :class:`~attnbench.cost.gpuspec.GPUSpec` (measured: achievable 1)."""
-        from attnbench.cost.gpuspec import GPUSpec
-
-        d = self.device
-        where = self.path.name if self.path else "calibration"
-        return GPUSpec(
-            name=f"calibrated:{where}",
-            label=f"{d.get('name', 'device')} (calibrated, {where})",
-            memory_bandwidth=float(d["bandwidth"]),
-            memory_bytes=float(d["memory_bytes"]),
-            flops={str(k): float(v) for k, v in d["flops"].items()},
-            achievable=1.0,
-            source=f"measured and calibrated: {where}, written {self.written_at}",
-            measured=True,
-            calibration=self,
-        )
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -16,7 +16,7 @@ For ``L`` layers, batch ``B``, prompt ``T``, ``N`` new tokens and ``n`` tokens a
          + s0 + L · a                                     fixed_s  (s0, a, b fitted per batch)
     e2e  = TTFT + (N − 1) · ITL
 
-What calibrates which term (:func:`calibrate_generation`):
+What calibrates which term (:func:`attnbench.cost.generation_calibration.calibrate_generation`):
 
 - ``t_lin``, ``t_head`` — each distinct linear layer of the model (in/out features, bias) timed alone
   with ``F.linear``: at ``B`` rows for every calibrated batch (decode; the weights cycled over copies
@@ -55,14 +55,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnbench.core.shapes import ModelShape, dtype_bytes, parse_dtype
+from attnbench.core.shapes import ModelShape, dtype_bytes
 from attnbench.core.traffic import kv_bytes_per_step, shape_kv_bytes_per_token
-from attnbench.measure.e2e import STOCK_PATHS, parse_path
+from attnbench.measure.e2e import STOCK_PATHS
 
 __all__ = [
     "DECODE_CONTEXTS", "FRAME_LAYERS", "PREFILL_LENGTHS", "PREFILL_ROWS", "DecodeFit", "FramePoint",
     "GenerationCalibration", "GenerationPrediction", "Linear", "LinearTime", "ModelCost",
-    "PathCalibration", "PrefillFit", "calibrate_generation", "predict_generation",
+    "PathCalibration", "PrefillFit", "predict_generation",
 ]  # fmt: skip
 
 FORMAT = 1
@@ -389,38 +389,6 @@ class GenerationPrediction:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def calibrate_generation(
-    model: ModelCost,
-    *,
-    paths: Sequence[str],
-    dtype: torch.dtype,
-    batch_sizes: Sequence[int],
-    device: str = "cpu",
-    max_seconds: float = 90,
-    progress: Callable[[str], None] | None = None,
-    decode_contexts: Sequence[int] = DECODE_CONTEXTS,
-    prefill_lengths: Sequence[int] = PREFILL_LENGTHS,
-    prefill_rows: Sequence[int] = PREFILL_ROWS,
-) -> GenerationCalibration:
-    """Measure this device for ``model``'s widths: its linear layers, and each path's frame (see the
-    module docstring). ``max_seconds`` bounds the timed repeats (the fixed work runs regardless); nothing
-    is printed, ``progress`` receives one line per stage. Needs transformers."""
-    from attnbench.core.registry import load_registry
-
-    parsed = [parse_path(p, backends=load_registry().names()) for p in paths]
-    batches = sorted(set(batch_sizes))
-    for name, values, least in (("batch_sizes", batches, 1), ("decode_contexts", decode_contexts, 2),
-                                ("prefill_lengths", prefill_lengths, 3), ("prefill_rows", prefill_rows, 1)):  # fmt: skip
-        if len(values) < least or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-            raise ValueError(f"calibrate_generation: {name} = {list(values)!r}: need ≥ {least} integers ≥ 1")
-    from attnbench.cost._generation_measure import measure_generation  # needs transformers
-
-    return measure_generation(
-        model, parsed, dtype=parse_dtype(dtype), batches=batches, device=device, max_seconds=max_seconds,
-        say=progress or (lambda line: None), contexts=decode_contexts, lengths=prefill_lengths, rows=prefill_rows,
-    )  # fmt: skip
 
 
 def predict_generation(

@@ -16,15 +16,14 @@ import tempfile
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import yaml
 
-if TYPE_CHECKING:
-    from attnbench.cost.fit import Calibration
+from attnbench.cost.fit import Calibration, find_calibration
 
-__all__ = ["GPUSpec", "list_gpus", "load_gpu", "matmul_peak", "measured_gpu"]
+__all__ = ["GPUSpec", "calibrated_gpu", "list_gpus", "load_gpu", "matmul_peak", "measured_gpu"]
 
 #: The dtype of the embedding and LM head, and of attention arithmetic.
 HIGH = "bf16"
@@ -106,12 +105,27 @@ def load_gpu(name: str | Path | GPUSpec, *, achievable: float | None = None) -> 
             return GPUSpec(name=preset, **fields).with_achievable(achievable)
     path = Path(str(name))
     if path.suffix in (".yaml", ".yml") or path.exists():
-        from attnbench.cost.fit import Calibration
-
-        return Calibration.load(path).gpu().with_achievable(achievable)
+        return calibrated_gpu(Calibration.load(path)).with_achievable(achievable)
     raise LookupError(
         f"unknown GPU {name!r}; presets: {', '.join(table)}, this (the measured current device), "
         "or the path of a calibration file"
+    )
+
+
+def calibrated_gpu(cal: Calibration) -> GPUSpec:
+    """A calibration file's device as a :class:`GPUSpec` (measured and calibrated: achievable 1)."""
+    d = cal.device
+    where = cal.path.name if cal.path else "calibration"
+    return GPUSpec(
+        name=f"calibrated:{where}",
+        label=f"{d.get('name', 'device')} (calibrated, {where})",
+        memory_bandwidth=float(d["bandwidth"]),
+        memory_bytes=float(d["memory_bytes"]),
+        flops={str(k): float(v) for k, v in d["flops"].items()},
+        achievable=1.0,
+        source=f"measured and calibrated: {where}, written {cal.written_at}",
+        measured=True,
+        calibration=cal,
     )
 
 
@@ -182,7 +196,6 @@ def measured_gpu(
     written by ``attnbench calibrate``, is attached.
     """
     from attnbench.core.device import load_profile
-    from attnbench.cost.fit import find_calibration
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     profile = load_profile(dev, remeasure=remeasure)

@@ -23,9 +23,9 @@ from attnbench.cost.generation import (
     ModelCost,
     PathCalibration,
     PrefillFit,
-    calibrate_generation,
     predict_generation,
 )
+from attnbench.cost.generation_calibration import calibrate_generation
 
 transformers = pytest.importorskip("transformers")
 

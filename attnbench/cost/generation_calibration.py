@@ -1,5 +1,7 @@
-"""The measurements behind :func:`attnbench.cost.generation.calibrate_generation` (see its module).
+"""Calibrating the generation cost model (:mod:`attnbench.cost.generation`) by measuring this device.
 
+:func:`calibrate_generation` is the entry point (the terms it measures: :mod:`attnbench.cost.generation`'s
+docstring).
 :func:`time_linears` times each distinct linear layer of a model alone; :class:`Frame` is the model's
 transformers class at its widths with every linear layer returning zeros, and :func:`calibrate_path`
 times its decode steps and prompts through one generation path and fits them. Everything here may
@@ -22,11 +24,15 @@ import torch.nn.functional as F
 import transformers
 
 from attnbench.core.device import fingerprint, last_level_cache_bytes
-from attnbench.core.shapes import dtype_bytes, dtype_name
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import dtype_bytes, dtype_name, parse_dtype
 from attnbench.core.timing import measure, synchronize
 from attnbench.cost.fit import nonnegative_lstsq
 from attnbench.cost.generation import (
+    DECODE_CONTEXTS,
     FRAME_LAYERS,
+    PREFILL_LENGTHS,
+    PREFILL_ROWS,
     DecodeFit,
     FramePoint,
     GenerationCalibration,
@@ -36,9 +42,16 @@ from attnbench.cost.generation import (
     PrefillFit,
 )
 from attnbench.integrations.transformers import cache_kwarg, use_backend
-from attnbench.measure.e2e import STOCK_PATHS, GenerationPath
+from attnbench.measure.e2e import STOCK_PATHS, GenerationPath, parse_path
 
-__all__ = ["FRAME_VOCAB", "Frame", "calibrate_path", "measure_generation", "time_linears"]
+__all__ = [
+    "FRAME_VOCAB",
+    "Frame",
+    "calibrate_generation",
+    "calibrate_path",
+    "measure_generation",
+    "time_linears",
+]
 
 #: The frame's vocabulary: its embedding and LM head are stand-ins (the real LM head is a timed linear).
 FRAME_VOCAB = 256
@@ -284,4 +297,32 @@ def measure_generation(
         linears=tuple(linears), paths=calibrated,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         load_avg=tuple(os.getloadavg()), seconds=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def calibrate_generation(
+    model: ModelCost,
+    *,
+    paths: Sequence[str],
+    dtype: torch.dtype,
+    batch_sizes: Sequence[int],
+    device: str = "cpu",
+    max_seconds: float = 90,
+    progress: Callable[[str], None] | None = None,
+    decode_contexts: Sequence[int] = DECODE_CONTEXTS,
+    prefill_lengths: Sequence[int] = PREFILL_LENGTHS,
+    prefill_rows: Sequence[int] = PREFILL_ROWS,
+) -> GenerationCalibration:
+    """Measure this device for ``model``'s widths: its linear layers, and each path's frame (see the
+    module docstring). ``max_seconds`` bounds the timed repeats (the fixed work runs regardless); nothing
+    is printed, ``progress`` receives one line per stage. Needs transformers."""
+    parsed = [parse_path(p, backends=load_registry().names()) for p in paths]
+    batches = sorted(set(batch_sizes))
+    for name, values, least in (("batch_sizes", batches, 1), ("decode_contexts", decode_contexts, 2),
+                                ("prefill_lengths", prefill_lengths, 3), ("prefill_rows", prefill_rows, 1)):  # fmt: skip
+        if len(values) < least or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"calibrate_generation: {name} = {list(values)!r}: need ≥ {least} integers ≥ 1")
+    return measure_generation(
+        model, parsed, dtype=parse_dtype(dtype), batches=batches, device=device, max_seconds=max_seconds,
+        say=progress or (lambda line: None), contexts=decode_contexts, lengths=prefill_lengths, rows=prefill_rows,
     )  # fmt: skip
