@@ -9,7 +9,9 @@ coarse grid of a dispatch map, refined where neighbouring winners differ.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ from attnbench.tuning.study import (
 from attnbench.tuning.summary import candidate_label, summarize
 from attnbench.tuning.worker import Worker
 
-__all__ = ["TuneReport", "tune"]
+__all__ = ["TuneReport", "time_split", "tune"]
 
 
 @dataclass
@@ -55,6 +57,10 @@ class TuneReport:
     evaluations: dict[str, int] = field(default_factory=lambda: {"trials": 0, "retimed": 0, "refined": 0})
     #: where the table and the journal went, and why there (option, environment or per-user default)
     location: ResultsLocation | None = None
+    #: where the run's wall time went (:func:`time_split`): ``wall_s``, ``phases`` (seconds by phase,
+    #: summing to ``wall_s``), ``sections`` (the tuner's own stages, overlapping the phases) and
+    #: ``by_backend`` (each backend's seconds by phase in the worker)
+    profile: dict[str, Any] = field(default_factory=dict)
 
     @property
     def trials_run(self) -> int:
@@ -79,6 +85,7 @@ def tune(
     on_plan: Callable[[list[StudyPlan]], None] | None = None,
     on_trial: Callable[[StudyPlan, CandidateResult, bool], None] | None = None,
     on_point: Callable[[GridPoint], None] | None = None,
+    on_entry: Callable[[StudyPlan, Mapping[str, Any]], None] | None = None,
     update_reference: bool = False,
 ) -> TuneReport:
     """Tune every key that ``workloads`` fall in, merge the winners into the device's table, and
@@ -97,11 +104,14 @@ def tune(
         margin: the switch margin of the margin policy (:func:`attnbench.tables.margin.decide`).
         samples: interleaved samples per finalist (0: no re-timing, no map).
         refine / resolution: add grid lines where winners differ, to within ``resolution`` octaves.
-        on_plan / on_trial / on_point: progress hooks (the plans, each trial, each map point).
+        on_plan / on_trial / on_point / on_entry: progress hooks (the plans, each trial, each map
+            point, each key's table entry once written).
 
     Ctrl-C stops after marking the running trial interrupted; what was measured is kept in the
     study and written to the table (entries marked ``complete: false``), and ``interrupted`` is set.
     """
+    started = time.monotonic()
+    sections: dict[str, float] = {}
     options = options or TuneOptions()
     location = writable_results(results_dir, update_reference=update_reference)
     results = location.path
@@ -129,13 +139,20 @@ def tune(
         prior = {}  # the save below moves a corrupt table aside (or refuses another device's)
     measured: dict[str, tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]] = {}
     task_profile = {k: v for k, v in profile.as_dict().items() if k != "id"}
+    sections["planning, storage and the prior table"] = time.monotonic() - started
     with Worker(memory_limit_bytes=options.memory_limit_bytes) as worker:
         retimer = _Retimer(worker, options, task_profile, samples)
         for plan in plans:
             try:
-                result = run_study(
-                    plan, storage=store, worker=worker, profile=profile, options=options, on_trial=on_trial
-                )
+                with _section(sections, "studies (trials through the worker)"):
+                    result = run_study(
+                        plan,
+                        storage=store,
+                        worker=worker,
+                        profile=profile,
+                        options=options,
+                        on_trial=on_trial,
+                    )
             except KeyboardInterrupt:
                 report.interrupted = True
                 break
@@ -151,12 +168,14 @@ def tune(
             if samples and not result.interrupted:
                 fins = _finalists(plan, result.records, old, everyone)
                 try:
-                    retimed = retimer(fins, plan.workload, check=False)
+                    with _section(sections, "finalists re-timed"):
+                        retimed = retimer(fins, plan.workload, check=False)
                 except KeyboardInterrupt:
                     report.interrupted = True
                 if retimed is not None:
                     report.evaluations["retimed"] += retimed.evaluations
                     measured[plan.key.row] = (plan, retimed, fins)
+            tables_t0 = time.monotonic()
             entry = summarize(
                 result,
                 profile=profile,
@@ -168,12 +187,17 @@ def tune(
             )
             report.entries[plan.key.row] = entry
             report.messages += table.save({plan.key.row: entry}, profile=profile)
+            sections["tables written"] = sections.get("tables written", 0.0) + time.monotonic() - tables_t0
+            if on_entry is not None:
+                on_entry(plan, entry)
             if result.interrupted or report.interrupted:
                 report.interrupted = True
                 break
         if measured and not report.interrupted:
+            worker.section = "dispatch-map points"
             try:
-                _maps(report, measured, retimer, margin, refine, resolution, on_point)
+                with _section(sections, "dispatch map (points and refinement)"):
+                    _maps(report, measured, retimer, margin, refine, resolution, on_point)
             except KeyboardInterrupt:
                 report.interrupted = True
     if report.maps:
@@ -184,7 +208,38 @@ def tune(
             device={"hardware_id": hardware_id(profile.fingerprint), "fingerprint_id": profile.id},
             meta={"written_by": "attnbench tune", "command": command},
         )
+    report.profile = time_split(time.monotonic() - started, worker.phases, worker.by_backend, sections)
     return report
+
+
+@contextlib.contextmanager
+def _section(sections: dict[str, float], name: str) -> Iterator[None]:
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        sections[name] = sections.get(name, 0.0) + time.monotonic() - t0
+
+
+def time_split(
+    wall_s: float,
+    worker_phases: Mapping[str, float],
+    by_backend: Mapping[str, Mapping[str, float]],
+    sections: Mapping[str, float],
+) -> dict[str, Any]:
+    """Where a tune's wall time went. ``phases``: the worker's (the correctness gate, cache creation,
+    warm-up, timed samples, the timed step's check, the worker's own overhead, failed or refused
+    candidates, interleaved re-timing, worker start-up) and ``bookkeeping``, the rest (Optuna, storage,
+    planning, tables, this process's Python): together ``wall_s``. ``sections``: the tuner's stages
+    (studies, re-timing, map refinement, tables), which overlap the phases."""
+    phases = {k: round(v, 3) for k, v in worker_phases.items()}
+    phases["bookkeeping"] = round(max(0.0, wall_s - sum(worker_phases.values())), 3)
+    return {
+        "wall_s": round(wall_s, 3),
+        "phases": phases,
+        "sections": {k: round(v, 3) for k, v in sections.items()},
+        "by_backend": {b: {k: round(v, 3) for k, v in p.items()} for b, p in by_backend.items()},
+    }
 
 
 def _finalists(

@@ -88,6 +88,8 @@ class Outcome:
     attrs: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
     result: CandidateResult | None = None  # a candidate's trial record, as the worker built it
+    #: where the worker's time went (``DecodeMeasurement.phases``; a measured candidate only)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         lossy=(check or {}).get("lossy") or None,
         study_interval=_study_interval(m.step).as_dict(),
     )
-    return {"ok": True, "value": value, "result": result.as_dict()}
+    return {"ok": True, "value": value, "result": result.as_dict(), "phases": m.phases}
 
 
 def _study_interval(step: Timing) -> Interval:
@@ -275,6 +277,11 @@ class Worker:
         self._stderr: Any = None
         self.eof = False
         self.starts = 0
+        #: wall seconds by phase over every request (see :meth:`_account`), and per backend
+        self.phases: dict[str, float] = {}
+        #: what an interleaved re-timing is for, in :attr:`phases` ("": the finalists of a key)
+        self.section = ""
+        self.by_backend: dict[str, dict[str, float]] = {}
 
     def __enter__(self) -> Worker:
         return self
@@ -284,6 +291,33 @@ class Worker:
 
     # -- process management -----------------------------------------------------------------------
     def start(self) -> None:
+        t0 = time.monotonic()
+        try:
+            self._start()
+        finally:
+            self._add("", "worker start-up", time.monotonic() - t0)
+
+    def _add(self, backend: str, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+        if backend:
+            mine = self.by_backend.setdefault(backend, {})
+            mine[phase] = mine.get(phase, 0.0) + seconds
+
+    def _account(self, message: dict[str, Any], outcome: Outcome) -> None:
+        """Where one request's wall time went: the measurement's phases, the rest as the worker's
+        own (pipes, loading the backend, resolving it); a failed candidate's whole time as failed;
+        an interleaved re-timing as such."""
+        backend = str(message.get("backend") or message.get("backend_ref") or "")
+        if message.get("op") == "interleave":
+            self._add("", f"re-timing ({self.section or 'finalists'}, interleaved)", outcome.wall_s)
+        elif outcome.phases:
+            for phase, seconds in outcome.phases.items():
+                self._add(backend, phase, seconds)
+            self._add(backend, "worker", max(0.0, outcome.wall_s - sum(outcome.phases.values())))
+        else:
+            self._add(backend, "failed or refused", outcome.wall_s)
+
+    def _start(self) -> None:
         self.close()
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115  (lives as long as the worker; closed in close())
         self.child = Child(["-m", "attnbench.tuning.worker"], stderr=self._stderr)
@@ -336,6 +370,11 @@ class Worker:
 
     def request(self, message: dict[str, Any], *, timeout: float) -> Outcome:
         """Send one task (a :class:`WorkerTask`'s dict, or another ``op``) and wait for its verdict."""
+        outcome = self._request(message, timeout=timeout)
+        self._account(message, outcome)
+        return outcome
+
+    def _request(self, message: dict[str, Any], *, timeout: float) -> Outcome:
         if self.child is None or self.child.poll() is not None:
             self.start()
         t0 = time.monotonic()
@@ -358,6 +397,7 @@ class Worker:
                 result=CandidateResult.from_dict(reply["result"], where="worker")
                 if reply.get("result")
                 else None,
+                phases={str(k): float(v) for k, v in (reply.get("phases") or {}).items()},
             )
         assert self.child is not None
         kind = "crash" if self.eof else "timeout"

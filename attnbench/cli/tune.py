@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +141,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="allow writing into a folder of committed reference runs (one holding REFERENCE.md, like "
         "the repository's results/); refused without it",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the run, where its wall time went: the correctness gate, worker start-up, cache "
+        "creation, warm-up, timed samples, the timed step's check, re-timing, map refinement and "
+        "bookkeeping (Optuna, storage, tables), in total and per backend (--json always has it)",
+    )
     add_wide_option(
         p,
         adds="model and dtype, the winner's 95% interval, GB/s and % of bandwidth, the runner-up, the "
@@ -157,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     import optuna
 
     from attnbench.tuning import TuneOptions, tune
+    from attnbench.tuning.summary import candidate_label
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if args.trials is not None and args.trials < 1:
@@ -212,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
                 if not args.json:
                     out.print(f"[dim]{plan.key.row}: left out {ex.backend}: {'; '.join(ex.reasons)}[/dim]")
         state["task"] = progress.add_task("tuning", total=sum(p.target for p in plans))
+        state["plans"] = plans
 
     def on_trial(plan, record, reused) -> None:
         verdict = f"{record.value * 1e3:.3g} ms" if record.ok else f"failed ({record.kind})"
@@ -219,6 +229,22 @@ def run(args: argparse.Namespace) -> int:
             state["task"],
             advance=1,
             description=f"{plan.workload.describe()}: {record.candidate.label()} {verdict}",
+        )
+
+    done = [0, time.monotonic()]
+
+    def on_entry(plan, entry) -> None:
+        """A line per finished study where the bar is not drawn (a log, a pipe): what it chose."""
+        done[0] += 1
+        if args.json or out.is_terminal:
+            return
+        winner = entry.get("winner") or {}
+        label = candidate_label(winner) if winner else "no winner"
+        step = f" {winner['step_ms']:.3g} ms" if winner.get("step_ms") else ""
+        out.print(
+            f"[{done[0]}/{len(state.get('plans', ()))}] {plan.workload.describe()}: {label}{step} "
+            f"({entry.get('trials', 0)} trials; {time.monotonic() - done[1]:.0f} s so far)",
+            markup=False,
         )
 
     def on_point(point) -> None:
@@ -249,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
             on_plan=on_plan,
             on_trial=on_trial,
             on_point=on_point,
+            on_entry=on_entry,
         )
     if args.json:
         emit_json(
@@ -263,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
                 "entries": report.entries,
                 "dispatch_map": str(report.map_path) if report.map_path else None,
                 "evaluations": report.evaluations,
+                "profile": report.profile,
             }
         )
     else:
@@ -285,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if report.location is not None:
             out.print(f"results: {report.location.describe()}", markup=False)
+        if args.profile and report.profile:
+            print_table(out, profile_table(report.profile))
     if report.interrupted:
         print(
             f"interrupted: measured trials are kept in {report.storage}; run the same command again to resume",
@@ -292,6 +322,21 @@ def run(args: argparse.Namespace) -> int:
         )
         return 130
     return 0
+
+
+def profile_table(profile: Mapping[str, Any]) -> Table:
+    """Where a tune's wall time went (:func:`attnbench.tuning.tuner.time_split`): each phase in total
+    and its share of the wall time, then each backend's seconds in the worker."""
+    wall = float(profile.get("wall_s") or 0.0)
+    table = Table(title=f"where the time went: {wall:.1f} s", title_justify="left")
+    for col in ("phase", "seconds", "share"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for phase, seconds in sorted(profile.get("phases", {}).items(), key=lambda kv: -kv[1]):
+        table.add_row(phase, f"{seconds:.1f}", f"{100 * seconds / wall:.0f} %" if wall else "—")
+    for backend, phases in sorted(profile.get("by_backend", {}).items()):
+        detail = ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+        table.add_row(f"  {backend}", f"{sum(phases.values()):.1f}", detail)
+    return table
 
 
 def summary_table(entries: Mapping[str, Mapping[str, Any]], *, wide: bool = False) -> Table:

@@ -117,6 +117,10 @@ class DecodeMeasurement:
     eager_step: Timing | None = None
     graph_step: Timing | None = None
     gate_s: float = 0.0  # wall seconds of the correctness gate and of the timed run's check
+    #: wall seconds by phase: ``gate`` (the correctness gate), ``cache`` (the synthetic model's caches
+    #: made and filled), ``warmup`` (untimed steps and cache eviction around the timed ones),
+    #: ``samples`` (the timed steps), ``check`` (the timed step's check), ``graph`` (CUDA-graph timing)
+    phases: dict[str, float] = field(default_factory=dict)
     load_avg: tuple[float, float, float] = field(default_factory=lambda: os.getloadavg())
 
     @property
@@ -207,6 +211,7 @@ def measure_decode(
         )
     if resolution.interpreted:  # checked, never timed
         return _untimed(base, workload.kv_bytes_per_step(backend.kv_form), check=result, gate_s=gate_s)
+    made = time.perf_counter()
     model = SyntheticModel(
         backend,
         workload,
@@ -215,6 +220,7 @@ def measure_decode(
         materialise_bytes=materialise_bytes,
         resolution=resolution,
     )
+    made = time.perf_counter() - made
     run = _timed_run(
         model,
         mode=timing_mode(timing, workload.device),
@@ -224,9 +230,11 @@ def measure_decode(
         multiple=multiple if check else None,
     )
     flops = decode_cost(workload, form=backend.kv_form, num_layers=layers).flops if peak_flops else 0.0
-    return run.measurement(
+    m = run.measurement(
         base, check=result, gate_s=gate_s, profile=profile, flops=flops, peak_flops=peak_flops
     )
+    m.phases = {"gate": gate_s} | run.phases | {"cache": made + run.phases.get("cache", 0.0)}
+    return m
 
 
 def _untimed(
@@ -244,6 +252,7 @@ def _untimed(
         timed=False,
         note="interpreted kernels: checked for correctness, never timed",
         gate_s=gate_s,
+        phases={"gate": gate_s},
     )
 
 
@@ -303,6 +312,8 @@ class _Run:
     llc_flushed: bool
     check: CheckResult | None
     check_s: float
+    #: wall seconds by phase (see :attr:`DecodeMeasurement.phases`), the gate's excepted
+    phases: dict[str, float] = field(default_factory=dict)
 
     def measurement(
         self,
@@ -344,6 +355,7 @@ class _Run:
             eager_step=self.eager,
             graph_step=self.graph,
             note=self.note,
+            phases=dict(self.phases),
         )
 
 
@@ -363,8 +375,11 @@ def _timed_run(
     spot = random.Random(os.urandom(8))
     model.record_layer = spot.randrange(model.num_layers) if multiple is not None else None
     graph, note = None, ""
+    phases: dict[str, float] = {}
     try:
+        t0 = time.perf_counter()
         model.fill(extra_tokens=(2 if on_cuda else 1) * (max(warmup, 1) + repeats) + 1)
+        phases["cache"] = time.perf_counter() - t0
         start_bytes, growth = model.kv_bytes_per_step(), model.kv_bytes_per_step_growth()
         evict = _llc_evictor(model)
         flushed = evict is not None
@@ -380,15 +395,22 @@ def _timed_run(
                 before=evict,
             )
 
+        t0 = time.perf_counter()
         eager = timed(lambda i: model.decode_step(), rotate=1)
+        timed_s = time.perf_counter() - t0
+        phases["samples"] = min(timed_s, eager.median_s * eager.repeats)  # the median × the timed steps
+        phases["warmup"] = timed_s - phases["samples"]
         materialised = model.layers_materialised
         check_start = time.perf_counter()
         checked = None
         if multiple is not None:
             checked = _check_timed_step(model, first=eager.warmup, rng=spot, multiple=multiple)
         check_s = time.perf_counter() - check_start
+        phases["check"] = check_s
         if on_cuda and getattr(model.cache, "capturable", False):
+            t0 = time.perf_counter()
             graph = timed(GraphedDecodeStep(model))
+            phases["graph"] = time.perf_counter() - t0
         elif mode == "graph":
             note = "not capturable: timed eagerly (as an engine would run it)"
     finally:
@@ -413,6 +435,7 @@ def _timed_run(
         llc_flushed=flushed,
         check=checked,
         check_s=check_s,
+        phases=phases,
     )
 
 

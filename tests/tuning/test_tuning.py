@@ -140,6 +140,15 @@ def test_the_faster_backend_wins(tmp_path, profile):
     on_disk = ResultsTable.load(report.table_path, fingerprint=profile.fingerprint)
     row = f"tiny-gqa@{WORKLOAD.shape.fingerprint()}/fp32/b1/ctx64"
     assert on_disk.entries[row]["winner"]["backend"] == "planted_fast"
+    # where the time went: the worker's phases and the bookkeeping add up to the wall time
+    split = report.profile
+    phases = split["phases"]
+    assert {"gate", "cache", "warmup", "samples", "worker", "worker start-up", "bookkeeping"} <= set(phases)
+    assert any(k.startswith("re-timing (finalists") for k in phases), phases
+    assert sum(phases.values()) == pytest.approx(split["wall_s"], abs=0.05)
+    assert set(split["by_backend"]) == {"planted_slow", "planted_fast"}
+    assert split["by_backend"]["planted_fast"]["samples"] > 0
+    assert split["sections"]["studies (trials through the worker)"] > 0
 
 
 def test_broken_backends_fail_their_trials_and_the_study_picks_a_correct_one(tmp_path, profile):

@@ -1,0 +1,42 @@
+"""``attnbench tune`` in a log: a line per finished study when stdout is not a terminal, and
+``--profile``'s split of the wall time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ARGS = ["tune", "--model", "tiny-gqa", "--batch", "1", "--context", "32,64", "--dtype", "fp32",
+        "--backends", "naive", "--repeats", "3", "--samples", "3"]  # fmt: skip
+
+
+def test_a_log_gets_a_line_per_study_and_the_profile_its_table(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnbench", *ARGS, "--results", str(tmp_path), "--profile"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    studies = [x for x in lines if x.startswith(("[1/2] ", "[2/2] "))]
+    assert len(studies) == 2, proc.stdout[-3000:]  # a pipe: no bar drawn, a line per study instead
+    assert all("naive" in x and " ms " in x and "trials" in x for x in studies), studies
+    assert any("where the time went" in x for x in lines), proc.stdout[-3000:]
+    for phase in ("gate", "samples", "bookkeeping", "worker start-up"):
+        assert any(x.strip().startswith(phase) for x in lines), (phase, proc.stdout[-3000:])
+
+
+def test_json_carries_the_time_split(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnbench", *ARGS, "--results", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = json.loads(proc.stdout)["profile"]
+    assert profile["wall_s"] > 0 and sum(profile["phases"].values()) <= profile["wall_s"] + 0.05
+    assert profile["by_backend"]["naive"]["gate"] > 0
