@@ -299,12 +299,22 @@ def _resolve(backend: Any, config: Mapping[str, Any] | None) -> tuple[Backend, d
         instance = backend
     elif isinstance(backend, str):
         instance = load_registry().get(backend)
-    elif hasattr(backend, "backend") and hasattr(backend, "config"):  # a Choice from select()
-        instance = load_registry().get(backend.backend)
+    elif hasattr(backend, "build") and hasattr(backend, "workload"):  # a Choice from select()
+        instance = backend.build()  # from the registry the choice was made from
         config = backend.config if config is None else config
     else:
         raise TypeError(f"backend: expected a name, a Choice or a Backend, got {type(backend).__name__}")
     return instance, instance.resolve_config(config)
+
+
+def _geometry(shape: ModelShape) -> tuple[int, int, int, int]:
+    g = shape.geometry()
+    return g.num_q_heads, g.num_kv_heads, g.qk_head_dim, g.v_head_dim
+
+
+def _describe(shape: ModelShape) -> str:
+    q, kv, dk, dv = _geometry(shape)
+    return f"{q} query / {kv} KV heads of {dk}" + (f" (values {dv})" if dv != dk else "")
 
 
 def use_backend(
@@ -318,7 +328,9 @@ def use_backend(
     """Route ``model``'s attention through ``backend``; returns the cache to pass to ``generate``.
 
     ``backend`` is a registered name, a :class:`~attnbench.Choice` from :func:`attnbench.select`
-    (its config is used unless ``config`` is given) or a :class:`~attnbench.Backend` instance. The
+    (built with :meth:`~attnbench.Choice.build`, its config used unless ``config`` is given; a model
+    whose attention geometry is not the choice's is refused, naming both) or a
+    :class:`~attnbench.Backend` instance. The
     backend's cache is allocated for ``batch`` sequences of up to ``max_seq_len`` tokens (prompt
     width + new tokens) in the model's dtype on its device. The model is switched to the
     ``"attnbench"`` attention implementation; ``model.set_attn_implementation("sdpa")`` switches it
@@ -350,6 +362,13 @@ def use_backend(
     if reasons:
         refuse(reasons)
     shape = model_shape(model, layers, name)
+    chosen_for = getattr(backend, "workload", None) if not isinstance(backend, (str, Backend)) else None
+    if chosen_for is not None and _geometry(chosen_for.shape) != _geometry(shape):
+        raise UnsupportedModelError(
+            f"{name} is not the shape this choice was made for: the model's attention is "
+            f"{_describe(shape)}, the choice's ({chosen_for.shape.name}) {_describe(chosen_for.shape)}; "
+            "select() for this model"
+        )
     workload = Workload(shape, (max_seq_len,) * batch, model.dtype, str(model.device))
     reasons = list(instance.resolve(workload, resolved).reasons)
     if reasons:

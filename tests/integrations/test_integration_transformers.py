@@ -301,6 +301,20 @@ def test_a_choice_from_select_runs(tmp_path: Path) -> None:
     assert torch.equal(generate_through("qwen2", choice), want), f"choice {choice.backend} {choice.config}"
 
 
+def test_a_choice_for_another_shape_is_refused_naming_both(tmp_path: Path) -> None:
+    """A choice carries its workload: a model whose attention is not the shape it was made for is
+    refused in one line that names both geometries."""
+    choice = attnbench.select(
+        Workload.uniform("llama-3.1-8b", batch=1, context=256, dtype="fp32"),
+        results_dir=tmp_path,
+        bandwidth=1e10,
+    )
+    with pytest.raises(UnsupportedModelError, match=r"not the shape this choice was made for") as err:
+        use_backend(hf_model("qwen2"), choice, batch=1, max_seq_len=MAX_SEQ_LEN)
+    message = str(err.value)
+    assert "32 query / 8 KV heads of 128" in message and "llama-3.1-8b" in message and "\n" not in message
+
+
 def test_shape_read_from_the_model() -> None:
     shape = shape_of(hf_model("llama"))
     assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (2, 4, 2, 16)
