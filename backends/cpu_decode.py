@@ -61,6 +61,7 @@ from attnbench.backends.cpu_kernel import (
     ISA_CODES,
     ISA_NAMES,
     MAX_SPLITS,
+    SOURCE_DIR,
     Kernel,
     kernel_failed,
     load_kernel,
@@ -194,6 +195,8 @@ class CpuDecodeBackend(Backend):
     force_isa: ClassVar[str | None] = None
     #: the build of the kernel this backend loads (a key of ``BUILDS``; tests use "amx-emulated")
     kernel_build: ClassVar[str] = "native"
+    #: the C kernel's source tree: part of the code hash (a tuned row goes stale when the kernel changes)
+    code_files: ClassVar[tuple[str, ...]] = tuple(str(p) for p in sorted(SOURCE_DIR.glob("*.[ch]")))
     #: the fp8 sibling's differences: its cache, its head_dim multiple and what its messages add
     cache_class: ClassVar[type[CpuDecodeCache]] = CpuDecodeCache
     head_dim_multiple: ClassVar[int] = 16

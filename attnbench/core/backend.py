@@ -206,6 +206,9 @@ class Backend(ABC):
     #: as a CUDA graph once and replayed for later steps of the same batch and context bucket: the
     #: plan lives in buffers the cache owns and no host integer that changes per step is baked in
     capturable: ClassVar[bool] = False
+    #: files besides the class's module whose contents define what it computes (a compiled kernel's
+    #: sources): part of its code hash, so a tuned row and a gate verdict go stale when they change
+    code_files: ClassVar[tuple[str, ...]] = ()
     #: what one attention call of the default :meth:`prefill` may allocate (a chunk's mask or scores);
     #: not a ClassVar: the conformance check (attnbench.testing) sets it on one backend object
     prefill_budget_bytes: int = PREFILL_BUDGET_BYTES

@@ -41,6 +41,7 @@ import traceback
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -397,7 +398,8 @@ def load_backend_class(ref: str) -> type[Backend]:
 
 
 def code_hash(classes: Iterable[type[Backend]]) -> str:
-    """Short hash of the source files that define ``classes`` (a backend's code changed → new hash)."""
+    """Short hash of the source files that define ``classes`` — each one's module and its
+    :attr:`~attnbench.core.backend.Backend.code_files` (a backend's code changed → new hash)."""
     h = hashlib.sha256()
     for cls in sorted(set(classes), key=lambda c: c.name):
         try:
@@ -405,4 +407,10 @@ def code_hash(classes: Iterable[type[Backend]]) -> str:
         except (OSError, TypeError):
             source = f"{cls.__module__}:{cls.__qualname__}"
         h.update(cls.name.encode() + b"\0" + source.encode() + b"\0")
+        for path in getattr(cls, "code_files", ()):  # by file name: the same tree hashes alike anywhere
+            name = Path(path).name.encode()
+            try:
+                h.update(name + b"\0" + Path(path).read_bytes() + b"\0")
+            except OSError:
+                h.update(name + b"\0missing\0")
     return h.hexdigest()[:12]

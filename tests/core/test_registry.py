@@ -113,3 +113,32 @@ def test_one_protocol_style_hooks_read_from_an_overridden_resolve() -> None:
         class Disagrees(OnePass):
             def supports(self, workload):
                 return []
+
+
+def test_the_code_hash_covers_a_backends_code_files(tmp_path) -> None:
+    """A backend's code hash changes with the files it names in ``code_files`` (a compiled kernel's
+    sources), by file name and content: the same tree elsewhere hashes alike."""
+    from attnbench.backends.cpu_decode import CpuDecodeBackend
+    from attnbench.backends.naive import NaiveBackend
+    from attnbench.core.registry import code_hash
+
+    kernel = tmp_path / "a" / "kernel.c"
+    kernel.parent.mkdir()
+    kernel.write_text("int f(void) { return 1; }\n")
+
+    class Compiled(NaiveBackend):
+        name = "compiled_planted"
+        code_files = (str(kernel),)
+
+    before = code_hash([Compiled])
+    kernel.write_text("int f(void) { return 2; }\n")
+    assert code_hash([Compiled]) != before
+    elsewhere = tmp_path / "b" / "kernel.c"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("int f(void) { return 2; }\n")
+    Compiled.code_files = (str(elsewhere),)
+    assert code_hash([Compiled]) == code_hash([Compiled])  # stable
+    moved = code_hash([Compiled])
+    Compiled.code_files = (str(kernel),)
+    assert code_hash([Compiled]) == moved  # same name and bytes, another folder: the same hash
+    assert any(f.endswith("cpu_decode.c") for f in CpuDecodeBackend.code_files)
