@@ -8,17 +8,13 @@ falls in the same buckets on the same device shares the key, so a tuned row answ
 from __future__ import annotations
 
 import math
-import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from attnbench.core.workload import Workload, bucket
 
 __all__ = ["TuningKey", "bucket_distance"]
-
-_ROW = re.compile(
-    r"(?P<model>.+)@(?P<shape_hash>[0-9a-f]+)/(?P<dtype>\w+)/b(?P<batch>\d+)/ctx(?P<context>\d+)"
-)
 
 
 @dataclass(frozen=True)
@@ -54,18 +50,16 @@ class TuningKey:
         return f"{self.model}@{self.shape_hash}/{self.dtype}/b{self.batch_bucket}/ctx{self.context_bucket}"
 
     @classmethod
-    def from_row(cls, row: str, *, device: str) -> TuningKey:
-        m = _ROW.fullmatch(row)
-        if not m:
-            raise ValueError(f"results-table key {row!r} is not of the form MODEL@HASH/DTYPE/bN/ctxN")
-        return cls(
-            device=device,
-            model=m["model"],
-            shape_hash=m["shape_hash"],
-            dtype=m["dtype"],
-            batch_bucket=int(m["batch"]),
-            context_bucket=int(m["context"]),
-        )
+    def from_fields(cls, fields: Mapping[str, Any], *, device: str) -> TuningKey:
+        """The key of a table entry from its structured fields (``model``, ``shape_hash``, ``dtype``,
+        ``batch_bucket``, ``context_bucket``, as every entry holds them); a missing or mistyped one
+        raises ``ValueError`` naming it. The row string (:attr:`row`) is only a name, never parsed."""
+        kinds = {"model": str, "shape_hash": str, "dtype": str, "batch_bucket": int, "context_bucket": int}
+        for name, kind in kinds.items():
+            value = fields.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"tuning key field {name!r} = {value!r}: expected {kind.__name__}")
+        return cls(device=device, **{name: fields[name] for name in kinds})
 
     def study_name(self, space_id: str) -> str:
         """One study per key *and* search space (backends, their tunables and their code)."""
