@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from attnbench.core.device import cache_dir
 from attnbench.core.resolution import Tunable
 
 __all__ = [
@@ -128,7 +129,6 @@ def _source_dir() -> Path:
 
 def _build(cc: str, build: str = "native") -> Path:
     """Compile the source tree into the per-user cache unless a library for this tree/compiler/flags exists."""
-    from attnbench.core.device import cache_dir
 
     flags = build_flags(build)
     src = _source_dir()

@@ -18,6 +18,8 @@ the parent side is :func:`retime`.
 
 from __future__ import annotations
 
+import gc
+import importlib
 import os
 import random
 import time
@@ -25,6 +27,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from attnbench.core.device import DeviceProfile
+from attnbench.core.registry import load_backend_class
+from attnbench.core.timing import synchronize, timing_mode
+from attnbench.core.workload import workload_from_dict, workload_to_dict
+from attnbench.measure.bench import CheckFailed, Implausible, measure_decode, plausibility
+from attnbench.measure.graph_step import GraphedDecodeStep
+from attnbench.measure.synthetic import SyntheticModel
 from attnbench.tables.dispatch import MapCandidate
 from attnbench.tables.margin import bootstrap_median, sample_rounds
 from attnbench.tuning.refine import PointMeasurement
@@ -71,15 +80,6 @@ def round_order(n: int, r: int, *, seed: int = 0) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
     """Gate (if asked) and time ``task["candidates"]`` round-robin; returns samples per label."""
-    import gc
-
-    from attnbench.core.device import DeviceProfile
-    from attnbench.core.registry import load_backend_class
-    from attnbench.core.timing import synchronize, timing_mode
-    from attnbench.core.workload import workload_from_dict
-    from attnbench.measure.bench import CheckFailed, Implausible, measure_decode, plausibility
-    from attnbench.measure.graph_step import GraphedDecodeStep
-    from attnbench.measure.synthetic import SyntheticModel
 
     workload = workload_from_dict(task["workload"])
     clock = _clock(task.get("clock"))
@@ -172,7 +172,6 @@ def _clock(ref: str | None) -> Any:
     """``time.perf_counter``, or the zero-argument clock at import path ``ref`` (tests plant one)."""
     if not ref:
         return time.perf_counter
-    import importlib
 
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -204,7 +203,6 @@ def retime(
     ``clock``: import path of a zero-argument clock in seconds to time with instead of
     ``time.perf_counter`` (tests plant a virtual one, so that planted timings ignore the load).
     """
-    from attnbench.core.workload import workload_to_dict
 
     base = {
         "op": "interleave",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attnbench.core.backend import Backend, Tunable
+from attnbench.core.plugin_call import ask_many
 from attnbench.core.registry import Registry, load_registry
 from attnbench.core.workload import Workload
 from attnbench.tables.table_schema import DEFAULT_BACKENDS, Candidate
@@ -190,7 +191,6 @@ def build_space(
     backends: dict[str, BackendRef] = {}
     tunables: dict[str, tuple[Tunable, ...]] = {}
     excluded: list[Excluded] = []
-    from attnbench.core.plugin_call import ask_many
 
     # plugin code answers in a child process, bounded in time (a hang holding the GIL included)
     for ref, answers in zip(refs, ask_many([r.cls for r in refs], workload), strict=True):

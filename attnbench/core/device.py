@@ -21,6 +21,7 @@ import platform
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -284,7 +285,6 @@ def load_profile(
     ``remeasure=True`` measures again and overwrites the cache entry; ``nbytes`` sets the buffer size
     of a measurement (default: see :func:`measure_bandwidth`; tests use a small one).
     """
-    from datetime import datetime, timezone
 
     fp = fingerprint(device)
     path = cache_dir() / "device" / f"{fingerprint_id(fp)}.json"

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import os
 import re
+import sys
 import traceback
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -321,7 +323,6 @@ def load_plugin(reg: Registry, ep: EntryPoint) -> None:
 def _import_key(ep: EntryPoint) -> str:
     """What decides whether an earlier bounded import still holds: the entry point, its distribution's
     name and version, and the size and mtime of the module's top-level file (found without importing)."""
-    import importlib.util
 
     top = ep.value.partition(":")[0].split(".")[0]
     try:
@@ -351,7 +352,6 @@ def _import_hangs(ep: EntryPoint) -> str:
     """Import the plugin's module in a child process first, with a deadline (a thread cannot bound an
     import that hangs holding the GIL); ``""`` when it finishes (remembered, keyed by
     :func:`_import_key`), else why it was skipped. Errors are left for the real import to report."""
-    import sys
 
     from attnbench.core.child import run_child
     from attnbench.core.device import cache_dir

@@ -34,6 +34,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
@@ -316,9 +318,6 @@ class Calibration:
         }
 
     def save(self, path: str | Path) -> Path:
-        import os
-        import tempfile
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         text = "# attnbench calibration: written by `attnbench calibrate`; regenerate it, do not edit.\n"

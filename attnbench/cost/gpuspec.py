@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import yaml
 
+from attnbench.core.device import cache_dir, load_profile
+from attnbench.core.timing import measure
 from attnbench.cost.fit import Calibration, find_calibration
 
 __all__ = ["GPUSpec", "calibrated_gpu", "list_gpus", "load_gpu", "matmul_peak", "measured_gpu"]
@@ -138,7 +140,6 @@ def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
     2-vCPU AMX VM: 300 to 900 GFLOP/s between runs), and a kernel measured above such a median was
     refused as implausible although it was right.
     """
-    from attnbench.core.timing import measure
 
     sizes = (4096,) if device.type == "cuda" else (1024, 2048)
     best = 0.0
@@ -154,7 +155,6 @@ def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
 def measured_flops(device: torch.device, *, profile_id: str, remeasure: bool = False) -> dict[str, float]:
     """bf16 and fp32 matmul FLOP/s of ``device`` (:func:`matmul_peak`), measured once per
     fingerprint and cached."""
-    from attnbench.core.device import cache_dir
 
     path = cache_dir() / "device" / f"{profile_id}-matmul-peak.json"  # best of sizes (was: one median)
     flops: dict[str, float] = {}
@@ -195,7 +195,6 @@ def measured_gpu(
     device's calibration file in ``results_dir`` (default: the tuned tables' directory), when one was
     written by ``attnbench calibrate``, is attached.
     """
-    from attnbench.core.device import load_profile
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     profile = load_profile(dev, remeasure=remeasure)

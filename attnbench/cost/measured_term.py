@@ -14,7 +14,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from attnbench.core.registry import load_registry
 from attnbench.core.traffic import backend_kv_bytes_per_token
+from attnbench.core.workload import Workload
+from attnbench.cost.fit import geometry_key
 from attnbench.cost.gpuspec import HIGH as _HIGH
 from attnbench.cost.gpuspec import GPUSpec
 
@@ -48,7 +51,6 @@ class CalibratedAttention:
 
 def _fastest_fit(workload: Workload, cal: Calibration, registry: Registry) -> tuple[str, str]:
     """The fitted backend predicted fastest at ``workload`` (the default chooser)."""
-    from attnbench.cost.fit import geometry_key
 
     best: tuple[float, str] | None = None
     for name in sorted({f.backend for f in cal.fits if f.dtype == workload.dtype_name}):
@@ -78,8 +80,6 @@ def calibrated_attention(
 ) -> tuple[CalibratedAttention | None, Any, float]:
     """The calibrated KV term of an estimate: (attention, seconds at context 0, seconds per context
     token), or (None, why not, 0) when the calibration has no fit for the chosen backend."""
-    from attnbench.core.registry import load_registry
-    from attnbench.core.workload import Workload
 
     cal = spec.calibration
     assert cal is not None
@@ -93,7 +93,6 @@ def calibrated_attention(
     if kv_dtype == "fp8" and "fp8" in registry and name != "fp8":
         name, why = "fp8", "--kv-dtype fp8: the fp8 cache backend"
     backend = registry.get(name)
-    from attnbench.cost.fit import geometry_key
 
     fit = cal.lookup(name, workload.dtype_name, geometry_key(backend, workload))
     if fit is None:

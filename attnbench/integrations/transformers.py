@@ -41,6 +41,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from attnbench.core.backend import Backend, KVCache, StepPlan
+from attnbench.core.registry import load_registry
 from attnbench.core.shapes import ModelShape
 from attnbench.core.workload import Workload
 from attnbench.integrations._hf_inspect import (
@@ -293,7 +294,6 @@ class BackendCache(Cache):
 
 def _resolve(backend: Any, config: Mapping[str, Any] | None) -> tuple[Backend, dict[str, Any]]:
     """A backend instance and its resolved config from a name, a :class:`~attnbench.Choice` or an instance."""
-    from attnbench.core.registry import load_registry
 
     if isinstance(backend, Backend):
         instance = backend

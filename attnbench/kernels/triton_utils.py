@@ -33,6 +33,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import pickle
 import re
@@ -315,7 +316,6 @@ _DEFAULTS: dict[str, Any] = {"arch": 90, "num_warps": 4, "num_stages": 2, "align
 
 def _check_request(request: Mapping[str, Any]) -> ValueError | None:
     """The error in a request's arguments, found without compiling anything (``None``: fine)."""
-    import inspect
 
     fn = _python_fn(request["kernel"])
     names = list(inspect.signature(fn).parameters)

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 
 from attnbench.core.timing import synchronize
+from attnbench.integrations.transformers import ATTENTION_IMPLEMENTATION, register_attention
+from attnbench.models.architectures import ARCHITECTURES, hf_config
 
 __all__ = [
     "STOCK_PATHS",
@@ -192,8 +194,6 @@ def load_hf_model(source: str, *, dtype: torch.dtype, device: str = "cpu", seed:
     a ``config.json`` (random weights) or an architecture preset (random weights; see
     :func:`attnbench.models.architectures.hf_config`)."""
     import transformers
-
-    from attnbench.models.architectures import ARCHITECTURES, hf_config
 
     path = Path(source)
     if path.is_dir():
@@ -431,8 +431,6 @@ def run_paths(
 
 
 def _backend_implementation() -> str:
-    from attnbench.integrations.transformers import ATTENTION_IMPLEMENTATION, register_attention
-
     register_attention()  # the attention function exists before its timer wraps it
     return ATTENTION_IMPLEMENTATION
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from attnbench.core.backend import Backend
+from attnbench.core.registry import load_registry
 from attnbench.models.base import Decoder, UnsupportedModelError
 from attnbench.models.deepseek import DEEPSEEK_FAMILY, DeepseekDecoder
 
@@ -82,7 +83,6 @@ def from_transformers(model: Any) -> tuple[dict[str, Any], dict[str, torch.Tenso
 def _resolve_backend(backend: Backend | str) -> Backend:
     if isinstance(backend, Backend):
         return backend
-    from attnbench.core.registry import load_registry
 
     return load_registry().get(backend)
 
