@@ -69,6 +69,9 @@ def child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if args.threads:  # as many as vLLM's own worker process gets (its CPUs less the scheduler's)
+        torch.set_num_threads(args.threads)
+
     llm = LLM(
         model=args.model,
         load_format="dummy",
@@ -99,7 +102,8 @@ def child(args: argparse.Namespace) -> None:
         many, many_attn = run(1 + args.steps)
         steps.append((many - one) / args.steps)
         attention.append((many_attn - one_attn) / args.steps)
-    print("RESULT " + json.dumps({"step_s": steps, "attention_s": attention}), flush=True)
+    result = {"step_s": steps, "attention_s": attention, "threads": torch.get_num_threads()}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def _run(model: Path, *, served: bool, batch: int, input_len: int, args: argparse.Namespace) -> dict:
@@ -107,6 +111,7 @@ def _run(model: Path, *, served: bool, batch: int, input_len: int, args: argpars
         sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(model),
         "--batch", str(batch), "--input-len", str(input_len), "--steps", str(args.steps),
         "--iters", str(args.iters), "--block-size", str(args.block_size), "--kv-cache-dtype", args.kv_cache_dtype,
+        *(["--threads", str(args.threads)] if args.threads else []),
     ]  # fmt: skip
     env = os.environ | {
         "ATTNBENCH_VLLM": "1" if served else "0",
@@ -156,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         "--iters", type=positive_int, default=3, help="measurements per engine (median; default 3)"
     )
     p.add_argument("--block-size", type=positive_int, default=128, help="vLLM's block size (default 128)")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        help="torch threads of the in-process engine (default: torch's; vLLM's own worker process gets the "
+        "CPUs less one it reserves for its scheduler on x86, e.g. 1 of 2)",
+    )
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -236,6 +247,7 @@ def render(report: dict) -> str:
         f"- command: `{report['command']}`",
         f"- machine: {report['machine']} ({report['cpus']} CPUs), {report['date']}",
         f"- load average before / after: {list(report['load_before'])} / {list(report['load_after'])}",
+        f"- threads: {sorted({r['runs'][p].get('threads') for r in report['rows'] for p in r['runs']} - {None})}\n"
         f"- model: {report['model']}; one engine per path and point (in-process, vLLM's defaults, prefix "
         f"caching on), paths alternated; step and attention = (time of 1 + {report['steps']} tokens − time "
         f"of 1 token) / {report['steps']}, median of the engine's measurements; attention = the attention "
