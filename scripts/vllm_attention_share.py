@@ -239,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _threads(report: dict) -> str:
+    seen = sorted({r["runs"][p].get("threads") for r in report["rows"] for p in r["runs"]} - {None})
+    return ", ".join(map(str, seen)) if seen else "torch's default in the engine's process (not recorded)"
+
+
 def render(report: dict) -> str:
     """The Markdown report of a run (``--render`` rebuilds it from the run's JSON, measuring nothing)."""
     lines = [
@@ -247,7 +252,7 @@ def render(report: dict) -> str:
         f"- command: `{report['command']}`",
         f"- machine: {report['machine']} ({report['cpus']} CPUs), {report['date']}",
         f"- load average before / after: {list(report['load_before'])} / {list(report['load_after'])}",
-        f"- threads: {sorted({r['runs'][p].get('threads') for r in report['rows'] for p in r['runs']} - {None})}\n"
+        f"- engine threads: {_threads(report)}\n"
         f"- model: {report['model']}; one engine per path and point (in-process, vLLM's defaults, prefix "
         f"caching on), paths alternated; step and attention = (time of 1 + {report['steps']} tokens − time "
         f"of 1 token) / {report['steps']}, median of the engine's measurements; attention = the attention "

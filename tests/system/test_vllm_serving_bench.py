@@ -45,3 +45,29 @@ def test_the_committed_report_is_what_its_json_renders() -> None:
     bench = load_script("vllm_serving_bench")
     path = ROOT / "results" / "engines" / "vllm-serving-bench-epyc-avx512.json"
     assert path.with_suffix(".md").read_text() == bench.render(json.loads(path.read_text()))
+
+
+def test_the_attention_share_report_predicts_from_the_side_by_side(tmp_path: Path) -> None:
+    share = load_script("vllm_attention_share")
+    bench = {"results": [
+        {"batch": 1, "context": 8192, "backend": "cpu_decode", "step": {"median_s": 0.004}},
+        {"batch": 1, "context": 8192, "backend": "vllm_cpu", "step": {"median_s": 0.010}},
+        {"batch": 4, "context": 8192, "backend": "cpu_decode", "step": None},
+    ]}  # fmt: skip
+    path = tmp_path / "sbs.json"
+    path.write_text(json.dumps(bench))
+    assert share._side_by_side(str(path)) == {(1, 8192): 2.5}
+    runs = {
+        "vllm": {"step_ms": 100.0, "attention_ms": 20.0, "share": 0.2, "threads": 1},
+        "attnbench": {"step_ms": 88.0, "attention_ms": 8.0, "share": 8 / 88, "threads": 1},
+    }
+    row = {"batch": 1, "input_len": 8192, "runs": runs, "side_by_side_ratio": 2.5}
+    row["predicted_step_ms"] = 100.0 * (1 - 0.2 + 0.2 / 2.5)
+    row["measured_over_predicted"] = 88.0 / row["predicted_step_ms"]
+    report = {"command": "c", "machine": "m", "cpus": 2, "date": "d", "load_before": [0, 0, 0],
+              "load_after": [0, 0, 0], "model": "q", "steps": 32, "rows": [row]}  # fmt: skip
+    text = share.render(report)
+    assert (
+        "| 1 | 8192 | 100.0 | 20.0 (20 %) | 88.0 | 8.0 (9 %) | 0.880 | 0.400 | 2.50 | 88.0 | 1.000 |" in text
+    )
+    assert "engine threads: 1" in text
