@@ -2,12 +2,13 @@
 
 For each point (batch × input length) and each path — vLLM as it ships (``ATTNBENCH_VLLM=0``) and
 through attnbench (``ATTNBENCH_VLLM=1``), alternated, each in a fresh process — this builds vLLM's
-engine in the process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; vLLM's defaults otherwise: compiled
-graph, its threads, prefix caching on), with a timer around the attention layers' ``forward`` and
-KV-cache write (vLLM's ``CPU_ATTN`` implementation on one path, attnbench's on the other: vLLM calls
-both outside its compiled graph). It prefills the batch once, then, ``--iters`` times, generates 1 and
-1 + STEPS tokens from the same (cached) prompts: the decode step is the difference over STEPS, and so
-is the attention's time within it. The share is attention / step.
+engine as ``vllm bench latency`` does (its worker process, its thread binding, compiled graph; prefix
+caching on), with ``ATTNBENCH_VLLM_TIMING`` set: the plugin puts a timer around the attention layers'
+``forward`` and KV-cache write in the worker (vLLM's ``CPU_ATTN`` implementation on one path,
+attnbench's on the other: vLLM calls both outside its compiled graph) and writes the cumulative time
+after each step (:mod:`attnbench_vllm.timing`). It prefills the batch once, then, ``--iters`` times,
+generates 1 and 1 + STEPS tokens from the same (cached) prompts: the decode step is the difference over
+STEPS, and so is the attention's time within it. The share is attention / step.
 
 With ``--side-by-side JSON`` (the JSON ``attnbench bench --save`` writes for ``cpu_decode`` and ``vllm_cpu`` at the same
 geometry, batch, context and dtype) it also prints what the kernels' side-by-side ratio ``r`` and vLLM's
@@ -43,34 +44,14 @@ from vllm_serving_bench import QWEN_05B, _points  # noqa: E402
 
 def child(args: argparse.Namespace) -> None:
     """One engine, one path: the step and attention times (printed as one ``RESULT`` JSON line)."""
-    served = os.environ.get("ATTNBENCH_VLLM") == "1"
-    from vllm.v1.attention.backends import cpu_attn as vllm_cpu_attn
-
-    if served:
-        from attnbench_vllm import cpu_attn as served_attn
-
-        impl: type = served_attn.AttnbenchCPUImpl
-    else:
-        impl = vllm_cpu_attn.CPUAttentionBackendImpl
-    spent = [0.0]
-    for name in ("forward", "do_kv_cache_update"):
-        inner = getattr(impl, name)
-
-        def timed(*a, __inner=inner, **k):  # type: ignore[no-untyped-def]
-            t0 = time.perf_counter()
-            try:
-                return __inner(*a, **k)
-            finally:
-                spent[0] += time.perf_counter() - t0
-
-        setattr(impl, name, timed)
-
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if args.threads:  # as many as vLLM's own worker process gets (its CPUs less the scheduler's)
-        torch.set_num_threads(args.threads)
+    timing = Path(os.environ["ATTNBENCH_VLLM_TIMING"])
+
+    def spent() -> dict:
+        return json.loads(timing.read_text()) if timing.exists() else {"attention_s": 0.0}
 
     llm = LLM(
         model=args.model,
@@ -91,9 +72,9 @@ def child(args: argparse.Namespace) -> None:
 
     def run(tokens: int) -> tuple[float, float]:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        before, t0 = spent[0], time.perf_counter()
+        before, t0 = spent()["attention_s"], time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t0, spent[0] - before
+        return time.perf_counter() - t0, spent()["attention_s"] - before
 
     run(1)  # the one full prefill: the prompts are cached from here on
     steps, attention = [], []
@@ -102,7 +83,13 @@ def child(args: argparse.Namespace) -> None:
         many, many_attn = run(1 + args.steps)
         steps.append((many - one) / args.steps)
         attention.append((many_attn - one_attn) / args.steps)
-    result = {"step_s": steps, "attention_s": attention, "threads": torch.get_num_threads()}
+    worker = spent()
+    result = {
+        "step_s": steps,
+        "attention_s": attention,
+        "threads": worker.get("threads"),
+        "affinity": worker.get("affinity"),
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -111,11 +98,10 @@ def _run(model: Path, *, served: bool, batch: int, input_len: int, args: argpars
         sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(model),
         "--batch", str(batch), "--input-len", str(input_len), "--steps", str(args.steps),
         "--iters", str(args.iters), "--block-size", str(args.block_size), "--kv-cache-dtype", args.kv_cache_dtype,
-        *(["--threads", str(args.threads)] if args.threads else []),
     ]  # fmt: skip
     env = os.environ | {
         "ATTNBENCH_VLLM": "1" if served else "0",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "ATTNBENCH_VLLM_TIMING": str(Path(tempfile.mkdtemp(prefix="attnbench-timing-")) / "attention.json"),
         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
     }
     started = time.monotonic()
@@ -161,12 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         "--iters", type=positive_int, default=3, help="measurements per engine (median; default 3)"
     )
     p.add_argument("--block-size", type=positive_int, default=128, help="vLLM's block size (default 128)")
-    p.add_argument(
-        "--threads",
-        type=positive_int,
-        help="torch threads of the in-process engine (default: torch's; vLLM's own worker process gets the "
-        "CPUs less one it reserves for its scheduler on x86, e.g. 1 of 2)",
-    )
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -240,8 +220,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _threads(report: dict) -> str:
-    seen = sorted({r["runs"][p].get("threads") for r in report["rows"] for p in r["runs"]} - {None})
-    return ", ".join(map(str, seen)) if seen else "torch's default in the engine's process (not recorded)"
+    seen = sorted(
+        {
+            (r["runs"][p].get("threads"), str(r["runs"][p].get("affinity")))
+            for r in report["rows"]
+            for p in r["runs"]
+        }
+        - {(None, "None")}
+    )
+    if not seen:
+        return "threads not recorded (an in-process engine at torch's default)"
+    return "; ".join(f"{t} torch thread(s), CPUs {a}" for t, a in seen)
 
 
 def render(report: dict) -> str:
@@ -252,8 +241,8 @@ def render(report: dict) -> str:
         f"- command: `{report['command']}`",
         f"- machine: {report['machine']} ({report['cpus']} CPUs), {report['date']}",
         f"- load average before / after: {list(report['load_before'])} / {list(report['load_after'])}",
-        f"- engine threads: {_threads(report)}\n"
-        f"- model: {report['model']}; one engine per path and point (in-process, vLLM's defaults, prefix "
+        f"- the model's worker process: {_threads(report)}\n"
+        f"- model: {report['model']}; one engine per path and point (vLLM's defaults, prefix "
         f"caching on), paths alternated; step and attention = (time of 1 + {report['steps']} tokens − time "
         f"of 1 token) / {report['steps']}, median of the engine's measurements; attention = the attention "
         "layers' forward and KV write, timed around vLLM's calls into them",

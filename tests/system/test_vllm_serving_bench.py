@@ -58,8 +58,8 @@ def test_the_attention_share_report_predicts_from_the_side_by_side(tmp_path: Pat
     path.write_text(json.dumps(bench))
     assert share._side_by_side(str(path)) == {(1, 8192): 2.5}
     runs = {
-        "vllm": {"step_ms": 100.0, "attention_ms": 20.0, "share": 0.2, "threads": 1},
-        "attnbench": {"step_ms": 88.0, "attention_ms": 8.0, "share": 8 / 88, "threads": 1},
+        "vllm": {"step_ms": 100.0, "attention_ms": 20.0, "share": 0.2, "threads": 1, "affinity": [1]},
+        "attnbench": {"step_ms": 88.0, "attention_ms": 8.0, "share": 8 / 88, "threads": 1, "affinity": [1]},
     }
     row = {"batch": 1, "input_len": 8192, "runs": runs, "side_by_side_ratio": 2.5}
     row["predicted_step_ms"] = 100.0 * (1 - 0.2 + 0.2 / 2.5)
@@ -70,4 +70,4 @@ def test_the_attention_share_report_predicts_from_the_side_by_side(tmp_path: Pat
     assert (
         "| 1 | 8192 | 100.0 | 20.0 (20 %) | 88.0 | 8.0 (9 %) | 0.880 | 0.400 | 2.50 | 88.0 | 1.000 |" in text
     )
-    assert "engine threads: 1" in text
+    assert "the model's worker process: 1 torch thread(s), CPUs [1]" in text

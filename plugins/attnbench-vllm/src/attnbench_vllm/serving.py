@@ -53,7 +53,10 @@ def enabled() -> bool:
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point: register :class:`attnbench_vllm.cpu_attn.AttnbenchCPUBackend` as ``CPU_ATTN``
     where :data:`SWITCH` is ``1`` and vLLM runs on a CPU; elsewhere one log line says why not."""
+    from attnbench_vllm import timing
+
     if not enabled():
+        timing.install(served=False)
         return
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -66,4 +69,5 @@ def register() -> None:
         )
         return
     register_backend(AttentionBackendEnum.CPU_ATTN, "attnbench_vllm.cpu_attn.AttnbenchCPUBackend")
+    timing.install(served=True)
     log.info("%s=1: vLLM's CPU_ATTN is attnbench's cpu_decode (vLLM's own per layer where it must)", SWITCH)

@@ -1,0 +1,71 @@
+"""How long vLLM's attention layers take inside the engine, for ``scripts/vllm_attention_share.py``.
+
+With ``ATTNBENCH_VLLM_TIMING=FILE`` in the environment of a vLLM engine, :func:`install` (called by the
+plugin's entry point in every vLLM process, the model's worker included) puts a timer around the
+attention layers' ``forward`` and KV-cache write — attnbench's implementation where ``ATTNBENCH_VLLM=1``,
+vLLM's ``CPU_ATTN`` otherwise — and after the model's last attention layer of each step writes to FILE,
+as one JSON object: the cumulative seconds (``attention_s``), the calls, the worker's torch threads and
+CPU affinity. Unset, nothing is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+#: the setting: a file the worker writes its cumulative attention time to, once per step
+ENV = "ATTNBENCH_VLLM_TIMING"
+
+
+def install(served: bool) -> None:
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    if served:
+        from attnbench_vllm.cpu_attn import AttnbenchCPUImpl as impl
+    else:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as impl
+    state = {"attention_s": 0.0, "calls": 0, "last": -1}
+    target = Path(path)
+
+    def dump() -> None:
+        import torch
+
+        record = {
+            "attention_s": state["attention_s"],
+            "calls": state["calls"],
+            "threads": torch.get_num_threads(),
+            "affinity": sorted(os.sched_getaffinity(0)),
+            "pid": os.getpid(),
+        }
+        tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, target)
+
+    def layer_index(layer: Any) -> int:
+        m = re.search(r"\.(\d+)\.", getattr(layer, "layer_name", ""))
+        return int(m.group(1)) if m else -1
+
+    for name in ("forward", "do_kv_cache_update"):
+        inner = getattr(impl, name)
+
+        def timed(
+            self: Any, layer: Any, *args: Any, __inner: Any = inner, __name: str = name, **kwargs: Any
+        ) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return __inner(self, layer, *args, **kwargs)
+            finally:
+                state["attention_s"] += time.perf_counter() - t0
+                state["calls"] += 1
+                if __name == "forward":
+                    index = layer_index(layer)
+                    if index >= state["last"]:  # the last attention layer of the step: the step is done
+                        state["last"] = index
+                        dump()
+
+        setattr(impl, name, timed)
