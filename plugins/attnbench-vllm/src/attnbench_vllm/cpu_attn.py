@@ -38,6 +38,7 @@ from attnbench.backends.cpu_kernel import (
 )
 from attnbench.core.registry import load_registry
 from attnbench.core.shapes import ModelShape
+from attnbench.core.workload import bucket
 
 #: under vLLM's logger, so the lines appear in vLLM's log with its format and level
 log = logging.getLogger("vllm.plugins.attnbench")
@@ -283,7 +284,9 @@ class StepParams:
     """Per step, the ``cpu_decode`` parameters (KV splits, prefetch distance) for the step's decode batch
     and longest context, from the tuned dispatch map through ``attnbench.select()`` restricted to
     ``cpu_decode`` (its defaults where no table covers the geometry, or where ``select()`` fails). Asked
-    once per step by the metadata builder and remembered per (batch, context rounded up to 512)."""
+    once per step by the metadata builder and remembered per (batch, context) bucket (powers of two, the
+    tuning key's buckets): ``select()`` runs a handful of times in an engine's life, the first at engine
+    start (:meth:`warm`)."""
 
     def __init__(self, shape: ModelShape, dtype: torch.dtype) -> None:
         self.shape = shape
@@ -291,8 +294,12 @@ class StepParams:
         self.registry = _registry(("cpu_decode",))
         self.remembered: dict[tuple[int, int], tuple[str | int, int]] = {}
 
+    def warm(self, context: int) -> None:
+        """Ask for batch 1 at ``context`` now (engine start), not in the first decode step."""
+        self(1, context)
+
     def __call__(self, batch: int, context: int) -> tuple[str | int, int]:
-        key = (batch, -(-context // 512) * 512)
+        key = (bucket(batch), bucket(context))
         params = self.remembered.get(key)
         if params is None:
             try:
@@ -338,6 +345,8 @@ class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
         self.step_params = StepParams(
             _shape(self.num_heads, self.num_kv_heads, self.head_dim, len(layers)), dtype
         )
+        if decision.serves:
+            self.step_params.warm(vllm_config.model_config.max_model_len)
         served = 0
         for layer in layers.values():
             if isinstance(layer.impl, AttnbenchCPUImpl):
