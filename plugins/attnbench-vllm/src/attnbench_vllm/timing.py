@@ -25,10 +25,15 @@ def install(served: bool) -> None:
     path = os.environ.get(ENV)
     if not path:
         return
+    impl: type
     if served:
-        from attnbench_vllm.cpu_attn import AttnbenchCPUImpl as impl
+        from attnbench_vllm.cpu_attn import AttnbenchCPUImpl
+
+        impl = AttnbenchCPUImpl
     else:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as impl
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        impl = CPUAttentionBackendImpl
     state = {"attention_s": 0.0, "calls": 0, "last": -1}
     target = Path(path)
 
