@@ -25,8 +25,8 @@ def test_a_log_gets_a_line_per_study_and_the_profile_its_table(tmp_path: Path) -
     assert len(studies) == 2, proc.stdout[-3000:]  # a pipe: no bar drawn, a line per study instead
     assert all("naive" in x and " ms " in x and "trials" in x for x in studies), studies
     assert any("where the time went" in x for x in lines), proc.stdout[-3000:]
-    for phase in ("gate", "samples", "bookkeeping", "worker start-up"):
-        assert any(x.strip().startswith(phase) for x in lines), (phase, proc.stdout[-3000:])
+    for phase in ("gate", "samples", "bookkeeping", "worker start-up"):  # a row of the table each
+        assert any(x.strip("│ ").startswith(phase + " ") for x in lines), (phase, proc.stdout[-3000:])
 
 
 def test_json_carries_the_time_split(tmp_path: Path) -> None:

@@ -188,7 +188,7 @@ def test_presets_and_aliases() -> None:
 def test_this_uses_the_measured_profile(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("ATTNBENCH_CACHE_DIR", str(tmp_path))
     fake = DeviceProfile({"name": "cpu-under-test"}, 5e9, 6e9, 1, "now")
-    monkeypatch.setattr("attnbench.core.device.load_profile", lambda device=None, remeasure=False: fake)
+    monkeypatch.setattr("attnbench.cost.gpuspec.load_profile", lambda device=None, remeasure=False: fake)
     calls = []
     monkeypatch.setattr("attnbench.cost.gpuspec.matmul_peak", lambda dev, dt: calls.append(dt) or 1e11)
     gpu = measured_gpu("cpu")

@@ -92,7 +92,7 @@ def test_test_file_names_are_unique_across_folders() -> None:
 def test_the_scan_reads_both_import_forms(tmp_path: Path) -> None:
     probe = tmp_path / "test_probe.py"
     probe.write_text(
-        "import attnbench.core.shapes as s\nfrom attnbench.tuning import table\n"
+        "import attnbench.core.shapes as s\nfrom attnbench.tables import table\n"
         "def f():\n    from attnbench.cost.fit import Fit\n"
     )
     got = imported_modules(probe)

@@ -11,6 +11,7 @@ from helpers.tuning_helpers import stated_profile
 from attnbench.core.workload import Workload
 from attnbench.tables.files import locked, write_atomically
 from attnbench.tables.key import TuningKey, bucket_distance
+from attnbench.tables.lookup import weights
 from attnbench.tables.table import hardware_id, table_path, versions
 from attnbench.tables.table_schema import TableError, validate_entries
 
@@ -54,3 +55,13 @@ def test_table_paths_ignore_library_versions_and_entries_are_validated(tmp_path:
     with pytest.raises(TableError, match="entries.row"):
         validate_entries({"row": {"winner": 3}})
     assert set(versions()) == {"attnbench", "torch", "triton"}
+
+
+def test_the_lookups_corner_weights_are_bilinear_and_sum_to_one() -> None:
+    """A dispatch-map cell's four corners, (b0, c0), (b1, c0), (b0, c1), (b1, c1): all weight on the
+    corner the point sits at, the mean at the centre, and always a total of one."""
+    assert weights(0.0, 0.0) == (1.0, 0.0, 0.0, 0.0)
+    assert weights(1.0, 1.0) == (0.0, 0.0, 0.0, 1.0)
+    assert weights(0.5, 0.5) == (0.25, 0.25, 0.25, 0.25)
+    assert sum(weights(0.3, 0.8)) == pytest.approx(1.0)
+    assert weights(0.3, 0.8)[2] == pytest.approx(0.7 * 0.8)
