@@ -26,20 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from attnbench.cli.common import positive_int
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vllm_serving_bench import QWEN_05B, _points  # noqa: E402
+from vllm_serving_bench import QWEN_05B, _points, write_report  # noqa: E402
 
 
 def child(args: argparse.Namespace) -> None:
@@ -197,26 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["predicted_step_ms"] = v["step_ms"] * (1 - v["share"] + v["share"] / ratio)
                 row["measured_over_predicted"] = runs["attnbench"]["step_ms"] / row["predicted_step_ms"]
             rows.append(row)
-    report = {
-        "command": "python "
-        + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "load_before": load_before,
-        "load_after": os.getloadavg(),
-        "model": f"Qwen2.5-0.5B geometry, vLLM dummy weights, bf16, block size {args.block_size}"
-        + (f", --kv-cache-dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""),
-        "steps": args.steps,
-        "rows": rows,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    text = render(report)
-    out.with_suffix(".md").write_text(text)
-    print(text)
-    return 0
+    model = f"Qwen2.5-0.5B geometry, vLLM dummy weights, bf16, block size {args.block_size}"
+    return write_report(args, argv, load_before, model=model, rows=rows, render=render, steps=args.steps)
 
 
 def _threads(report: dict) -> str:

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -203,6 +204,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.ttft:
                 row["ttft_ratio"] = row["attnbench_ttft_s"] / row["vllm_ttft_s"]
             rows.append(row)
+    model = "Qwen2.5-0.5B geometry, vLLM dummy weights, bf16"
+    return write_report(args, argv, load_before, model=model, rows=rows, render=render)
+
+
+def write_report(
+    args: argparse.Namespace, argv: list[str] | None, load_before: tuple[float, float, float], *, model: str,
+    rows: list[dict], render: Callable[[dict], str], **extra: object,
+) -> int:  # fmt: skip
+    """OUT.json (command, machine, date, load before and after, ``model``, ``rows``, ``extra``) and
+    OUT.md (``render`` of it), the .md printed too; shared by the vLLM serving scripts."""
+    kv = f", --kv-cache-dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
     report = {
         "command": "python "
         + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
@@ -212,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "load_before": load_before,
         "load_after": os.getloadavg(),
-        "model": "Qwen2.5-0.5B geometry, vLLM dummy weights, bf16"
-        + (f", --kv-cache-dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""),
+        "model": model + kv,
+        **extra,
         "rows": rows,
     }
     out = Path(args.out)
