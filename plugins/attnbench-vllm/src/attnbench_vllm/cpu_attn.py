@@ -102,18 +102,26 @@ class ServingPlan:
     workspace: torch.Tensor = field(repr=False)
 
 
+@dataclass(frozen=True)
+class GroupShape:
+    """What every step of a KV-cache group shares: its attention geometry, vLLM's block size, the model's
+    dtype and vLLM's instruction-set name for its own kernel (the prefill's and its scratch layout)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+    isa: str
+
+
 def build_plan(
     *,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     num_tokens: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    block_size: int,
-    dtype: torch.dtype,
-    isa: str,
+    shape: GroupShape,
     step_params: Callable[[int, int], tuple[str | int, int]] | None = None,
     slot_mapping: torch.Tensor | None = None,
 ) -> ServingPlan:
@@ -129,9 +137,10 @@ def build_plan(
     n_dec = int(decode.numel())
     max_len = int(lens[decode].max()) if n_dec else 1
     kv_splits, prefetch = step_params(max(1, n_dec), max_len) if step_params else ("auto", 2)
-    splits = kv_splits_for(kv_splits, work=max(1, n_dec * num_kv_heads), threads=threads, max_len=max_len)
+    g = shape
+    splits = kv_splits_for(kv_splits, work=max(1, n_dec * g.num_kv_heads), threads=threads, max_len=max_len)
     all_decode = n_dec == len(q_lens) and n_dec == num_tokens
-    group = num_heads // num_kv_heads
+    group = g.num_heads // g.num_kv_heads
     prefill_reqs = torch.nonzero(q_lens > 1).flatten().tolist()
     return ServingPlan(
         num_tokens=num_tokens,
@@ -139,17 +148,13 @@ def build_plan(
         decode_block_table=table if all_decode else table[decode].contiguous(),
         decode_seq_lens=lens[decode].to(torch.int32).contiguous(),
         all_decode=all_decode,
-        prefill=_prefill_plan(
-            prefill_reqs, starts, q_lens, lens, num_heads, num_kv_heads, head_size, block_size, dtype, isa
-        )
-        if prefill_reqs
-        else None,
+        prefill=_prefill_plan(prefill_reqs, starts, q_lens, lens, shape) if prefill_reqs else None,
         block_table=table,
         splits=splits,
         prefetch=prefetch,
-        writes=SlotWrites.of(slot_mapping, block_size) if slot_mapping is not None else None,
+        writes=SlotWrites.of(slot_mapping, g.block_size) if slot_mapping is not None else None,
         threads=threads,
-        workspace=torch.empty(max(1, n_dec) * num_kv_heads * MAX_SPLITS * group * (head_size + 2)),
+        workspace=torch.empty(max(1, n_dec) * g.num_kv_heads * MAX_SPLITS * group * (g.head_size + 2)),
     )
 
 
@@ -158,13 +163,9 @@ def _prefill_plan(
     starts: torch.Tensor,
     q_lens: torch.Tensor,
     lens: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    block_size: int,
-    dtype: torch.dtype,
-    isa: str,
+    shape: GroupShape,
 ) -> PrefillPlan:
+    block_size = shape.block_size
     rows, chunk_slots, prefix_slots, table_rows = [], [], [], []
     qsl, seq = [0], []
     first_block = 0
@@ -196,20 +197,22 @@ def _prefill_plan(
         block_table=table,
         prefix_slots=prefix_slots,
         chunk_slots=torch.cat(chunk_slots),
-        isa=isa,
+        isa=shape.isa,
         # zeros: vLLM's kernel masks the slots past a sequence's end but multiplies them (0 · NaN = NaN)
-        scratch=torch.zeros(first_block, num_kv_heads, block_size, 2 * head_size, dtype=dtype),
+        scratch=torch.zeros(
+            first_block, shape.num_kv_heads, block_size, 2 * shape.head_size, dtype=shape.dtype
+        ),
         scheduler_metadata=vllm_ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(reqs),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_size,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_size,
             seq_lens=seq_lens,
-            dtype=dtype,
+            dtype=shape.dtype,
             query_start_loc=query_start_loc,
             causal=True,
             sliding_window_size=-1,
-            isa=isa,
+            isa=shape.isa,
             enable_kv_split=vllm_envs.VLLM_CPU_ATTN_SPLIT_KV,
         ),
     )
@@ -342,6 +345,9 @@ class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
                 self.block_size,
                 decision.page_size,
             )
+        self.group_shape = GroupShape(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, dtype, self.isa
+        )
         self.step_params = StepParams(
             _shape(self.num_heads, self.num_kv_heads, self.head_dim, len(layers)), dtype
         )
@@ -380,12 +386,7 @@ class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
                 seq_lens=md.seq_lens,
                 block_table=md.block_table,
                 num_tokens=md.num_actual_tokens,
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                head_size=self.head_dim,
-                block_size=self.block_size,
-                dtype=cast(torch.dtype, self.dtype),
-                isa=self.isa,
+                shape=self.group_shape,
                 step_params=self.step_params,
                 slot_mapping=common_attn_metadata.slot_mapping,
             )

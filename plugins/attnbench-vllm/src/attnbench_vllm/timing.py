@@ -11,12 +11,15 @@ CPU affinity. Unset, nothing is installed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
+#: under vLLM's logger, so the line appears in vLLM's log
+log = logging.getLogger("vllm.plugins.attnbench")
 #: the setting: a file the worker writes its cumulative attention time to, once per step
 ENV = "ATTNBENCH_VLLM_TIMING"
 
@@ -34,7 +37,7 @@ def install(served: bool) -> None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
         impl = CPUAttentionBackendImpl
-    state = {"attention_s": 0.0, "calls": 0, "last": -1}
+    state: dict[str, Any] = {"attention_s": 0.0, "calls": 0, "last": -1, "failed": False}
     target = Path(path)
 
     def dump() -> None:
@@ -48,8 +51,15 @@ def install(served: bool) -> None:
             "pid": os.getpid(),
         }
         tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, target)
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, target)
+        except OSError as exc:  # a timer never stops the engine: one line, then no more writes
+            if not state.get("failed"):
+                log.warning(
+                    "%s=%s: cannot write the attention timing (%s); timing goes on unwritten", ENV, path, exc
+                )
+            state["failed"] = True
 
     def layer_index(layer: Any) -> int:
         m = re.search(r"\.(\d+)\.", getattr(layer, "layer_name", ""))
@@ -71,6 +81,7 @@ def install(served: bool) -> None:
                     index = layer_index(layer)
                     if index >= state["last"]:  # the last attention layer of the step: the step is done
                         state["last"] = index
-                        dump()
+                        if not state["failed"]:
+                            dump()
 
         setattr(impl, name, timed)
