@@ -21,8 +21,8 @@ and ``vllm_cpu`` at this batch and context) the kernels' ratio ``r`` predicts at
 tokens/s as vLLM's × 1 / (1 − s + s / r), printed beside what the server measured.
 
 The model is Qwen2.5-0.5B's geometry with vLLM's dummy (random) weights; the benchmark's dataset needs a
-tokenizer, so a word-level one whose words are ``t0`` … ``t151935`` (one per token id: any id sequence
-survives decode and encode unchanged) is written beside the config.
+tokenizer, so a word-level one with one word per token id (the id in base 62: any id sequence survives
+decode and encode unchanged) is written beside the config.
 
     python scripts/vllm_serve_bench.py --prompts 16 --input-len 8193 --output-len 64 \\
         --side-by-side results/engines/side-by-side-16x8k.json --out results/engines/vllm-serve-16x8k-epyc-avx512
@@ -69,17 +69,35 @@ KEPT = (
 )  # fmt: skip
 
 
+#: the tokenizer's alphabet: token id i is i written in base 62 (1-3 characters for a 152k vocabulary)
+DIGITS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def word(i: int) -> str:
+    """Token id ``i``'s word: ``i`` in base 62. Short words matter: vLLM's server refuses a prompt longer
+    than about 7 characters per token of the context window before it tokenizes it."""
+    out = DIGITS[i % 62]
+    while i >= 62:
+        i //= 62
+        out = DIGITS[i % 62] + out
+    return out
+
+
 def write_tokenizer(folder: Path, vocab_size: int, eos: int) -> None:
-    """A word-level tokenizer: token id ``i`` is the word ``t<i>``, words split on and joined with spaces.
-    Its own folder without a config.json: beside a Qwen2 config, transformers would load Qwen2's
-    tokenizer class over it."""
+    """A word-level tokenizer: token id ``i`` is the word :func:`word` ``(i)``, words split on and joined
+    with spaces. Its own folder without a config.json: beside a Qwen2 config, transformers would load
+    Qwen2's tokenizer class over it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    # the special tokens (id 0 as the unknown word, ``eos``) get words no other word contains: the
+    # tokenizer cuts a special token's text out of any word before it looks words up
+    vocab = {word(i): i for i in range(vocab_size) if i not in (0, eos)} | {"<unk>": 0, "<eos>": eos}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins the words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{eos}", unk_token="t0").save_pretrained(folder)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    fast.save_pretrained(folder)
 
 
 def _free_port() -> int:
