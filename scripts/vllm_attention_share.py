@@ -37,7 +37,14 @@ from attnbench.cli.common import positive_int
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vllm_serving_bench import QWEN_05B, _points, write_report  # noqa: E402
+from vllm_serving_bench import (  # noqa: E402
+    _points,
+    add_engine_options,
+    model_folder,
+    rendered,
+    report_header,
+    write_report,
+)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -144,22 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--iters", type=positive_int, default=3, help="measurements per engine (median; default 3)"
     )
-    p.add_argument("--block-size", type=positive_int, default=128, help="vLLM's block size (default 128)")
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=("auto", "fp8"),
-        help="vLLM's --kv-cache-dtype (default auto)",
-    )
-    p.add_argument("--kv-space-gib", type=positive_int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
-    p.add_argument("--timeout", type=positive_int, default=3600, help="seconds per engine run (default 3600)")
     p.add_argument(
         "--side-by-side",
         metavar="JSON",
         help="the JSON of attnbench bench --save with cpu_decode and vllm_cpu at the points",
     )
-    p.add_argument("--out", help="output prefix: OUT.json and OUT.md")
-    p.add_argument("--render", metavar="JSON", help="rebuild JSON's .md beside it (runs nothing)")
+    add_engine_options(p, timeout=3600, timeout_help="seconds per engine run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -168,19 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args)
         return 0
-    if args.render:
-        path = Path(args.render)
-        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
+    if rendered(p, args, render):
         return 0
-    if not args.out:
-        p.error("--out is required (or --render JSON)")
     ratios = _side_by_side(args.side_by_side)
     load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="attnbench-vllm-share-") as tmp:
-        model = Path(tmp) / "qwen2.5-0.5b"
-        model.mkdir()
-        (model / "config.json").write_text(json.dumps(QWEN_05B))
+        model = model_folder(Path(tmp))
         for batch, input_len in args.points:
             runs = {}
             for served in (False, True):
@@ -216,11 +207,9 @@ def _threads(report: dict) -> str:
 def render(report: dict) -> str:
     """The Markdown report of a run (``--render`` rebuilds it from the run's JSON, measuring nothing)."""
     lines = [
-        "# The attention's share of vLLM's decode step, with and without attnbench in the engine",
-        "",
-        f"- command: `{report['command']}`",
-        f"- machine: {report['machine']} ({report['cpus']} CPUs), {report['date']}",
-        f"- load average before / after: {list(report['load_before'])} / {list(report['load_after'])}",
+        *report_header(
+            report, "The attention's share of vLLM's decode step, with and without attnbench in the engine"
+        ),
         f"- the model's worker process: {_threads(report)}\n"
         f"- model: {report['model']}; one engine per path and point (vLLM's defaults, prefix "
         f"caching on), paths alternated; step and attention = (time of 1 + {report['steps']} tokens − time "

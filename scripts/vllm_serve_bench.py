@@ -50,7 +50,7 @@ from attnbench.cli.common import positive_int
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from vllm_attention_share import _side_by_side  # noqa: E402
-from vllm_serving_bench import QWEN_05B, write_report  # noqa: E402
+from vllm_serving_bench import QWEN_05B, model_folder, parse_engine_args, report_header, write_report  # noqa: E402
 
 SERVER = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
 CLIENT = """
@@ -202,35 +202,20 @@ def main(argv: list[str] | None = None) -> int:
         "--output-len", type=positive_int, default=64, help="tokens per decode-run request (default 64)"
     )
     p.add_argument("--repeats", type=positive_int, default=2, help="decode runs per server (default 2)")
-    p.add_argument("--block-size", type=positive_int, default=128, help="vLLM's block size (default 128)")
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=("auto", "fp8"),
-        help="vLLM's --kv-cache-dtype on both paths (default auto: the model's dtype; fp8: e4m3)",
-    )
-    p.add_argument("--kv-space-gib", type=positive_int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
-    p.add_argument("--timeout", type=positive_int, default=3600, help="seconds per server start and per client run (default 3600)")  # fmt: skip
     p.add_argument(
         "--side-by-side",
         metavar="JSON",
         help="attnbench bench --save JSON with cpu_decode and vllm_cpu at --prompts × context: the prediction",
     )
-    p.add_argument("--out", help="output prefix: OUT.json and OUT.md")
-    p.add_argument("--render", metavar="JSON", help="rebuild JSON's .md beside it (runs nothing)")
-    args = p.parse_args(argv)
-    if args.render:
-        path = Path(args.render)
-        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
+    args = parse_engine_args(
+        p, argv, render, timeout=3600, timeout_help="seconds per server start and per client run"
+    )
+    if args is None:
         return 0
-    if not args.out:
-        p.error("--out is required (or --render JSON)")
     load_before = os.getloadavg()
     paths = {}
     with tempfile.TemporaryDirectory(prefix="attnbench-vllm-serve-") as tmp:
-        model = Path(tmp) / "qwen2.5-0.5b"
-        model.mkdir()
-        (model / "config.json").write_text(json.dumps(QWEN_05B))
+        model = model_folder(Path(tmp))
         write_tokenizer(Path(tmp) / "tokenizer", QWEN_05B["vocab_size"], QWEN_05B["eos_token_id"])
         for served in (False, True):
             paths["attnbench" if served else "vllm"] = _serve(
@@ -264,11 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 def render(report: dict) -> str:
     """The Markdown report of a run (``--render`` rebuilds it from the run's JSON, measuring nothing)."""
     lines = [
-        "# vLLM's serving benchmark with and without attnbench in the engine",
-        "",
-        f"- command: `{report['command']}`",
-        f"- machine: {report['machine']} ({report['cpus']} CPUs), {report['date']}",
-        f"- load average before / after: {list(report['load_before'])} / {list(report['load_after'])}",
+        *report_header(report, "vLLM's serving benchmark with and without attnbench in the engine"),
         f"- model: {report['model']}; vLLM's OpenAI server (prefix caching on), one fresh server per path; "
         "vLLM's `vllm.benchmarks.serve` client, random dataset, every prompt sent at once "
         "(max concurrency = prompts). Fill: one output token per prompt (the prefill). Decode: the same "

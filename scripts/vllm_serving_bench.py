@@ -112,6 +112,78 @@ def _run(model: Path, *, served: bool, batch: int, input_len: int, output_len: i
     return {"latencies_s": lat, "median_s": statistics.median(lat), "wall_s": time.monotonic() - started, "attnbench": chose[-1].split("): ", 1)[-1] if chose else None}  # fmt: skip
 
 
+def add_engine_options(p: argparse.ArgumentParser, *, timeout: int, timeout_help: str) -> None:
+    """The options the vLLM serving scripts share: vLLM's block size, KV-cache dtype and cache space,
+    the time limit, and the report (``--out``, or ``--render`` of a saved JSON)."""
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=128,
+        help="vLLM's block size, cpu_decode's page size (default 128)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8"),
+        help="vLLM's --kv-cache-dtype on both paths (default auto: the model's dtype; fp8: e4m3)",
+    )
+    p.add_argument("--kv-space-gib", type=positive_int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
+    p.add_argument(
+        "--timeout", type=positive_int, default=timeout, help=f"{timeout_help} (default {timeout})"
+    )
+    p.add_argument("--out", help="output prefix: OUT.json and OUT.md")
+    p.add_argument(
+        "--render",
+        metavar="JSON",
+        help="rebuild JSON's .md beside it from the measurements in it (runs nothing)",
+    )
+
+
+def rendered(p: argparse.ArgumentParser, args: argparse.Namespace, render: Callable[[dict], str]) -> bool:
+    """With ``--render JSON``: rebuild its .md and return True (nothing is measured); else ``--out`` is
+    required."""
+    if args.render:
+        path = Path(args.render)
+        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
+        return True
+    if not args.out:
+        p.error("--out is required (or --render JSON)")
+    return False
+
+
+def parse_engine_args(
+    p: argparse.ArgumentParser,
+    argv: list[str] | None,
+    render: Callable[[dict], str],
+    *,
+    timeout: int,
+    timeout_help: str,
+) -> argparse.Namespace | None:
+    """:func:`add_engine_options`, parse, and :func:`rendered`: the arguments, or None after ``--render``."""
+    add_engine_options(p, timeout=timeout, timeout_help=timeout_help)
+    args = p.parse_args(argv)
+    return None if rendered(p, args, render) else args
+
+
+def report_header(report: dict, title: str) -> list[str]:
+    """The lines every report of these scripts opens with: the title, command, machine and load."""
+    return [
+        f"# {title}",
+        "",
+        f"- command: `{report['command']}`",
+        f"- machine: {report['machine']} ({report['cpus']} CPUs), {report['date']}",
+        f"- load average before / after: {list(report['load_before'])} / {list(report['load_after'])}",
+    ]
+
+
+def model_folder(parent: Path) -> Path:
+    """A model folder vLLM loads with dummy weights: Qwen2.5-0.5B's config.json."""
+    model = parent / "qwen2.5-0.5b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN_05B))
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,40 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="measure the ITL only (one full prefill per run instead of 1 + --warmup + --iters)",
     )
-    p.add_argument(
-        "--block-size",
-        type=positive_int,
-        default=128,
-        help="vLLM's block size, cpu_decode's page size (default 128)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=("auto", "fp8"),
-        help="vLLM's --kv-cache-dtype on both paths (default auto: the model's dtype; fp8: e4m3)",
-    )
-    p.add_argument("--kv-space-gib", type=positive_int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
-    p.add_argument("--timeout", type=positive_int, default=1800, help="seconds per run (default 1800)")
-    p.add_argument("--out", help="output prefix: OUT.json and OUT.md")
-    p.add_argument(
-        "--render",
-        metavar="JSON",
-        help="rebuild JSON's .md beside it from the measurements in it (runs nothing)",
-    )
-    args = p.parse_args(argv)
-    if args.render:
-        path = Path(args.render)
-        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
+    args = parse_engine_args(p, argv, render, timeout=1800, timeout_help="seconds per run")
+    if args is None:
         return 0
-    if not args.out:
-        p.error("--out is required (or --render JSON)")
     load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="attnbench-vllm-bench-") as tmp:
         workdir = Path(tmp)
-        model = workdir / "qwen2.5-0.5b"
-        model.mkdir()
-        (model / "config.json").write_text(json.dumps(QWEN_05B))
+        model = model_folder(workdir)
         for batch, input_len in args.points:
             runs: dict[str, dict[str, dict]] = {"vllm": {}, "attnbench": {}}
             kinds = [("itl1", 1, True), ("itlN", 1 + args.steps, True)]
@@ -249,11 +295,7 @@ def _itl_interval(row: dict, path: str) -> tuple[float, float]:
 def render(report: dict) -> str:
     """The Markdown report of a run (``--render`` rebuilds it from the run's JSON, measuring nothing)."""
     lines = [
-        "# vLLM's latency benchmark with and without attnbench in the engine",
-        "",
-        f"- command: `{report['command']}`",
-        f"- machine: {report['machine']} ({report['cpus']} CPUs), {report['date']}",
-        f"- load average before / after: {list(report['load_before'])} / {list(report['load_after'])}",
+        *report_header(report, "vLLM's latency benchmark with and without attnbench in the engine"),
         f"- model: {report['model']}; each run a fresh engine, paths alternated run by run. TTFT: vLLM's "
         "latency with 1 output token, prefix caching off (each iteration prefills the batch). ITL: "
         "(latency(1 + STEPS) − latency(1)) / STEPS with prefix caching on (the warm-up prefills, timed "

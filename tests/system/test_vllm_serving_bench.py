@@ -71,3 +71,41 @@ def test_the_attention_share_report_predicts_from_the_side_by_side(tmp_path: Pat
         "| 1 | 8192 | 100.0 | 20.0 (20 %) | 88.0 | 8.0 (9 %) | 0.880 | 0.400 | 2.50 | 88.0 | 1.000 |" in text
     )
     assert "the model's worker process: 1 torch thread(s), CPUs [1]" in text
+
+
+def test_the_serve_benchmarks_stand_in_tokenizer_round_trips_every_id(tmp_path: Path) -> None:
+    """vLLM's benchmark samples token ids, decodes them to text and the server encodes it again: every id
+    must come back as itself, in few characters (vLLM refuses > ~7 characters a token unread)."""
+    serve = load_script("vllm_serve_bench")
+    words = [serve.word(i) for i in range(151936)]
+    assert len(set(words)) == len(words) and max(map(len, words)) == 3
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    from transformers import AutoTokenizer
+
+    serve.write_tokenizer(tmp_path / "tok", 151936, 151643)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    ids = [*range(1, 300), *range(151000, 151643), *range(151644, 151936), 61, 62, 3843, 3844]
+    text = tok.decode(ids)
+    assert tok(text, add_special_tokens=False).input_ids == ids
+    assert len(text) < 5 * len(ids)
+    assert tok.eos_token_id == 151643
+
+
+def test_the_serve_report_states_the_ratio_and_the_prediction() -> None:
+    serve = load_script("vllm_serve_bench")
+
+    def run(tok_s: float, share: float) -> dict:
+        fill = {"duration": 900.0, "output_throughput": 0.018, "mean_ttft_ms": 5e5, "failed": 0}
+        decode = {"duration": 1024 / tok_s, "output_throughput": tok_s, "median_tpot_ms": 16000 / tok_s, "median_itl_ms": 16000 / tok_s, "mean_ttft_ms": 900.0, "failed": 0, "attention_share": share}  # fmt: skip
+        return {
+            "fill": fill,
+            "decode": [decode, decode],
+            "attnbench": "24 of 24 attention layers on cpu_decode",
+        }
+
+    row = {"prompts": 16, "input_len": 8193, "output_len": 64, "paths": {"vllm": run(40.0, 0.8), "attnbench": run(80.0, 0.6)}}  # fmt: skip
+    row |= {"ratio": 2.0, "fill_ratio": 1.0, "vllm_share": 0.8, "side_by_side_ratio": 2.66, "predicted_ratio": 1.98, "measured_over_predicted": 1.01}  # fmt: skip
+    report = {"command": "c", "machine": "m", "cpus": 2, "date": "d", "load_before": [0, 0, 0], "load_after": [0, 0, 0], "model": "q", "rows": [row]}  # fmt: skip
+    text = serve.render(report)
+    assert "**2.000**" in text and "measured / predicted 1.010" in text
+    assert "| vllm | decode 2 | 25.6 | 40.00 |" in text
