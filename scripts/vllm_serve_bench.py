@@ -119,12 +119,15 @@ def _attention_s(timing: Path) -> float:
 
 
 def _client(port: int, model: Path, args: argparse.Namespace, output_len: int, result: Path) -> dict:
+    """vLLM's serving benchmark client against the server (healthy already): no ready-check request
+    (vLLM's client sends the first prompt once before the timed run unless told not to, and its
+    attention would count in the run's attention share)."""
     cmd = [
         sys.executable, "-c", CLIENT, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
         "--model", str(model), "--tokenizer", str(model.parent / "tokenizer"), "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(output_len), "--num-prompts", str(args.prompts),
         "--max-concurrency", str(args.prompts), "--request-rate", "inf", "--seed", "0",
-        "--ready-check-timeout-sec", str(args.timeout), "--disable-tqdm", "--save-result",
+        "--ready-check-timeout-sec", "0", "--disable-tqdm", "--save-result",
         "--result-dir", str(result.parent), "--result-filename", result.name,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
