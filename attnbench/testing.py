@@ -362,7 +362,7 @@ class BackendConformance:
     ) -> Backend:
         """A fresh backend; the test is skipped, with the backend's own reasons, where its resolution
         for this case, dtype and config refuses (e.g. a kernel variant that runs bf16 only)."""
-        import pytest
+        import pytest  # deferred: a plugin imports this module's helpers without pytest too
 
         backend = self.backend()
         reasons = backend.resolve(Workload(case.shape, lens, parse_dtype(dtype), self.device), config).reasons
@@ -414,7 +414,7 @@ class BackendConformance:
                 assert res.kv_bytes_per_token * 2 == cache.bytes_per_token() * c.shape.num_layers, (c.id, res)
 
     def test_rejects_unknown_config(self) -> None:
-        import pytest
+        import pytest  # deferred: as above
 
         with pytest.raises(ConfigError, match="no tunable"):
             self.backend.resolve_config({"no_such_tunable_xyz": 1})

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnbench.core.backend import Backend, KVCache, Resolution, StepPlan, Tunable, base_plan
 from attnbench.core.kvcache import ContiguousKVCache
@@ -31,7 +32,7 @@ SDPA_FLASH = "torch.sdpa[flash]"
 
 @functools.cache
 def _flash_attn_import_error() -> str | None:
-    try:
+    try:  # flash-attn is the optional cuda extra: imported on first use
         import flash_attn  # noqa: F401
     except Exception as err:  # ImportError, or a broken CUDA extension
         return f"flash-attn not importable ({type(err).__name__}: {err})"
@@ -41,7 +42,6 @@ def _flash_attn_import_error() -> str | None:
 @functools.cache
 def _sdpa_flash_error(device_type: str, dtype: torch.dtype) -> str | None:
     """Run SDPA's flash kernel once on a tiny input; the error if the platform has none."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     try:
         q = torch.randn(1, 2, 1, 64, device=device_type).to(dtype)
@@ -136,7 +136,7 @@ class FlashBackend(Backend):
         assert isinstance(cache, FlashCache) and isinstance(plan, FlashPlan)
         scale = cache.geometry.scale
         if cache.implementation == FLASH_ATTN:
-            from flash_attn import flash_attn_with_kvcache
+            from flash_attn import flash_attn_with_kvcache  # the optional extra, present by now
 
             out = flash_attn_with_kvcache(
                 q[:, None],
@@ -150,7 +150,6 @@ class FlashBackend(Backend):
                 num_splits=cache.config.get("num_splits", 0),
             )
             return out[:, 0]
-        from torch.nn.attention import SDPBackend, sdpa_kernel
 
         cache.write(plan, layer=layer, k=k[:, None], v=v[:, None])
         s = max(plan.seq_lens_after)

@@ -26,6 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import sqlalchemy
+from optuna.storages import JournalStorage
+from optuna.storages._heartbeat import is_heartbeat_enabled
+from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
+from optuna.storages.journal._file import get_lock_file
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from attnbench.tables.files import write_atomically
 
@@ -59,8 +66,6 @@ class StorageError(ValueError):
 def redact(url: str) -> str:
     """``url`` without its password, for messages."""
     try:
-        from sqlalchemy.engine import make_url
-
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
         return url
@@ -116,8 +121,6 @@ def repair_journal(path: Path) -> str:
         return ""
     if not _scan(path.read_bytes())[1]:
         return ""
-    from optuna.storages.journal import JournalFileSymlinkLock
-    from optuna.storages.journal._file import get_lock_file
 
     with get_lock_file(JournalFileSymlinkLock(str(path))):
         data = path.read_bytes()
@@ -153,9 +156,6 @@ def open_storage(
     ``messages``. Raises :class:`StorageError` with one line.
     """
     if url is None:
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
-
         results_dir = Path(results_dir)
         try:
             results_dir.mkdir(parents=True, exist_ok=True)
@@ -200,7 +200,6 @@ def open_storage(
 
 
 def _rdb(url: str, *, heartbeat_s: int, grace_s: int | None) -> Any:
-    from sqlalchemy.exc import IntegrityError, ProgrammingError
 
     for attempt in range(5):
         try:
@@ -225,7 +224,6 @@ def _schema_lock(url: str) -> Iterator[None]:
     if not url.lower().startswith("postgresql"):
         yield
         return
-    import sqlalchemy
 
     engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
     try:
@@ -244,7 +242,6 @@ def _schema_lock(url: str) -> Iterator[None]:
 # heartbeats
 # --------------------------------------------------------------------------------------------------
 def heartbeats_enabled(storage: Any) -> bool:
-    from optuna.storages._heartbeat import is_heartbeat_enabled
 
     return is_heartbeat_enabled(storage)
 

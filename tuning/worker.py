@@ -17,9 +17,12 @@ registered only in a test's registry, or by a plugin, reaches the worker the sam
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import json
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -34,6 +37,7 @@ from attnbench.core.child import Child
 from attnbench.core.workload import workload_from_dict
 from attnbench.tables.margin import Interval
 from attnbench.tables.table_schema import CandidateResult
+from attnbench.tuning.interleave import run_interleaved
 
 if TYPE_CHECKING:
     from attnbench.core.timing import Timing
@@ -108,6 +112,8 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     Returns the verdict line: ``ok``, ``value`` (median step seconds), ``kind`` and ``reason`` of a
     failure, ``result`` (the trial's :class:`CandidateResult` as a dict) and ``attrs`` (a failure's
     traceback)."""
+    # deferred: the worker loads torch and the measuring code only once its stdout is the protocol's and
+    # its memory limit is set (main); the parent, which imports this module too, needs neither here
     from attnbench.core.device import DeviceProfile
     from attnbench.core.registry import load_backend_class
     from attnbench.measure.bench import CheckFailed, Implausible, measure_decode
@@ -199,8 +205,6 @@ def _die_with_parent(parent: int) -> None:
     Elsewhere, a watcher thread is the fallback.
     """
     if sys.platform.startswith("linux"):
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG = 1
             if os.getppid() != parent:  # the parent died before the call: nobody will signal
@@ -218,7 +222,6 @@ def _watch_parent(parent: int) -> None:
 
 def main() -> None:
     """The worker process: read a task per line, answer a verdict per line."""
-    import faulthandler
 
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything a backend prints goes to stderr, never into the protocol
@@ -229,16 +232,15 @@ def main() -> None:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     if init.get("memory_limit_bytes"):
-        import resource
-
         limit = int(init["memory_limit_bytes"])
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     _die_with_parent(init["parent"])
-    import attnbench.measure.bench  # noqa: F401  (import torch and friends before saying ready)
+    # torch and the measuring code, now that stdout is the protocol's and the limit is set, before "ready"
+    import torch
+
+    import attnbench.measure.bench  # noqa: F401
 
     if init.get("threads"):  # the parent's thread count (`tune --threads`): its fingerprint says so
-        import torch
-
         torch.set_num_threads(int(init["threads"]))
 
     proto.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
@@ -246,12 +248,8 @@ def main() -> None:
         if not line.strip():
             continue
         task = json.loads(line)
-        if task.get("op") == "interleave":  # finalists timed round-robin (attnbench.tuning.interleave)
-            from attnbench.tuning.interleave import run_interleaved
-
-            verdict = run_interleaved(task)
-        else:
-            verdict = evaluate(task)
+        # finalists are timed round-robin (attnbench.tuning.interleave); any other task is one candidate
+        verdict = run_interleaved(task) if task.get("op") == "interleave" else evaluate(task)
         proto.write(json.dumps(verdict, default=str) + "\n")
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 from attnbench import __version__
+from attnbench.cli.common import json_stdout, sigterm_as_interrupt
 
 #: Subcommand modules, in the order ``--help`` lists them.
 COMMANDS = ["backends", "bench", "decode", "e2e", "tune", "select", "estimate", "calibrate"]
@@ -44,7 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from attnbench.cli.common import json_stdout, sigterm_as_interrupt
 
     try:
         with sigterm_as_interrupt(), json_stdout() if getattr(args, "json", False) else nullcontext():

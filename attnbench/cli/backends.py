@@ -23,6 +23,7 @@ from attnbench.cli.common import (
     workloads_from_args,
 )
 from attnbench.core.backend import Backend
+from attnbench.core.plugin_call import ask
 from attnbench.core.registry import load_registry
 from attnbench.core.workload import Workload
 
@@ -106,7 +107,6 @@ def backends_table(rows: list[dict[str, Any]], *, workload: str | None = None, w
 
 def _status(backend: Backend, workload: Workload) -> dict[str, Any]:
     """Whether ``backend`` can run ``workload``; a backend that raises here is reported, not fatal."""
-    from attnbench.core.plugin_call import ask
 
     answers = ask(type(backend), workload)  # plugin code: in a child process, bounded in time
     return {

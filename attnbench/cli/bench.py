@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from attnbench.backends.matmul_probe import MatmulProbeBackend
 from attnbench.cli.common import (
     add_command,
     add_model_option,
@@ -113,8 +114,6 @@ def run(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else reg.names()
     backends = [reg.get(n) for n in names]  # an unknown name raises, listing the registered ones
     if args.probe:
-        from attnbench.backends.matmul_probe import MatmulProbeBackend
-
         backends.append(MatmulProbeBackend())
     err = Console(stderr=True)
     device = workloads[0].device

@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from rich.markup import escape
 from rich.table import Table
 
@@ -30,6 +31,18 @@ from attnbench.cli.common import (
     emit_json,
     print_table,
 )
+from attnbench.core.device import load_profile
+from attnbench.core.locations import check_table_file, readable_results, writable_results
+from attnbench.core.registry import load_registry
+from attnbench.cost.fit import (
+    Calibration,
+    calibration_path,
+    device_entry,
+    points_from_bench,
+    points_from_table,
+)
+from attnbench.cost.gpuspec import device_memory_bytes, measured_flops
+from attnbench.tables.table import hardware_id, table_path
 
 if TYPE_CHECKING:  # imported when the command runs (numpy)
     from attnbench.cost.fit import Calibration
@@ -69,20 +82,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from attnbench.core.device import load_profile
-    from attnbench.core.locations import check_table_file, readable_results, writable_results
-    from attnbench.core.registry import load_registry
-    from attnbench.cost.fit import (
-        Calibration,
-        calibration_path,
-        device_entry,
-        points_from_bench,
-        points_from_table,
-    )
-    from attnbench.cost.gpuspec import device_memory_bytes, measured_flops
-    from attnbench.tables.table import hardware_id, table_path
 
     profile = load_profile(args.device)
     dev = torch.device(args.device)

@@ -7,14 +7,18 @@ import contextlib
 import io
 import json
 import os
+import platform
 import shlex
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -231,11 +235,6 @@ def command_line(
 def run_record(*, command: str, load_start: Sequence[float], started: float | None = None) -> dict[str, Any]:
     """What every saved result states about its run: the command, the machine, torch, the date, the
     load average before and now, and (with ``started``, a ``time.time()``) the seconds it took."""
-    import platform
-    import time
-    from datetime import datetime, timezone
-
-    import torch
 
     record: dict[str, Any] = {
         "command": command,
@@ -285,7 +284,6 @@ def workloads_from_args(args: argparse.Namespace) -> list[Workload]:
 
 
 def _available_bytes(device: str) -> int | None:
-    import torch
 
     if torch.device(device).type == "cuda":
         return int(torch.cuda.mem_get_info(torch.device(device))[0])

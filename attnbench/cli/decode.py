@@ -46,6 +46,7 @@ from attnbench.core.workload import Workload, parse_tokens
 from attnbench.correctness.gate import check
 from attnbench.measure.bench import CheckFailed, check_workload
 from attnbench.measure.decode import SyntheticModel, generate
+from attnbench.models import load_model
 
 #: ``e2e`` must be within this fraction of ``TTFT + (N-1)·ITL`` for the check to pass.
 E2E_TOLERANCE = 0.10
@@ -163,10 +164,8 @@ def _real_model(checkpoint: Path, backend: Backend, *, batch: int, dtype: torch.
     transformers' own model through the integration, or for a latent-cache backend (``mla``) the
     DeepSeek latent decoder (transformers' module cannot express that form)."""
     if backend.kv_form == "latent":
-        from attnbench.models import load_model
-
         return load_model(checkpoint, backend=backend, dtype=dtype, device=device, batch=batch)
-    try:
+    try:  # deferred: transformers is an optional extra, needed only for a checkpoint's own model
         import transformers
 
         from attnbench.integrations.transformers import TransformersDecodeModel

@@ -24,7 +24,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -42,10 +42,14 @@ from attnbench.cli.common import (
     run_record,
     tokens_to_generate,
 )
-from attnbench.core.shapes import parse_dtype
-from attnbench.core.workload import parse_int_list
+from attnbench.core.registry import load_registry
+from attnbench.core.shapes import load_shape, parse_dtype
+from attnbench.core.workload import Workload, parse_int_list
+from attnbench.correctness.gate import check
 from attnbench.measure.bench import CheckFailed
-from attnbench.measure.e2e import STOCK_PATHS, GenerationPath, PathRun, compare_tokens, parse_path, run_paths
+
+if TYPE_CHECKING:
+    from attnbench.measure.e2e import GenerationPath, PathRun
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -108,9 +112,6 @@ def _list(text: str, *, field: str) -> list[int]:
 def default_paths(*, device: str, dtype: torch.dtype) -> list[str]:
     """The stock paths that exist here, then every exact backend that would run natively (not
     interpreted) for a small workload on ``device`` in ``dtype``."""
-    from attnbench.core.registry import load_registry
-    from attnbench.core.shapes import load_shape
-    from attnbench.core.workload import Workload
 
     paths = ["sdpa", "sdpa-static"]
     workload = Workload(load_shape("tiny-gqa"), (64,), dtype, device)
@@ -123,9 +124,6 @@ def default_paths(*, device: str, dtype: torch.dtype) -> list[str]:
 
 
 def _gate(*, shape: Any, batch: int, context: int, dtype: torch.dtype, device: str):
-    from attnbench.core.workload import Workload
-    from attnbench.correctness.gate import check
-    from attnbench.measure.bench import CheckFailed
 
     def gate(backend: Any, config: dict[str, Any]) -> str:
         workload = Workload(shape, (context,) * batch, dtype, device)
@@ -138,9 +136,21 @@ def _gate(*, shape: Any, batch: int, context: int, dtype: torch.dtype, device: s
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnbench.core.registry import load_registry
-    from attnbench.integrations.transformers import shape_of
-    from attnbench.measure.e2e import load_hf_model
+    try:  # deferred: generation runs through transformers, an optional extra the other commands never load
+        from attnbench.integrations.transformers import shape_of
+        from attnbench.measure.e2e import (
+            STOCK_PATHS,
+            PathRun,
+            compare_tokens,
+            load_hf_model,
+            parse_path,
+            run_paths,
+        )
+    except ImportError as err:
+        raise ValueError(
+            f"e2e generates with a transformers model and transformers is not importable ({err}): "
+            "pip install 'attnbench[transformers]'"
+        ) from None
 
     batches = _list(args.batch, field="--batch")
     prompts = _list(args.prompt, field="--prompt")
@@ -435,7 +445,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def _plot_module() -> Any:
     """``matplotlib.pyplot`` (Agg), or ``ValueError`` saying how to install it."""
-    try:
+    try:  # deferred: matplotlib is the optional plot extra
         import matplotlib
 
         matplotlib.use("Agg")

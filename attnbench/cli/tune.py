@@ -9,6 +9,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 from rich.markup import escape
 from rich.table import Table
 
@@ -29,8 +30,10 @@ from attnbench.cli.common import (
     workloads_from_args,
 )
 from attnbench.cli.gate_options import add_gate_options, gate_options
+from attnbench.core.registry import load_registry
 from attnbench.core.timing import TIMING_MODES, timing_mode
 from attnbench.tables.margin import SWITCH_MARGIN
+from attnbench.tables.table_schema import validate_entries
 
 if TYPE_CHECKING:
     from attnbench.tables.table_schema import CandidateResult, TableEntry
@@ -162,6 +165,7 @@ def _split(text: str | None) -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred: Optuna and the tuner load only for `tune` (the other commands, select() above all, never)
     import optuna
 
     from attnbench.tuning import TuneOptions, tune
@@ -183,7 +187,6 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads} must be ≥ 1")
-        import torch
 
         torch.set_num_threads(args.threads)  # the fingerprint reads it; the workers take the parent's
     if args.heartbeat < 1:
@@ -252,8 +255,6 @@ def run(args: argparse.Namespace) -> int:
             state["task"],
             description=f"map point b={point.batch} ctx={point.context}: {point.winner}{' (tie)' if point.tie else ''}",
         )
-
-    from attnbench.core.registry import load_registry
 
     registry = load_registry()
     broken = [f"{f}; its backends are not tuned (`attnbench backends` shows why)" for f in registry.failures]
@@ -347,7 +348,6 @@ def summary_table(entries: Mapping[str, Mapping[str, Any]], *, wide: bool = Fals
     when every row has the same. ``wide`` adds the winner's interval, GB/s and share of bandwidth, the
     runner-up, the default's time, the decision, the load average, the failed candidates and the
     trial count (``--json`` has every field). ``entries`` are read through the table's schema."""
-    from attnbench.tables.table_schema import validate_entries
 
     rows = sorted(
         validate_entries(entries).values(),

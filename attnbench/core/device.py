@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass
@@ -90,7 +91,7 @@ def _cpu_name() -> str:
 
 
 def triton_version() -> str:
-    try:
+    try:  # deferred: triton takes a second to import and the fingerprint may be read without it
         import triton
 
         return triton.__version__
@@ -129,8 +130,6 @@ def fingerprint(device: str | torch.device = "cpu") -> dict[str, Any]:
 
 def _driver_version() -> str:
     try:
-        import subprocess
-
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
             capture_output=True,

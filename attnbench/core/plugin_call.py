@@ -27,8 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from attnbench.core.backend import Backend, Resolution
 from attnbench.core.child import Child
+from attnbench.core.device import cache_dir
 from attnbench.core.registry import code_hash, load_backend_class, plugin_timeout
 from attnbench.core.workload import Workload, bucket, workload_from_dict, workload_to_dict
 
@@ -100,9 +103,6 @@ def _ref(cls: type[Backend]) -> str:
 
 
 def _cache_file(cls: type[Backend], workload: Workload) -> Path:
-    import torch
-
-    from attnbench.core.device import cache_dir
 
     try:
         code = code_hash([cls])

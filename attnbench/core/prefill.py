@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["PREFILL_BUDGET_BYTES", "prefill_attention", "sdpa_flash_error"]
 
@@ -37,7 +38,6 @@ PREFILL_BUDGET_BYTES = 256 * 2**20
 def sdpa_flash_error(device_type: str, dtype: torch.dtype, same_dims: bool = True) -> str | None:
     """``None`` when SDPA has a fused kernel (no materialised scores) for this device, dtype and
     head-dim pairing, with a GQA group and a boolean mask; else the reason, from one tiny probe."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fused = [SDPBackend.FLASH_ATTENTION]
     if device_type == "cuda":

@@ -50,6 +50,8 @@ import pluggy
 
 from attnbench import hookspecs
 from attnbench.core.backend import PLUGIN_API_VERSION, Backend
+from attnbench.core.child import run_child
+from attnbench.core.device import cache_dir
 from attnbench.core.version import __version__
 
 __all__ = [
@@ -352,9 +354,6 @@ def _import_hangs(ep: EntryPoint) -> str:
     """Import the plugin's module in a child process first, with a deadline (a thread cannot bound an
     import that hangs holding the GIL); ``""`` when it finishes (remembered, keyed by
     :func:`_import_key`), else why it was skipped. Errors are left for the real import to report."""
-
-    from attnbench.core.child import run_child
-    from attnbench.core.device import cache_dir
 
     marker = cache_dir() / "plugin-imports" / f"{_import_key(ep)}.ok"
     if marker.exists():

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 
 from attnbench.core.shapes import AttentionGeometry, KVForm, ModelShape, dtype_name, load_shape, parse_dtype
+from attnbench.core.traffic import kv_bytes_per_step
 
 __all__ = ["Workload", "bucket", "parse_int_list", "parse_tokens"]
 
@@ -137,7 +138,6 @@ class Workload:
         self, form: KVForm | Literal["auto"] = "auto", *, kv_dtype: torch.dtype | str | None = None
     ) -> int:
         """Bytes of KV cache one decode step reads over all layers (each cached token once)."""
-        from attnbench.core.traffic import kv_bytes_per_step
 
         per_token = self.shape.kv_bytes_per_token(kv_dtype or self.dtype, form)
         return int(kv_bytes_per_step(per_token, tokens=self.total_tokens + self.batch))

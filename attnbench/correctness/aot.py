@@ -10,6 +10,7 @@ split count).
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -207,7 +208,6 @@ def aot_markdown(rows: Sequence[tuple[Mapping[str, Any], AotResult | Exception]]
 def main(argv: Sequence[str] | None = None) -> int:
     """Compile every specialisation a module declares (its ``aot_specializations()``) for sm_80 and
     sm_90 and print the Markdown table; exit status 1 if any failed."""
-    import argparse
 
     p = argparse.ArgumentParser(prog="python -m attnbench.correctness.aot", description=main.__doc__)
     p.add_argument(

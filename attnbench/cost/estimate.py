@@ -55,6 +55,7 @@ from attnbench.core.traffic import (
     shape_kv_bytes_per_token,
     step_fixed_s,
 )
+from attnbench.core.workload import parse_tokens
 from attnbench.cost.gpuspec import HIGH as _HIGH
 from attnbench.cost.gpuspec import GPUSpec, list_gpus, load_gpu, measured_gpu
 from attnbench.cost.measured_term import CalibratedAttention, Chooser, calibrated_attention
@@ -244,8 +245,6 @@ class Estimate:
 
 def _positive_int(value: Any, *, field: str, minimum: int = 1) -> int:
     if isinstance(value, str):  # "8k" → 8192, as on the command line
-        from attnbench.core.workload import parse_tokens
-
         value = parse_tokens(value, field=field)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{field} = {value!r} must be an integer ≥ {minimum}")

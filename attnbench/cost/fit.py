@@ -45,6 +45,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
+from attnbench.core.locations import results_location
+from attnbench.core.traffic import backend_kv_bytes_per_token, kv_bytes_per_step
+from attnbench.core.workload import Workload
+from attnbench.tables.table import hardware_id, table_path
+from attnbench.tables.table_schema import validate_entries
+
 if TYPE_CHECKING:
     from attnbench.core.backend import Backend
     from attnbench.core.registry import Registry
@@ -293,7 +299,6 @@ class Calibration:
 
         ``kv_bytes`` defaults to the backend's own bytes per token × the tokens the step attends to.
         """
-        from attnbench.core.traffic import backend_kv_bytes_per_token, kv_bytes_per_step
 
         fit = self.lookup(backend.name, workload.dtype_name, geometry_key(backend, workload))
         if fit is None:
@@ -369,7 +374,6 @@ class Calibration:
 
 def calibration_path(results_dir: str | Path, fingerprint: Mapping[str, Any]) -> Path:
     """``<results_dir>/calibration-<kind>-<name>-<hardware id>.yaml``, beside the tuned table."""
-    from attnbench.tables.table import table_path
 
     tuned = table_path(Path(results_dir), fingerprint)
     return tuned.with_name(tuned.name.replace("tuning-", "calibration-", 1))
@@ -379,7 +383,6 @@ def find_calibration(
     fingerprint: Mapping[str, Any], *, results_dir: str | Path | None = None
 ) -> Calibration | None:
     """This device's calibration file in ``results_dir`` (default: the tuned tables'), if written."""
-    from attnbench.core.locations import results_location
 
     path = calibration_path(results_dir or results_location().path, fingerprint)
     return Calibration.load(path) if path.exists() else None
@@ -387,7 +390,6 @@ def find_calibration(
 
 def device_entry(profile: Any, *, flops: Mapping[str, float], memory_bytes: float) -> dict[str, Any]:
     """The ``device`` section of a calibration file from a device profile."""
-    from attnbench.tables.table import hardware_id
 
     return {
         "name": profile.name,
@@ -407,8 +409,6 @@ def _point(
     registry: Registry, *, backend: str, model: str, dtype: str, batch: int, context: int,
     kv_bytes: float, step_s: float, layers: int | None, source: str,
 ) -> CalibrationPoint | None:  # fmt: skip
-    from attnbench.core.traffic import backend_kv_bytes_per_token
-    from attnbench.core.workload import Workload
 
     if backend not in registry or not step_s or not kv_bytes:
         return None
@@ -425,7 +425,6 @@ def _point(
 
 def points_from_table(path: str | Path, registry: Registry) -> list[CalibrationPoint]:
     """Every measured candidate of a tuned table (step time and GB/s give the bytes read)."""
-    from attnbench.tables.table_schema import validate_entries
 
     data = yaml.safe_load(Path(path).read_text()) or {}
     out = []

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
 
 from attnbench.core.shapes import ModelShape
 from attnbench.models.base import UnsupportedModelError
@@ -143,7 +144,6 @@ def _layer_windows(model: Any) -> dict[int, int]:
 
 def inspect_attention(model: Any) -> list[LayerAttention]:
     """Run ``model`` once on two tokens through a recording attention function; one entry per call."""
-    from transformers import AttentionInterface
 
     seen: list[LayerAttention] = []
 

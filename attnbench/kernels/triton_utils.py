@@ -78,8 +78,7 @@ def interpret_requested() -> bool:
 @functools.cache
 def triton_import_error() -> str | None:
     """Why triton cannot be imported, or ``None`` if it can."""
-    try:
-        import triton
+    try:  # triton is imported on first use: interpreter mode is fixed by that import (module docstring)
         import triton.language  # noqa: F401
     except Exception as err:  # ImportError, or a broken install
         return f"triton not importable ({type(err).__name__}: {err})"
@@ -94,16 +93,14 @@ def language_interpreted() -> bool:
     standard = sys.modules.get("triton.language.standard")
     if standard is None:
         return interpret_requested()
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(standard.cdiv, InterpretedFunction)
+    return isinstance(standard.cdiv, _function_classes()[0])
 
 
 @functools.cache
 def _cuda_driver_error() -> str | None:
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
-    try:
+    try:  # triton on first use (module docstring)
         from triton.runtime import driver
 
         target = driver.active.get_current_target()
@@ -153,14 +150,18 @@ def _python_fn(kernel: Any) -> Callable[..., Any]:
 
 
 @functools.cache
-def _wrap(fn: Callable[..., Any], mode: TritonMode) -> Any:
-    if mode == "interpreted":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(fn)
+def _function_classes() -> tuple[type, type]:
+    """Triton's ``(InterpretedFunction, JITFunction)``, imported on first use (module docstring)."""
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    return JITFunction(fn)
+    return InterpretedFunction, JITFunction
+
+
+@functools.cache
+def _wrap(fn: Callable[..., Any], mode: TritonMode) -> Any:
+    interpreted, jit = _function_classes()
+    return interpreted(fn) if mode == "interpreted" else jit(fn)
 
 
 def kernel_for(kernel: Any, mode: TritonMode) -> Any:
@@ -170,10 +171,8 @@ def kernel_for(kernel: Any, mode: TritonMode) -> Any:
     function. ``mode`` should be what :func:`triton_mode` reports: a kernel that calls Triton's
     standard library only runs in the mode ``triton.language`` was loaded in.
     """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    want = InterpretedFunction if mode == "interpreted" else JITFunction
+    interpreted, jit = _function_classes()
+    want = interpreted if mode == "interpreted" else jit
     if isinstance(kernel, want):
         return kernel
     return _wrap(_python_fn(kernel), mode)
@@ -182,7 +181,7 @@ def kernel_for(kernel: Any, mode: TritonMode) -> Any:
 # -- ahead-of-time compilation ---------------------------------------------------------------------
 def nvidia_tool(name: str) -> str | None:
     """Path of a CUDA binary tool (``cuobjdump``, ``nvdisasm``, ``ptxas``): triton's copy, else PATH."""
-    try:
+    try:  # triton on first use (module docstring)
         from triton import knobs
 
         tool = getattr(knobs.nvidia, name.replace("-", "_"))
@@ -399,6 +398,7 @@ def _compile_here(
     aligned: Iterable[str],
     read_sass: bool,
 ) -> AotResult:
+    # triton on first use (module docstring); its compiler only for ahead-of-time builds
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget

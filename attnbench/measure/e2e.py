@@ -39,9 +39,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from transformers import DynamicCache, StaticCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from attnbench.core.timing import synchronize
-from attnbench.integrations.transformers import ATTENTION_IMPLEMENTATION, register_attention
+from attnbench.integrations.transformers import (
+    ATTENTION_IMPLEMENTATION,
+    bind_cache,
+    register_attention,
+    use_backend,
+)
 from attnbench.models.architectures import ARCHITECTURES, hf_config
 
 __all__ = [
@@ -193,7 +201,6 @@ def load_hf_model(source: str, *, dtype: torch.dtype, device: str = "cpu", seed:
     """A transformers causal LM in eval mode and its name, from a checkpoint directory (its weights),
     a ``config.json`` (random weights) or an architecture preset (random weights; see
     :func:`attnbench.models.architectures.hf_config`)."""
-    import transformers
 
     path = Path(source)
     if path.is_dir():
@@ -222,7 +229,6 @@ def load_hf_model(source: str, *, dtype: torch.dtype, device: str = "cpu", seed:
 def timed_attention(implementation: str, sink: list[float]) -> Iterator[None]:
     """Wrap transformers' registered attention function ``implementation`` with a timer that adds
     each call's seconds to ``sink[0]`` (CPU: no device sync needed; on CUDA the wrapper syncs)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     inner = ALL_ATTENTION_FUNCTIONS[implementation]
     cuda = torch.cuda.is_available()
@@ -258,8 +264,6 @@ class _Session:
             self.kind = kind
             self.describe = f"transformers {impl} + {'StaticCache' if kind == 'static' else 'DynamicCache'}"
         else:
-            from attnbench.integrations.transformers import ATTENTION_IMPLEMENTATION, use_backend
-
             self.backend_cache = use_backend(
                 model, path.backend, config=path.config_dict, batch=batch, max_seq_len=max_seq_len
             )
@@ -272,14 +276,11 @@ class _Session:
     def activate(self) -> None:
         """Make this path the model's attention (several paths may alternate on one model)."""
         if self.kind == "backend":
-            from attnbench.integrations.transformers import bind_cache
-
             bind_cache(self.model, self.backend_cache)
         elif getattr(self.model.config, "_attn_implementation", None) != self.implementation:
             self.model.set_attn_implementation(self.implementation)
 
     def new_cache(self) -> Any:
-        from transformers import DynamicCache, StaticCache
 
         if self.kind == "dynamic":
             return DynamicCache(config=self.model.config)

@@ -60,7 +60,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def hf_config(name: str) -> Any:
     """The transformers config of architecture preset ``name``."""
-    import transformers
+    import transformers  # deferred: transformers is an optional extra (the presets' other uses need none)
 
     if name not in ARCHITECTURES:
         raise ValueError(f"architecture {name!r} unknown; presets: {', '.join(ARCHITECTURES)}")

@@ -36,7 +36,7 @@ SUPPORTED_MODEL_TYPES = tuple(_DECODERS)
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``config.json`` and every safetensors tensor of a checkpoint directory (loaded on CPU)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # deferred: safetensors comes with the transformers extra
 
     root = Path(path)
     if not root.is_dir():

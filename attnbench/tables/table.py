@@ -20,9 +20,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
-from attnbench.core.device import DeviceProfile
+from attnbench.core.device import DeviceProfile, triton_version
 from attnbench.core.version import __version__
 from attnbench.tables.files import locked as _locked
 from attnbench.tables.files import write_atomically as _write_atomically
@@ -52,9 +53,6 @@ _VERSION_KEYS = ("torch", "triton", "python", "cuda", "driver")
 
 def versions() -> dict[str, str]:
     """The versions a table row records: attnbench's, torch's and Triton's."""
-    import torch  # deferred: reading a table (select()) does not need torch
-
-    from attnbench.core.device import triton_version
 
     return {"attnbench": __version__, "torch": str(torch.__version__), "triton": str(triton_version())}
 

@@ -3,8 +3,9 @@ with an ``__init__.py`` (an editable install imports a folder the list forgets; 
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,5 +25,7 @@ def test_every_package_folder_is_listed() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     in_tree = _tree_packages()
     assert "attnbench.tables" in in_tree  # the check sees the folders it guards
-    assert in_tree - listed == set(), f"packages missing from pyproject's packages list: {sorted(in_tree - listed)}"
+    assert in_tree - listed == set(), (
+        f"packages missing from pyproject's packages list: {sorted(in_tree - listed)}"
+    )
     assert listed - in_tree == set(), f"packages listed but not in the tree: {sorted(listed - in_tree)}"
