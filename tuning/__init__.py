@@ -19,6 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from attnbench.core.registry import code_hash, load_backend_class
+from attnbench.tuning.interleave import Finalist, retime
 from attnbench.tuning.space import (
     BackendRef,
     Excluded,
@@ -26,7 +27,7 @@ from attnbench.tuning.space import (
     backend_refs,
     build_space,
 )
-from attnbench.tuning.summary import summarize
+from attnbench.tuning.summary import candidate_label, summarize
 from attnbench.tuning.worker import Outcome, Worker, WorkerTask, evaluate
 
 if TYPE_CHECKING:  # what __getattr__ below imports on first use, for type checkers
@@ -46,6 +47,7 @@ __all__ = [
     "JOURNAL_NAME",
     "BackendRef",
     "Excluded",
+    "Finalist",
     "KeyResult",
     "Outcome",
     "SearchSpace",
@@ -57,12 +59,14 @@ __all__ = [
     "WorkerTask",
     "backend_refs",
     "build_space",
+    "candidate_label",
     "code_hash",
     "evaluate",
     "load_backend_class",
     "open_storage",
     "plan_studies",
     "repair_journal",
+    "retime",
     "run_study",
     "summarize",
     "tune",

@@ -13,11 +13,13 @@ form, ...) runs through transformers' own modeling code with
 
 from __future__ import annotations
 
+from attnbench.models.architectures import ARCHITECTURES, hf_config
 from attnbench.models.base import Decoder, RopeSpec, UnsupportedModelError
 from attnbench.models.deepseek import DEEPSEEK_FAMILY, DeepseekDecoder
 from attnbench.models.loading import SUPPORTED_MODEL_TYPES, from_transformers, load_model, read_checkpoint
 
 __all__ = [
+    "ARCHITECTURES",
     "DEEPSEEK_FAMILY",
     "SUPPORTED_MODEL_TYPES",
     "Decoder",
@@ -25,6 +27,7 @@ __all__ = [
     "RopeSpec",
     "UnsupportedModelError",
     "from_transformers",
+    "hf_config",
     "load_model",
     "read_checkpoint",
 ]
