@@ -62,8 +62,11 @@ def _torch_threads_restored():  # type: ignore[no-untyped-def]
 @pytest.fixture(autouse=True, scope="session")
 def _private_results_location(tmp_path_factory):
     """Tests never read or write the user's own results location: the per-user default points into a
-    temporary folder (a test that wants another location passes --results or sets the variable)."""
+    temporary folder (a test that wants another location passes --results or sets the variable). The
+    shipped corpus is off (ATTNBENCH_CORPUS=off): whether it holds this machine's kind must not change
+    what a test sees; tests/tables/test_corpus.py switches it on with a corpus of its own."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
         mp.delenv("ATTNBENCH_RESULTS_DIR", raising=False)
+        mp.setenv("ATTNBENCH_CORPUS", "off")
         yield

@@ -107,6 +107,9 @@ class Choice:
     extrapolated: bool = False
     #: the registry the choice was made from (:meth:`build` uses it)
     registry: Registry | None = field(default=None, repr=False, compare=False)
+    #: where the tuned answer came from the shipped corpus (no table of this device here): the device
+    #: it was measured on, in words (:attr:`attnbench.tables.corpus.CorpusEntry.label`); else ""
+    corpus: str = ""
 
     def copy_for(self, workload: Workload, **changes: Any) -> Choice:
         """This choice for ``workload``, with ``changes`` (fields by name): ``dataclasses.replace``
@@ -222,6 +225,7 @@ class Choice:
             "dispatch": self.dispatch,
             "cell": list(self.lookup.cell) if self.lookup else None,
             "extrapolated": self.extrapolated,
+            "corpus": self.corpus or None,
         }
 
     @property
@@ -236,6 +240,8 @@ class Choice:
             f"chosen: {self.backend} ({cfg}) for {self.workload.describe()} [{self.source}]",
             f"  why: {self.reason}",
         ]
+        if self.corpus:
+            lines.append(f"  source: corpus ({self.corpus}; not measured here)")
         if self.engine_setting:
             lines.append(f"  engine setting: {self.engine_setting}")
         lines.append(f"  accuracy: {self._accuracy()}")

@@ -48,6 +48,7 @@ from attnbench.selection.choice import Choice, Rejected
 from attnbench.selection.fitted import calibrated_ranking
 from attnbench.selection.heuristic import HeuristicRanking, rank, runnable_reason
 from attnbench.selection.tuned import Location, entry_choice, file_signature
+from attnbench.tables.corpus import CORPUS_ENV, corpus_enabled, corpus_entry
 from attnbench.tables.dispatch import dispatch_path, map_key
 from attnbench.tables.table import hardware_id, table_path
 
@@ -55,6 +56,7 @@ __all__ = ["Choice", "Rejected", "Selector", "backend_for", "default_selector", 
 
 _PLUGIN_ENV = ("ATTNBENCH_PLUGINS", "ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD")
 _LOCATION_ENV = (RESULTS_ENV, "XDG_DATA_HOME", "HOME")  # what decides the default results location
+_CORPUS_ENV = (CORPUS_ENV,)  # whether the shipped corpus may stand in for this device's table
 #: Workload is a plain frozen dataclass of these fields (its checks rerun only when this changes)
 _FIELDS = ["shape", "context_lens", "dtype", "device"]
 _PLAIN_WORKLOAD = [f.name for f in fields(Workload)] == _FIELDS and "__slots__" not in vars(Workload)
@@ -196,6 +198,8 @@ class Selector:
                 choice.gate = files.templates[gkey]
         if choice is None:
             choice = self._from_entry(files, reg, rkey, workload, mkey, b, c, why_not, allow_lossy, by_name)
+        if choice is not None and location.corpus is not None:
+            choice.corpus = location.corpus.label
         note = ""
         # the measured map wins inside the tuned region; beyond it, the calibrated model
         if index.outside(mkey, b, c, buckets=buckets):
@@ -321,8 +325,10 @@ class Selector:
         where: tuple = (results_dir, table)
         if results_dir is None and table is None:  # the location the environment gives
             where = self._env(_LOCATION_ENV)
-        key = (where, hw)
+        key = (where, hw, self._env(_CORPUS_ENV))
         hit = self._paths.get(key)
+        if hit is not None and hit.local is not None and hit.local.exists():
+            hit = None  # this device has tuned since the corpus stood in: its own table now
         if hit is None:
             if table is not None:
                 path = check_table_file(table)
@@ -331,7 +337,12 @@ class Selector:
                 location = readable_results(results_dir)
                 folder, path = location.path, table_path(location.path, fp)
             cal = calibration_path(folder, fp)
-            hit = self._paths[key] = Location(path, dispatch_path(path), cal, table is not None)
+            entry = None if table is not None or path.exists() or not corpus_enabled() else corpus_entry(hw)
+            if entry is not None:  # no table of this device here: the shipped corpus's (tables.corpus)
+                hit = Location(entry.table, entry.map, cal, False, corpus=entry, local=path)
+            else:
+                hit = Location(path, dispatch_path(path), cal, table is not None)
+            self._paths[key] = hit
         return hit
 
     # -- what the backends say -------------------------------------------------------------------

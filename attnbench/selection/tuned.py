@@ -22,6 +22,7 @@ from attnbench.core.locations import check_table_file
 from attnbench.core.workload import Workload, bucket
 from attnbench.cost.fit import Calibration, CalibrationError
 from attnbench.selection.choice import Choice, Rejected
+from attnbench.tables.corpus import CorpusEntry
 from attnbench.tables.dispatch import DispatchMap, Lookup, load_maps, map_key
 from attnbench.tables.table import CandidateResult, DeviceMismatchError, ResultsTable, TableEntry, TableError
 
@@ -279,6 +280,9 @@ class Location:
     calibration: Path
     explicit: bool  # the table file was named (--table): it must exist
     files: TunedFiles | None = None
+    #: the shipped corpus's entry standing in for this device's table, which ``local`` does not hold yet
+    corpus: CorpusEntry | None = None
+    local: Path | None = None
 
     def load(self, *, fingerprint: dict, hardware_id: str, recheck_s: float = 0.0) -> TunedFiles:
         """What the files hold, read again when one was rewritten: one ``os.stat`` of their folder

@@ -6,7 +6,8 @@
 - :mod:`~attnbench.tables.dispatch` — the dispatch map (a batch × context grid of measured times);
 - :mod:`~attnbench.tables.lookup` — its per-call lookup (what ``select()`` runs);
 - :mod:`~attnbench.tables.margin` — times with confidence intervals and the one margin policy;
-- :mod:`~attnbench.tables.files` — atomic writes under a lock.
+- :mod:`~attnbench.tables.files` — atomic writes under a lock;
+- :mod:`~attnbench.tables.corpus` — the shipped corpus: known devices' tables for a machine not tuned yet.
 
 ``attnbench.tuning`` writes these; ``attnbench.selection`` and ``attnbench.cost`` read them. Nothing here
 imports the autotuner or Optuna.
@@ -14,6 +15,14 @@ imports the autotuner or Optuna.
 
 from __future__ import annotations
 
+from attnbench.tables.corpus import (
+    CORPUS_DIR,
+    CORPUS_ENV,
+    CorpusEntry,
+    corpus_enabled,
+    corpus_entries,
+    corpus_entry,
+)
 from attnbench.tables.dispatch import (
     Basis,
     DispatchMap,
@@ -57,11 +66,14 @@ from attnbench.tables.table_schema import (
 )
 
 __all__ = [
+    "CORPUS_DIR",
+    "CORPUS_ENV",
     "DEFAULT_BACKENDS",
     "SWITCH_MARGIN",
     "Basis",
     "Candidate",
     "CandidateResult",
+    "CorpusEntry",
     "DeviceMismatchError",
     "DispatchMap",
     "GridPoint",
@@ -77,6 +89,9 @@ __all__ = [
     "beats",
     "bootstrap_median",
     "bucket_distance",
+    "corpus_enabled",
+    "corpus_entries",
+    "corpus_entry",
     "decide",
     "dispatch_path",
     "finalists",
