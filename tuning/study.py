@@ -18,6 +18,7 @@ them, so every tuner of a fleet ends with the complete study.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import socket
@@ -34,6 +35,7 @@ from attnbench.core.device import DeviceProfile
 from attnbench.core.registry import code_hash
 from attnbench.core.workload import Workload, workload_to_dict
 from attnbench.tables.key import TuningKey
+from attnbench.tables.margin import SWITCH_MARGIN
 from attnbench.tables.table_schema import Candidate, CandidateResult
 from attnbench.tuning.space import BackendRef, SearchSpace, build_space
 from attnbench.tuning.storage import JOURNAL_NAME, fail_stale, heartbeat, heartbeats_enabled, open_storage
@@ -44,6 +46,8 @@ __all__ = [
     "KeyResult",
     "StudyPlan",
     "TuneOptions",
+    "corpus_plans",
+    "corpus_verdict",
     "open_storage",
     "plan_studies",
     "run_study",
@@ -77,6 +81,9 @@ class TuneOptions:
     clock: str | None = (
         None  # import path of the finalists' re-timing clock (default perf_counter; tests plant one)
     )
+    #: start each key from the shipped corpus's finalists where it has this device's kind (and
+    #: ATTNBENCH_CORPUS is not off); stop there where this machine agrees (attnbench.tables.corpus)
+    corpus: bool = True
 
 
 def _trial_result(t: FrozenTrial) -> CandidateResult:
@@ -94,6 +101,10 @@ class StudyPlan:
     study_name: str
     exhaustive: bool
     target: int  # distinct candidates the study should hold when done
+    #: the shipped corpus's fastest candidates at this key (its winner first; :func:`corpus_plans`),
+    #: measured first: where this machine agrees the study stops there, else it is searched in full
+    corpus_first: tuple[Candidate, ...] = ()
+    corpus_label: str = ""  # the corpus's device in words
 
     def load(self, storage: Any, *, seed: int) -> optuna.Study:
         sampler: optuna.samplers.BaseSampler
@@ -122,6 +133,9 @@ class KeyResult:
     records: list[CandidateResult] = field(default_factory=list)  # in trial order
     ran: int = 0
     interrupted: bool = False
+    #: "agreed" (this machine's fastest of the corpus's finalists is the corpus's winner, within the
+    #: switch margin: the study stopped there), "disagreed" (searched in full), or "" (no corpus entry)
+    corpus: str = ""
 
     @property
     def key(self) -> TuningKey:
@@ -129,7 +143,11 @@ class KeyResult:
 
     @property
     def complete(self) -> bool:
-        return not self.interrupted and len({r.candidate.ident() for r in self.records}) >= min(
+        if self.interrupted:
+            return False
+        if self.corpus == "agreed":
+            return True
+        return len({r.candidate.ident() for r in self.records}) >= min(
             self.plan.target, self.plan.space.size()
         )
 
@@ -234,6 +252,7 @@ def run_study(
 
     enqueued_defaults = False
     duplicates = stalls = 0
+    result.corpus = str(study.user_attrs.get("corpus", "")) if plan.corpus_first else ""
     while True:
         trials = study.get_trials(deepcopy=False)
         done = {_trial_result(t).candidate.ident(): t for t in trials if finished(t)}
@@ -243,8 +262,14 @@ def run_study(
             if t.state == TrialState.RUNNING and "backend" in t.user_attrs
         }
         todo = [c for c in candidates if c.ident() not in done and c.ident() not in busy]
-        if len(done) >= plan.target:
+        if len(done) >= plan.target or result.corpus == "agreed":
             break
+        if plan.corpus_first and not result.corpus:
+            if all(c.ident() in done for c in plan.corpus_first):
+                result.corpus = corpus_verdict(plan.corpus_first, done)
+                study.set_user_attr("corpus", result.corpus)
+                continue
+            todo = [c for c in plan.corpus_first if c in todo] or todo  # the corpus's finalists first
         if not todo:
             if not busy:
                 break
@@ -252,8 +277,10 @@ def run_study(
             time.sleep(max(1.0, options.heartbeat_s / 2))
             _close_abandoned(study, study._storage, timeout_s=options.timeout_s, host=options.host_id)
             continue
-        if plan.exhaustive or duplicates >= _MAX_DUPLICATES:
-            pick = todo[0] if plan.exhaustive else rng.choice(todo)
+        if plan.exhaustive or duplicates >= _MAX_DUPLICATES or (plan.corpus_first and not result.corpus):
+            pick = (
+                todo[0] if plan.exhaustive or (plan.corpus_first and not result.corpus) else rng.choice(todo)
+            )
             study.enqueue_trial(plan.space.params(pick))
             duplicates = 0
         elif not enqueued_defaults:
@@ -307,6 +334,55 @@ def run_study(
             on_trial(plan, _trial_result(study.get_trials(deepcopy=False)[trial.number]), False)
     result.records = _unique([t for t in study.get_trials(deepcopy=False) if _finished(t)])
     return result
+
+
+def corpus_verdict(firsts: Sequence[Candidate], done: dict[str, FrozenTrial]) -> str:
+    """``"agreed"`` where this machine's fastest of the corpus's finalists (measured, gated) is the
+    corpus's winner (``firsts[0]``) or within the switch margin of it; else ``"disagreed"``."""
+    times = {}
+    for c in firsts:
+        t = done[c.ident()]
+        if t.state == TrialState.COMPLETE and t.value is not None:
+            times[c.ident()] = float(t.value)
+    winner = times.get(firsts[0].ident())
+    if winner is None or not times:
+        return "disagreed"  # the corpus's winner failed here (gate, error): search everything
+    return "agreed" if winner <= min(times.values()) * (1 + SWITCH_MARGIN) else "disagreed"
+
+
+def corpus_plans(
+    plans: Sequence[StudyPlan], table: Any, label: str, *, finalists: int = 3
+) -> list[StudyPlan]:
+    """``plans`` with :attr:`StudyPlan.corpus_first` set where the corpus ``table`` (a
+    :class:`~attnbench.tables.ResultsTable` of this device's hardware id) tuned the same key: its winner,
+    then the next fastest up to ``finalists`` in all, then the default, each where this plan's space
+    holds it."""
+    by_key = {
+        (e.model, e.shape_hash, e.dtype, e.batch_bucket, e.context_bucket): e for e in table.typed().values()
+    }
+    out = []
+    for plan in plans:
+        k = plan.key
+        entry = by_key.get((k.model, k.shape_hash, k.dtype, k.batch_bucket, k.context_bucket))
+        if entry is None or entry.winner is None:
+            out.append(plan)
+            continue
+        space = {c.ident(): c for c in plan.space.candidates()}
+        measured = [c for c in entry.candidates if c.step_ms is not None and not c.failed]
+        ranked = [entry.winner, *sorted(measured, key=lambda c: c.step_ms or 0)]
+        firsts: list[Candidate] = []
+        for c in ranked:
+            ident = Candidate(c.backend, c.config).ident()
+            if ident in space and space[ident] not in firsts and len(firsts) < finalists:
+                firsts.append(space[ident])
+        if not firsts or firsts[0].ident() != Candidate(entry.winner.backend, entry.winner.config).ident():
+            out.append(plan)  # the corpus's winner is not in this space: nothing to confirm
+            continue
+        default = plan.space.candidates()[0]
+        if default not in firsts:
+            firsts.append(default)
+        out.append(dataclasses.replace(plan, corpus_first=tuple(firsts), corpus_label=label))
+    return out
 
 
 def _unique(trials: list[FrozenTrial]) -> list[CandidateResult]:

@@ -136,7 +136,7 @@ def summarize(
         "complete": result.complete,
         "study": plan.study_name,
         "trials": len(cands),
-        "search": "grid" if plan.exhaustive else "tpe",
+        "search": _search(result),
         "space_size": plan.space.size(),
         "device_fingerprint_id": profile.id,
         "code_hash": plan.code_hash,
@@ -164,3 +164,14 @@ def summarize(
     if command:
         entry["command"] = command
     return TableEntry.from_dict(entry, where=plan.key.row).as_dict()  # the schema holds for what we write
+
+
+def _search(result: KeyResult) -> str:
+    """How the key was searched: ``grid`` or ``tpe``, or from the shipped corpus's finalists."""
+    plan = result.plan
+    how = "grid" if plan.exhaustive else "tpe"
+    if result.corpus == "agreed":
+        return f"corpus finalists ({len(plan.corpus_first)}): agreed with {plan.corpus_label}"
+    if result.corpus == "disagreed":
+        return f"{how} (the corpus's winner, from {plan.corpus_label}, lost here: searched in full)"
+    return how

@@ -21,6 +21,7 @@ from attnbench.core.device import DeviceProfile, load_profile
 from attnbench.core.locations import ResultsLocation, writable_results
 from attnbench.core.registry import Registry, code_hash
 from attnbench.core.workload import Workload
+from attnbench.tables.corpus import corpus_enabled, corpus_entry
 from attnbench.tables.dispatch import DispatchMap, GridPoint, dispatch_path, save_maps
 from attnbench.tables.margin import SWITCH_MARGIN, finalists
 from attnbench.tables.table import CandidateResult, ResultsTable, TableError, hardware_id, table_path
@@ -33,6 +34,7 @@ from attnbench.tuning.study import (
     KeyResult,
     StudyPlan,
     TuneOptions,
+    corpus_plans,
     open_storage,
     plan_studies,
     run_study,
@@ -120,6 +122,9 @@ def tune(
     everyone = {r.name: r for r in backend_refs(registry, extra=extra_backends)}
     hashes = {name: code_hash([r.cls]) for name, r in everyone.items()}
     plans = plan_studies(workloads, refs, profile=profile, options=options)
+    entry = corpus_entry(hardware_id(profile.fingerprint)) if options.corpus and corpus_enabled() else None
+    if entry is not None:  # a known kind of device: its measured finalists first (attnbench.tables.corpus)
+        plans = corpus_plans(plans, ResultsTable.load(entry.table), entry.label)
     if on_plan is not None:
         on_plan(plans)
     report = TuneReport(

@@ -112,6 +112,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run candidates whose trials failed (e.g. timed out on a busy machine) again",
     )
+    p.add_argument(
+        "--no-corpus",
+        dest="corpus",
+        action="store_false",
+        help="search every key in full even where the shipped corpus has this kind of device (by default "
+        "its measured finalists run first and a key where this machine agrees stops there; see "
+        "docs/tuning.md#the-shipped-corpus; ATTNBENCH_CORPUS=off does the same everywhere)",
+    )
     p.add_argument("--seed", type=int, default=0, help="TPE sampler seed (default 0)")
     p.add_argument(
         "--storage",
@@ -209,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_seconds=args.max_seconds,
         retry_failed=args.retry_failed,
+        corpus=args.corpus,
         num_layers=args.layers,
         heartbeat_s=args.heartbeat,
         **fleet,

@@ -1,0 +1,115 @@
+"""tune with the shipped corpus on a machine of a known kind: the corpus's finalists run first (gated,
+then timed, as every candidate); where this machine agrees with the corpus the key stops there, where it
+disagrees the key is searched in full. Planted backends in a test registry, a planted corpus."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers.tuning_helpers import planted_registry, save_table
+
+from attnbench.backends.naive import NaiveBackend
+from attnbench.core.workload import Workload
+from attnbench.tables import CandidateResult, corpus
+from attnbench.tuning import TuneOptions, backend_refs, plan_studies, summarize, tune
+from attnbench.tuning.study import KeyResult
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WORKLOAD = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32")
+FAST = TuneOptions(timeout_s=20.0, warmup=1, repeats=3)
+
+
+class SlowBackend(NaiveBackend):
+    """Correct, 30 ms slower per layer call (registered first: the default)."""
+
+    name = "corpus_slow"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        time.sleep(0.03)
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+class FastBackend(NaiveBackend):
+    name = "corpus_fast"
+
+
+class SlowerBackend(SlowBackend):
+    name = "corpus_slower"
+
+
+class SlowestBackend(SlowBackend):
+    name = "corpus_slowest"
+
+
+def _registry():  # type: ignore[no-untyped-def]
+    return planted_registry(SlowBackend, FastBackend, SlowerBackend, SlowestBackend)
+
+
+def _corpus(tmp_path, monkeypatch, profile, steps_ms: dict[str, float]):  # type: ignore[no-untyped-def]
+    """A corpus holding this device's table of WORKLOAD with ``steps_ms`` measured (fastest wins)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (plan,) = plan_studies([WORKLOAD], backend_refs(_registry()), profile=profile, options=TuneOptions())
+    records = [CandidateResult(b, {}, step_ms=t, gbps=1.0, pct_of_bandwidth=1.0) for b, t in steps_ms.items()]
+    result = KeyResult(plan, records)
+    save_table(folder, {result.key.row: summarize(result, profile=profile)}, profile=profile)
+    monkeypatch.setattr(corpus, "CORPUS_DIR", folder)
+    monkeypatch.delenv(corpus.CORPUS_ENV, raising=False)
+
+
+def test_where_this_machine_agrees_only_the_corpus_finalists_run(tmp_path, monkeypatch, profile) -> None:
+    _corpus(tmp_path, monkeypatch, profile, {"corpus_fast": 1.0, "corpus_slow": 30.0})
+    report = tune([WORKLOAD], registry=_registry(), results_dir=tmp_path / "r", options=FAST, profile=profile, samples=5)  # fmt: skip
+    (entry,) = report.entries.values()
+    assert entry["winner"]["backend"] == "corpus_fast"
+    assert entry["trials"] == 2 and entry["complete"]  # the corpus's winner and the default, gated and timed
+    assert entry["search"].startswith("corpus finalists (2): agreed with ")
+    assert all(c.get("gate") for c in entry["candidates"])  # each was gated before it was timed
+
+
+def test_where_this_machine_disagrees_the_key_is_searched_in_full(tmp_path, monkeypatch, profile) -> None:
+    _corpus(tmp_path, monkeypatch, profile, {"corpus_slowest": 1.0, "corpus_fast": 2.0, "corpus_slow": 30.0})
+    report = tune([WORKLOAD], registry=_registry(), results_dir=tmp_path / "r", options=FAST, profile=profile, samples=5)  # fmt: skip
+    (entry,) = report.entries.values()
+    assert entry["winner"]["backend"] == "corpus_fast"  # not the corpus's winner: it lost here
+    assert entry["trials"] == 4 and entry["complete"]
+    assert "lost here: searched in full" in entry["search"]
+
+
+def test_no_corpus_searches_everything(tmp_path, monkeypatch, profile) -> None:
+    _corpus(tmp_path, monkeypatch, profile, {"corpus_fast": 1.0, "corpus_slow": 30.0})
+    options = TuneOptions(timeout_s=20.0, warmup=1, repeats=3, corpus=False)
+    report = tune([WORKLOAD], registry=_registry(), results_dir=tmp_path / "r", options=options, profile=profile, samples=5)  # fmt: skip
+    (entry,) = report.entries.values()
+    assert entry["trials"] == 4 and entry["search"] == "grid"
+
+
+class WrongBackend(NaiveBackend):
+    """Off by 0.05 everywhere: a corpus that names it (another machine, another build) must not make it win."""
+
+    name = "corpus_wrong"
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v) + 0.05
+
+
+def test_a_corpus_winner_that_fails_the_gate_here_never_wins(tmp_path, monkeypatch, profile) -> None:
+    reg = planted_registry(SlowBackend, FastBackend, WrongBackend)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (plan,) = plan_studies([WORKLOAD], backend_refs(reg), profile=profile, options=TuneOptions())
+    records = [CandidateResult(b, {}, step_ms=t, gbps=1.0, pct_of_bandwidth=1.0) for b, t in {"corpus_wrong": 0.5, "corpus_slow": 30.0}.items()]  # fmt: skip
+    result = KeyResult(plan, records)
+    save_table(folder, {result.key.row: summarize(result, profile=profile)}, profile=profile)
+    monkeypatch.setattr(corpus, "CORPUS_DIR", folder)
+    monkeypatch.delenv(corpus.CORPUS_ENV, raising=False)
+    report = tune(
+        [WORKLOAD], registry=reg, results_dir=tmp_path / "r", options=FAST, profile=profile, samples=5
+    )
+    (entry,) = report.entries.values()
+    assert entry["winner"]["backend"] == "corpus_fast"
+    wrong = next(c for c in entry["candidates"] if c["backend"] == "corpus_wrong")
+    assert wrong["failed"] == "gate"
+    assert "searched in full" in entry["search"] and entry["trials"] == 3
