@@ -25,7 +25,8 @@ tokenizer, so a word-level one with one word per token id (the id in base 62: an
 decode and encode unchanged) is written beside the config.
 
     python scripts/vllm_serve_bench.py --prompts 16 --input-len 8193 --output-len 64 \\
-        --side-by-side results/engines/side-by-side-16x8k.json --out results/engines/vllm-serve-16x8k-epyc-avx512
+        --side-by-side results/engines/side-by-side-qwen2.5-0.5b-t1-b16-epyc-avx512.json \\
+        --out results/engines/vllm-serve-16x8k-epyc-avx512
 
 Writes ``OUT.json`` and ``OUT.md`` (command, machine, date, load before and after, vLLM's result of every
 run). Run it on a quiet machine (``../shared/tools/when-quiet``) and nothing else beside it.

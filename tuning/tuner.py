@@ -122,9 +122,9 @@ def tune(
     everyone = {r.name: r for r in backend_refs(registry, extra=extra_backends)}
     hashes = {name: code_hash([r.cls]) for name, r in everyone.items()}
     plans = plan_studies(workloads, refs, profile=profile, options=options)
-    entry = corpus_entry(hardware_id(profile.fingerprint)) if options.corpus and corpus_enabled() else None
-    if entry is not None:  # a known kind of device: its measured finalists first (attnbench.tables.corpus)
-        plans = corpus_plans(plans, ResultsTable.load(entry.table), entry.label)
+    known = corpus_entry(hardware_id(profile.fingerprint)) if options.corpus and corpus_enabled() else None
+    if known is not None:  # a known kind of device: its measured finalists first (attnbench.tables.corpus)
+        plans = corpus_plans(plans, ResultsTable.load(known.table), known.label)
     if on_plan is not None:
         on_plan(plans)
     report = TuneReport(

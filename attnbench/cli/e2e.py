@@ -146,9 +146,9 @@ def run(args: argparse.Namespace) -> int:
             parse_path,
             run_paths,
         )
-    except ImportError as err:
+    except ImportError as missing:
         raise ValueError(
-            f"e2e generates with a transformers model and transformers is not importable ({err}): "
+            f"e2e generates with a transformers model and transformers is not importable ({missing}): "
             "pip install 'attnbench[transformers]'"
         ) from None
 

@@ -180,7 +180,7 @@ def test_cli_refuses_bad_input(capsys) -> None:
 def test_cli_a_backend_failing_the_gate_is_reported_not_timed(capsys, monkeypatch) -> None:
     """A candidate that fails the correctness gate is listed with the reason and never timed; the
     command goes on with the other paths (no traceback)."""
-    import attnbench.correctness.gate
+    import attnbench.cli.e2e
     from attnbench.correctness.gate import check as real_check
 
     def wrong(backend, workload, **kw):
@@ -193,7 +193,7 @@ def test_cli_a_backend_failing_the_gate_is_reported_not_timed(capsys, monkeypatc
             )
         )
 
-    monkeypatch.setattr(attnbench.correctness.gate, "check", wrong)
+    monkeypatch.setattr(attnbench.cli.e2e, "check", wrong)  # where e2e's gate calls it
     argv = ["e2e", "--model", "tiny-qwen2", "--prompt", "16", "--new-tokens", "3", "--dtype", "fp32",
             "--threads", "1", "--paths", "sdpa,naive,cpu_decode", "--no-predict", "--json"]  # fmt: skip
     assert main(argv) == 0
