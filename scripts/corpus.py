@@ -22,6 +22,10 @@ from attnbench.tables.dispatch import dispatch_path, load_maps
 
 
 def add(table: Path) -> int:
+    if not table.is_file():
+        raise SystemExit(
+            f"corpus add: {table}: no such file (a tuning-<device>.yaml that attnbench tune wrote)"
+        )
     try:
         loaded = ResultsTable.load(table)
     except TableError as err:

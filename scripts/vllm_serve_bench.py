@@ -238,9 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     row["fill_ratio"] = (
         paths["attnbench"]["fill"]["output_throughput"] / paths["vllm"]["fill"]["output_throughput"]
     )
-    ratio = _side_by_side(args.side_by_side).get((args.prompts, args.input_len - 1)) or _side_by_side(
-        args.side_by_side
-    ).get((args.prompts, args.input_len))
+    ratios = _side_by_side(args.side_by_side)  # the bench's context: the prompt, or the prompt less one
+    ratio = ratios.get((args.prompts, args.input_len - 1)) or ratios.get((args.prompts, args.input_len))
     if ratio:
         s = row["vllm_share"]
         row["side_by_side_ratio"] = ratio

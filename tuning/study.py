@@ -264,12 +264,13 @@ def run_study(
         todo = [c for c in candidates if c.ident() not in done and c.ident() not in busy]
         if len(done) >= plan.target or result.corpus == "agreed":
             break
-        if plan.corpus_first and not result.corpus:
+        confirming = bool(plan.corpus_first) and not result.corpus  # the corpus's finalists run first
+        if confirming:
             if all(c.ident() in done for c in plan.corpus_first):
                 result.corpus = corpus_verdict(plan.corpus_first, done)
                 study.set_user_attr("corpus", result.corpus)
                 continue
-            todo = [c for c in plan.corpus_first if c in todo] or todo  # the corpus's finalists first
+            todo = [c for c in plan.corpus_first if c in todo] or todo
         if not todo:
             if not busy:
                 break
@@ -277,10 +278,8 @@ def run_study(
             time.sleep(max(1.0, options.heartbeat_s / 2))
             _close_abandoned(study, study._storage, timeout_s=options.timeout_s, host=options.host_id)
             continue
-        if plan.exhaustive or duplicates >= _MAX_DUPLICATES or (plan.corpus_first and not result.corpus):
-            pick = (
-                todo[0] if plan.exhaustive or (plan.corpus_first and not result.corpus) else rng.choice(todo)
-            )
+        if plan.exhaustive or confirming or duplicates >= _MAX_DUPLICATES:
+            pick = todo[0] if plan.exhaustive or confirming else rng.choice(todo)
             study.enqueue_trial(plan.space.params(pick))
             duplicates = 0
         elif not enqueued_defaults:

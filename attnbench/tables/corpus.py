@@ -31,9 +31,10 @@ __all__ = ["CORPUS_DIR", "CORPUS_ENV", "CorpusEntry", "corpus_enabled", "corpus_
 
 #: where the shipped entries live (package data)
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
-#: ``off`` (or ``0``, ``no``, ``false``) switches the corpus off
+#: ``off`` (or ``0``, ``no``, ``false``) switches the corpus off; unset, ``on``, ``1``, ``yes``, ``true``: on
 CORPUS_ENV = "ATTNBENCH_CORPUS"
 _OFF = ("0", "off", "no", "false")
+_ON = ("", "1", "on", "yes", "true")
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,16 @@ class CorpusEntry:
 
 
 def corpus_enabled(environ: Any = None) -> bool:
-    return str((environ or os.environ).get(CORPUS_ENV, "")).strip().lower() not in _OFF
+    """Whether ``ATTNBENCH_CORPUS`` lets the corpus answer; ``ValueError`` naming the value otherwise."""
+    value = str((environ if environ is not None else os.environ).get(CORPUS_ENV, "")).strip().lower()
+    if value in _OFF:
+        return False
+    if value in _ON:
+        return True
+    raise ValueError(
+        f"{CORPUS_ENV} = {value!r} is not a setting (accepted: off, 0, no, false to switch the shipped "
+        "corpus off; on, 1, yes, true or unset to use it)"
+    )
 
 
 def corpus_entries(folder: Path | None = None) -> tuple[CorpusEntry, ...]:

@@ -77,3 +77,13 @@ def test_the_shipped_entries_read_as_select_reads_them() -> None:
         assert table.typed() and e.updated and e.fingerprint.get("torch")
         if e.map.exists():
             assert load_maps(e.map, hardware_id=e.hardware_id)
+
+
+def test_a_bad_setting_is_refused_naming_it(planted_corpus, monkeypatch) -> None:
+    results, _ = planted_corpus
+    monkeypatch.setenv(corpus.CORPUS_ENV, "of")
+    with pytest.raises(ValueError, match=r"ATTNBENCH_CORPUS = 'of' is not a setting \(accepted: off"):
+        Selector().select(model="tiny-gqa", batch=1, context=1024, results_dir=results)
+    assert corpus.corpus_enabled({corpus.CORPUS_ENV: "ON"}) and not corpus.corpus_enabled(
+        {corpus.CORPUS_ENV: "0"}
+    )
