@@ -25,7 +25,6 @@ from attnbench.backends.cpu_decode import CpuDecodeBackend
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
 from attnbench.backends.cpu_kernel import load_kernel
 from attnbench.cli.common import command_line, positive_int, run_record, write_report
-from attnbench.core.device import fingerprint
 from attnbench.core.workload import Workload, parse_int_list
 
 MODEL = "llama-3.1-8b"
@@ -99,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
         load_start=load_start,
         started=start,
     ) | {
-        "cpu": fingerprint()["name"],
         "threads": 1,
         "model": MODEL,
         "kernel": str(kernel.path.name),

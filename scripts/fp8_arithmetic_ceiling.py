@@ -31,7 +31,7 @@ from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
 from attnbench.backends.cpu_kernel import load_kernel
 from attnbench.cli.common import command_line, positive_int, run_record, write_report
 from attnbench.core.backend import Backend
-from attnbench.core.device import ReadMeter, fingerprint
+from attnbench.core.device import ReadMeter
 from attnbench.core.workload import Workload, parse_tokens
 from attnbench.cost.gpuspec import matmul_peak
 
@@ -128,7 +128,6 @@ def main() -> int:
         load_start=load_start,
         started=start,
     ) | {
-        "cpu": fingerprint()["name"],
         "threads": 1,
         "model": MODEL,
         "read_bar_gbps": bars,

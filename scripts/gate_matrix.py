@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 from helpers.planted import GATE_SMALL, PLANTED, PLANTED_LATENT, Precise, PreciseLatent
 
 from attnbench.cli.common import command_line, run_record, write_report
-from attnbench.core.device import fingerprint
 from attnbench.core.registry import load_registry
 from attnbench.core.shapes import load_shape
 from attnbench.core.workload import Workload, parse_int_list
@@ -179,7 +178,6 @@ def main() -> int:
                 )
     command = command_line(args, parser=ap, prog="python scripts/gate_matrix.py")
     report = run_record(command=command, load_start=load_start, started=start) | {
-        "cpu": fingerprint()["name"],
         "cells": cells,
     }
     write_report(args.out, report, _markdown(report))

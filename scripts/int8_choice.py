@@ -28,9 +28,7 @@ from pathlib import Path
 import torch
 
 from attnbench.backends.cpu_kernel import find_compiler
-from attnbench.cli.common import command_line, run_record, write_report
-from attnbench.core.device import fingerprint
-from attnbench.core.workload import parse_int_list
+from attnbench.cli.common import command_line, positive_int, positive_int_list, run_record, write_report
 from attnbench.correctness.reference import compare, reference_pair
 
 HKV, G, D = 8, 4, 128
@@ -127,20 +125,20 @@ def throughput() -> dict[str, float] | str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--context", default="1k,4k", help="contexts (multiples of 16), comma-separated")
-    ap.add_argument("--seeds", type=int, default=5, help="fresh random inputs per context")
+    ap.add_argument(
+        "--context",
+        type=positive_int_list,
+        default="1k,4k",
+        help="contexts (multiples of 16), comma-separated",
+    )
+    ap.add_argument("--seeds", type=positive_int, default=5, help="fresh random inputs per context")
     ap.add_argument("--out", default="results/cpu/kernels/int8-choice")
     args = ap.parse_args()
-    try:
-        contexts = parse_int_list(args.context, field="--context")
-    except ValueError as exc:
-        ap.error(str(exc))
-    if args.seeds < 1:
-        ap.error(f"--seeds {args.seeds}: must be ≥ 1")
+    contexts = args.context
     bad = [c for c in contexts if c < 16 or c % 16]
     if bad:
         ap.error(
-            f"--context {args.context!r}: {bad} are not positive multiples of 16 (the 16-key tiles P is held in)"
+            f"--context {','.join(map(str, contexts))}: {bad} are not positive multiples of 16 (the 16-key tiles P is held in)"
         )
     start, load_start = time.time(), os.getloadavg()
     errors = {c: accuracy(c, args.seeds) for c in contexts}
@@ -149,7 +147,7 @@ def main() -> int:
         command=command_line(args, parser=ap, prog="python scripts/int8_choice.py"),
         load_start=load_start,
         started=start,
-    ) | {"cpu": fingerprint()["name"], "error_over_calibration": errors, "ns_per_instruction": tp}
+    ) | {"error_over_calibration": errors, "ns_per_instruction": tp}
     lines = [
         "# int8 with VNNI or fp8 into bf16 dot products: the two facts",
         "",

@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 
 from attnbench.backends.cpu_kernel import find_compiler
-from attnbench.cli.common import command_line, run_record, write_report
-from attnbench.core.device import ReadMeter, fingerprint
-from attnbench.core.workload import parse_int_list
+from attnbench.cli.common import command_line, positive_int, positive_int_list, run_record, write_report
+from attnbench.core.device import ReadMeter
 
 PREFETCH = (0, 64, 256)
 
@@ -104,19 +103,17 @@ def _build(tmp: Path) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--run-kib", default="32,64", help="contiguous run sizes in KiB (one page of one KV head)"
+        "--run-kib",
+        type=positive_int_list,
+        default="32,64",
+        help="contiguous run sizes in KiB (one page of one KV head)",
     )
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each figure is their median")
+    ap.add_argument(
+        "--rounds", type=positive_int, default=3, help="interleaved rounds; each figure is their median"
+    )
     ap.add_argument("--out", default="results/cpu/kernels/paged-read-ceiling")
     args = ap.parse_args()
-    try:
-        runs = parse_int_list(args.run_kib, field="--run-kib")
-    except ValueError as exc:
-        ap.error(str(exc))
-    if args.rounds < 1:
-        ap.error(f"--rounds {args.rounds}: must be ≥ 1")
-    if any(r < 1 for r in runs):
-        ap.error(f"--run-kib {args.run_kib!r}: every run must be ≥ 1 KiB")
+    runs = args.run_kib
     torch.set_num_threads(1)
     start, load_start = time.time(), os.getloadavg()
     meter = ReadMeter("cpu", 512 * 2**20)
@@ -143,7 +140,7 @@ def main() -> int:
         command=command_line(args, parser=ap, prog="python scripts/paged_read_ceiling.py"),
         load_start=load_start,
         started=start,
-    ) | {"cpu": fingerprint()["name"], "threads": 1, "read_bar_gbps": bars, "rows": rows}
+    ) | {"threads": 1, "read_bar_gbps": bars, "rows": rows}
     lines = [
         "# Reading a paged cache at one thread: contiguous runs in a random order, no arithmetic",
         "",

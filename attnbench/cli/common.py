@@ -31,7 +31,7 @@ from attnbench.cli.tables import (  # re-exported: the commands import the table
     render_text,
     truncated_cells,
 )
-from attnbench.core.device import AUTO, resolve_device
+from attnbench.core.device import AUTO, fingerprint, resolve_device
 from attnbench.core.shapes import list_presets, load_shape
 from attnbench.core.workload import Workload, parse_int_list, parse_tokens
 
@@ -204,6 +204,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated whole numbers ≥ 1, ``k`` suffix accepted (``1k,4k``)."""
+    try:
+        values = parse_int_list(text, field="value")
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected whole numbers ≥ 1, comma-separated (k suffix accepted)"
+        )
+    return values
+
+
 def command_line(
     args: argparse.Namespace, *, parser: argparse.ArgumentParser | None = None, prog: str | None = None
 ) -> str:
@@ -228,17 +241,19 @@ def command_line(
         if isinstance(value, bool) and action.nargs == 0:
             parts.append(flag)
         else:
-            parts.append(f"{flag} {shlex.quote(str(value))}")
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            parts.append(f"{flag} {shlex.quote(text)}")
     return " ".join(parts)
 
 
 def run_record(*, command: str, load_start: Sequence[float], started: float | None = None) -> dict[str, Any]:
-    """What every saved result states about its run: the command, the machine, torch, the date, the
+    """What every saved result states about its run: the command, the machine and its CPU's model, torch, the date, the
     load average before and now, and (with ``started``, a ``time.time()``) the seconds it took."""
 
     record: dict[str, Any] = {
         "command": command,
         "machine": f"{platform.node()} — {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "cpu": fingerprint()["name"],
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "load_avg_start": list(load_start),

@@ -38,13 +38,14 @@ from attnbench.cli.common import (
     command_line,
     console,
     emit_json,
+    positive_int_list,
     print_table,
     run_record,
     tokens_to_generate,
 )
 from attnbench.core.registry import load_registry
 from attnbench.core.shapes import load_shape, parse_dtype
-from attnbench.core.workload import Workload, parse_int_list
+from attnbench.core.workload import Workload
 from attnbench.correctness.gate import check
 from attnbench.measure.bench import CheckFailed
 
@@ -61,9 +62,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a checkpoint directory, a config.json (random weights) or an architecture preset with "
         "random weights: qwen2.5-0.5b, tiny-qwen2",
     )
-    p.add_argument("--batch", "-b", default="1", help="batch sizes, comma-separated (default 1)")
     p.add_argument(
-        "--prompt", "-p", default="1k", help="prompt lengths, comma-separated, k suffix (default 1k)"
+        "--batch", "-b", type=positive_int_list, default="1", help="batch sizes, comma-separated (default 1)"
+    )
+    p.add_argument(
+        "--prompt",
+        "-p",
+        type=positive_int_list,
+        default="1k",
+        help="prompt lengths, comma-separated, k suffix (default 1k)",
     )
     p.add_argument("--new-tokens", "-n", default="32", help="tokens generated per sequence (≥ 2; default 32)")
     p.add_argument(
@@ -100,13 +107,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--plot", metavar="PNG", default=None, help="plot ITL against context per path (matplotlib)"
     )
     p.set_defaults(func=run)
-
-
-def _list(text: str, *, field: str) -> list[int]:
-    values = parse_int_list(text, field=field)
-    if not values or min(values) < 1:
-        raise ValueError(f"{field} {text!r}: expected positive integers, comma-separated (k suffix accepted)")
-    return values
 
 
 def default_paths(*, device: str, dtype: torch.dtype) -> list[str]:
@@ -152,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
             "pip install 'attnbench[transformers]'"
         ) from None
 
-    batches = _list(args.batch, field="--batch")
-    prompts = _list(args.prompt, field="--prompt")
+    batches, prompts = args.batch, args.prompt
     new_tokens = tokens_to_generate(args)
     dtype = parse_dtype(args.dtype, field="--dtype")
     if args.plot:  # refused before the runs, not after minutes of them

@@ -9,6 +9,7 @@ import pytest
 import torch
 from rich.table import Table
 
+from attnbench.cli.common import command_line, positive_int_list
 from attnbench.cli.e2e import default_paths, summarise, summary_lines
 from attnbench.cli.gate_options import add_gate_options, gate_options
 from attnbench.cli.select import step_cell
@@ -92,3 +93,15 @@ def test_e2e_default_paths_are_the_stock_paths_then_native_exact_backends() -> N
     paths = default_paths(device="cpu", dtype=torch.float32)
     assert paths[:2] == ["sdpa", "sdpa-static"] and "naive" in paths
     assert "fp8" not in paths and "mla" not in paths  # lossy, latent
+
+
+def test_a_list_option_is_parsed_checked_and_written_back_as_typed() -> None:
+    p = argparse.ArgumentParser(prog="x")
+    p.add_argument("--context", type=positive_int_list, default="1k")
+    args = p.parse_args(["--context", "1k,4k"])
+    assert args.context == [1024, 4096]
+    assert command_line(args, parser=p) == "x --context 1024,4096"
+    assert command_line(p.parse_args([]), parser=p) == "x"  # the default, converted, is left out
+    for bad in ("0", "1,-2", "", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole numbers ≥ 1"):
+            positive_int_list(bad)

@@ -12,14 +12,20 @@ ARGS = ["tune", "--model", "tiny-gqa", "--batch", "1", "--context", "32,64", "--
         "--backends", "naive", "--repeats", "3", "--samples", "3"]  # fmt: skip
 
 
-def test_a_log_gets_a_line_per_study_and_the_profile_its_table(tmp_path: Path) -> None:
+def _tune(results: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``attnbench tune`` with ``ARGS`` and ``flags`` in a child process; it must succeed."""
     proc = subprocess.run(
-        [sys.executable, "-m", "attnbench", *ARGS, "--results", str(tmp_path), "--profile"],
+        [sys.executable, "-m", "attnbench", *ARGS, "--results", str(results), *flags],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_a_log_gets_a_line_per_study_and_the_profile_its_table(tmp_path: Path) -> None:
+    proc = _tune(tmp_path, "--profile")
     lines = proc.stdout.splitlines()
     studies = [x for x in lines if x.startswith(("[1/2] ", "[2/2] "))]
     assert len(studies) == 2, proc.stdout[-3000:]  # a pipe: no bar drawn, a line per study instead
@@ -30,13 +36,7 @@ def test_a_log_gets_a_line_per_study_and_the_profile_its_table(tmp_path: Path) -
 
 
 def test_json_carries_the_time_split(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "attnbench", *ARGS, "--results", str(tmp_path), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _tune(tmp_path, "--json")
     profile = json.loads(proc.stdout)["profile"]
     assert profile["wall_s"] > 0 and sum(profile["phases"].values()) <= profile["wall_s"] + 0.05
     assert profile["by_backend"]["naive"]["gate"] > 0
