@@ -145,8 +145,27 @@ def tune(
     measured: dict[str, tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]] = {}
     task_profile = {k: v for k, v in profile.as_dict().items() if k != "id"}
     sections["planning, storage and the prior table"] = time.monotonic() - started
+
+    def write(result: KeyResult, retimed: PointMeasurement | None) -> None:
+        """Summarise one key (over ``retimed``'s interleaved times, else its study's) into the table."""
+        t0 = time.monotonic()
+        row = result.plan.key.row
+        entry = summarize(
+            result,
+            profile=profile,
+            margin=margin,
+            command=command,
+            retimed=retimed,
+            prior=prior.get(row),
+            code_hashes=hashes,
+        )
+        report.entries[row] = entry
+        report.messages += table.save({row: entry}, profile=profile)
+        sections["tables written"] = sections.get("tables written", 0.0) + time.monotonic() - t0
+
     with Worker(memory_limit_bytes=options.memory_limit_bytes) as worker:
         retimer = _Retimer(worker, options, task_profile, samples)
+        studied: list[tuple[StudyPlan, KeyResult]] = []
         for plan in plans:
             try:
                 with _section(sections, "studies (trials through the worker)"):
@@ -168,36 +187,35 @@ def tune(
                     report.interrupted = True
                     break
                 continue
-            old = prior.get(plan.key.row)
-            retimed = None
-            if samples and not result.interrupted:
-                fins = _finalists(plan, result.records, old, everyone)
-                try:
-                    with _section(sections, "finalists re-timed"):
-                        retimed = retimer(fins, plan.workload, check=False)
-                except KeyboardInterrupt:
-                    report.interrupted = True
-                if retimed is not None:
-                    report.evaluations["retimed"] += retimed.evaluations
-                    measured[plan.key.row] = (plan, retimed, fins)
-            tables_t0 = time.monotonic()
-            entry = summarize(
-                result,
-                profile=profile,
-                margin=margin,
-                command=command,
-                retimed=retimed,
-                prior=old,
-                code_hashes=hashes,
-            )
-            report.entries[plan.key.row] = entry
-            report.messages += table.save({plan.key.row: entry}, profile=profile)
-            sections["tables written"] = sections.get("tables written", 0.0) + time.monotonic() - tables_t0
-            if on_entry is not None:
-                on_entry(plan, entry)
-            if result.interrupted or report.interrupted:
+            write(result, None)  # the study's own entry now: nothing lost if the run stops before re-timing
+            studied.append((plan, result))
+            if result.interrupted:
                 report.interrupted = True
                 break
+        # Every key's finalists re-timed once, with its dispatch-map group's finalists that its study
+        # measured too (gated at this point already), so that the map's coarse points need no second
+        # interleaved run (each point's times still come from one run).
+        finals = {
+            plan.key.row: _finalists(plan, result.records, prior.get(plan.key.row), everyone)
+            for plan, result in studied
+        }
+        for plan, result in studied if samples and not report.interrupted else ():
+            fins, known_failed = _with_group(plan, result, finals, studied)
+            try:
+                with _section(sections, "finalists re-timed"):
+                    retimed = retimer(fins, plan.workload, check=False)
+            except KeyboardInterrupt:
+                report.interrupted = True
+                break
+            retimed.failed = known_failed | retimed.failed
+            report.evaluations["retimed"] += retimed.evaluations
+            measured[plan.key.row] = (plan, retimed, fins)
+            write(result, retimed)
+            if on_entry is not None:
+                on_entry(plan, report.entries[plan.key.row])
+        for plan, _ in studied if on_entry is not None else ():
+            if plan.key.row not in measured:  # not re-timed (no samples, or stopped): its study's entry
+                on_entry(plan, report.entries[plan.key.row])
         if measured and not report.interrupted:
             worker.section = "dispatch-map points"
             try:
@@ -275,6 +293,38 @@ def _finalists(
     return out
 
 
+def _group(plan: StudyPlan) -> tuple[str, str, str]:
+    """The dispatch map a key belongs to: its model, shape and dtype."""
+    return (plan.key.model, plan.key.shape_hash, plan.key.dtype)
+
+
+def _with_group(
+    plan: StudyPlan,
+    result: KeyResult,
+    finals: Mapping[str, dict[str, Finalist]],
+    studied: Sequence[tuple[StudyPlan, KeyResult]],
+) -> tuple[dict[str, Finalist], dict[str, str]]:
+    """``plan``'s finalists and those of the other keys of its dispatch map that ``plan``'s study measured
+    (so gated at this point: no gate again), and the reasons of those its study saw fail here. One not
+    measured here (a TPE search, a key that stopped at the corpus's finalists) is left out: the map
+    re-times that point whole, gate first."""
+    fins = dict(finals[plan.key.row])
+    records = {r.candidate.label(): r for r in result.records}
+    failed: dict[str, str] = {}
+    for other, _ in studied:
+        if other is plan or _group(other) != _group(plan):
+            continue
+        for label, fin in finals[other.key.row].items():
+            r = records.get(label)
+            if label in fins or r is None:
+                continue
+            if r.ok and r.value:
+                fins[label] = fin
+            elif r.failed:
+                failed[label] = f"{r.failed}: {r.reason}" if r.reason else r.failed
+    return fins, failed
+
+
 def _lossy(ref: BackendRef) -> str:
     """What the backend's cache loses (``Backend.lossy``; ``""`` for an exact one)."""
     return getattr(ref.cls, "lossy", "") or ""
@@ -322,7 +372,7 @@ def _maps(
     """One dispatch map per (model, dtype) whose tuned points form a full rectilinear grid."""
     groups: dict[tuple[str, str, str], list[tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]]] = {}
     for plan, got, fins in measured.values():
-        groups.setdefault((plan.key.model, plan.key.shape_hash, plan.key.dtype), []).append((plan, got, fins))
+        groups.setdefault(_group(plan), []).append((plan, got, fins))
     for (model, shape_hash, dtype), items in groups.items():
         batches = sorted({p.key.batch_bucket for p, _, _ in items})
         contexts = sorted({p.key.context_bucket for p, _, _ in items})
