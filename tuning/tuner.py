@@ -213,8 +213,8 @@ def tune(
             write(result, retimed)
             if on_entry is not None:
                 on_entry(plan, report.entries[plan.key.row])
-        for plan, _ in studied if on_entry is not None else ():
-            if plan.key.row not in measured:  # not re-timed (no samples, or stopped): its study's entry
+        for plan, _ in studied:
+            if on_entry is not None and plan.key.row not in measured:  # not re-timed: its study's entry
                 on_entry(plan, report.entries[plan.key.row])
         if measured and not report.interrupted:
             worker.section = "dispatch-map points"
