@@ -1,9 +1,11 @@
 """``cpu_decode`` — the project's own paged decode-attention kernel for CPUs (C, AVX-512 or AVX2, OpenMP).
 
-The kernel is the C source tree ``csrc/`` beside this file, compiled at first use with the system C
-compiler and called through :mod:`ctypes` with the tensors' ``data_ptr()``: no torch C++ headers, a
-build of seconds, cached per source, compiler and flags (:mod:`attnbench.backends.cpu_kernel`, which
-also holds the ``amx-emulated`` build the tests run the AMX items on, and the AddressSanitizer builds).
+The kernel is the C source tree ``csrc/`` beside this file (this backend's items in
+``csrc/decode_paged.h``, its writer in ``csrc/writers.h``), compiled at first use with the system C
+compiler and called through :mod:`ctypes` with the tensors' ``data_ptr()`` in an argument struct: no
+torch C++ headers, a build of seconds, cached per source, compiler and flags
+(:mod:`attnbench.backends.cpu_kernel`, which lists the tree, defines the structs and also holds the
+``amx-emulated`` build the tests run the AMX items on, and the AddressSanitizer builds).
 
 The cache (P = 2 for bf16, else 1)::
 
@@ -49,6 +51,7 @@ torch SDPA's flash kernel (:func:`attnbench.core.prefill.prefill_attention`), it
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -62,8 +65,11 @@ from attnbench.backends.cpu_kernel import (
     ISA_NAMES,
     MAX_SPLITS,
     SOURCE_DIR,
+    AttendArgs,
     Kernel,
+    WriteArgs,
     kernel_failed,
+    kernel_isa,
     load_kernel,
 )
 from attnbench.core.backend import Backend, KVCache, StepPlan, Tunable, base_plan
@@ -101,7 +107,7 @@ class CpuDecodeCache(KVCache):
 
     @property
     def isa_code(self) -> int:
-        """The variant's code in ``cpu_decode.c`` (the kernel's ``isa`` argument)."""
+        """The variant's code (a key of ``ISA_NAMES``; the fp8 sibling's may be ``FP8_SHIFT_CODE``)."""
         return ISA_CODES[self.isa]
 
     def __init__(
@@ -130,14 +136,16 @@ class CpuDecodeCache(KVCache):
         self.positions32 = torch.zeros(self.batch, dtype=torch.int32)
         self.num_new32 = torch.zeros(self.batch, dtype=torch.int32)
         self.seq_lens32 = torch.zeros(self.batch, dtype=torch.int32)
-        # the kernel's kc and vc: the layer's first K tile and its first V tile (16 · D elements on)
-        self.layer_ptrs: list[tuple[int, ...]] = [
-            (self.pages[i].data_ptr(), self.pages[i, 0, 0, 0, 1].data_ptr()) for i in range(self.num_layers)
+        # the kernel's k_cache and v_cache: the layer's first K tile and its first V tile (16 · D elements
+        # on), as fields of its argument structs (AttendArgs, WriteArgs)
+        self.layer_ptrs: list[dict[str, int]] = [
+            {"k_cache": self.pages[i].data_ptr(), "v_cache": self.pages[i, 0, 0, 0, 1].data_ptr()}
+            for i in range(self.num_layers)
         ]
 
-    def writer_args(self) -> tuple[int, ...]:
-        """The kernel writer's last arguments: the tile's pair and the element size."""
-        return self.pair, self.dtype.itemsize
+    def writer_args(self) -> dict[str, int]:
+        """The writer's fields of this cache form (``WriteArgs``): the tile's pair and the element size."""
+        return {"pair": self.pair, "elem_size": self.dtype.itemsize}
 
     def nbytes(self) -> int:
         return self.pages.nbytes + self.block_table.nbytes
@@ -203,7 +211,7 @@ class CpuDecodeBackend(Backend):
     head_dim_note: ClassVar[str] = ""
     implementation_note: ClassVar[str] = ""
     cache_dtype_phrase: ClassVar[str] = "the cache holds"
-    #: the kernel's writer and attention for this cache (their arguments: ``_write``, ``decode``)
+    #: the kernel's writer and attention for this cache (their structs: ``_write``, ``decode``)
     kernel_functions: ClassVar[tuple[str, str]] = ("cpu_decode_write", "cpu_decode_attend")
 
     # -- what it can do --------------------------------------------------------------------------
@@ -344,11 +352,22 @@ class CpuDecodeBackend(Backend):
         g = cache.geometry
         kernel = load_kernel(self.kernel_build)
         assert not isinstance(kernel, str) and plan.positions32 is not None and plan.num_new32 is not None
-        rc = getattr(kernel.lib, self.kernel_functions[0])(
-            *cache.layer_ptrs[layer], k.data_ptr(), v.data_ptr(), cache.block_table.data_ptr(),
-            plan.positions32.data_ptr(), plan.num_new32.data_ptr(), cache.batch, k.shape[1], g.num_kv_heads,
-            g.qk_head_dim, cache.page_size, cache.pages_per_seq, *cache.writer_args(),
-        )  # fmt: skip
+        args = WriteArgs(
+            **cache.layer_ptrs[layer],
+            k=k.data_ptr(),
+            v=v.data_ptr(),
+            block_table=cache.block_table.data_ptr(),
+            positions=plan.positions32.data_ptr(),
+            num_new=plan.num_new32.data_ptr(),
+            num_seqs=cache.batch,
+            max_new=k.shape[1],
+            num_kv_heads=g.num_kv_heads,
+            head_dim=g.qk_head_dim,
+            page_size=cache.page_size,
+            max_pages=cache.pages_per_seq,
+            **cache.writer_args(),
+        )
+        rc = getattr(kernel.lib, self.kernel_functions[0])(ctypes.byref(args))
         if rc != 0:
             self._refused_write(rc, layer)
 
@@ -375,12 +394,29 @@ class CpuDecodeBackend(Backend):
         kernel = load_kernel(self.kernel_build)
         assert not isinstance(kernel, str) and plan.seq_lens32 is not None
         g = cache.geometry
-        rc = getattr(kernel.lib, self.kernel_functions[1])(
-            q.data_ptr(), *cache.layer_ptrs[layer], cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(),
-            out.data_ptr(), cache.workspace.data_ptr(), cache.batch, g.num_q_heads, g.num_kv_heads, g.qk_head_dim,
-            cache.page_size, cache.pages_per_seq, plan.splits, DTYPE_CODES[cache.dtype], cache.isa_code,
-            plan.threads, cache.prefetch, g.scale,
-        )  # fmt: skip
+        isa, fp8_convert = kernel_isa(cache.isa_code)
+        args = AttendArgs(
+            q=q.data_ptr(),
+            **cache.layer_ptrs[layer],
+            block_table=cache.block_table.data_ptr(),
+            seq_lens=plan.seq_lens32.data_ptr(),
+            out=out.data_ptr(),
+            workspace=cache.workspace.data_ptr(),
+            num_seqs=cache.batch,
+            num_q_heads=g.num_q_heads,
+            num_kv_heads=g.num_kv_heads,
+            head_dim=g.qk_head_dim,
+            page_size=cache.page_size,
+            max_pages=cache.pages_per_seq,
+            splits=plan.splits,
+            dtype=DTYPE_CODES[cache.dtype],
+            isa=isa,
+            fp8_convert=fp8_convert,
+            threads=plan.threads,
+            prefetch=cache.prefetch,
+            scale=g.scale,
+        )
+        rc = getattr(kernel.lib, self.kernel_functions[1])(ctypes.byref(args))
         if rc != 0:
             raise kernel_failed(self.name, rc)
         return out

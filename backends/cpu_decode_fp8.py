@@ -1,10 +1,11 @@
 """``cpu_decode_fp8`` — ``cpu_decode`` over an fp8 (e4m3) K/V cache: half the bytes per step (lossy).
 
-The same kernel file as :mod:`attnbench.backends.cpu_decode` (``cpu_decode.c``), with one byte per K/V
-value and a float32 scale per token and KV head — the values the ``fp8`` backend stores
-(``scale = amax(|row|) / 448``, ``row / scale`` rounded to nearest-even into ``float8_e4m3fn``; the
-kernel's writer quantises in C and a test checks it byte for byte against
-:func:`attnbench.kernels.fp8_cache.quantize`), so the gate's stored-K/V reference applies unchanged:
+The same kernel as :mod:`attnbench.backends.cpu_decode` (its fp8 items in ``csrc/decode_fp8.h``, its
+writer in ``csrc/writers.h``), with one byte per K/V value and a float32 scale per token and KV head —
+the values the ``fp8`` backend stores (``scale = amax(|row|) / 448``, ``row / scale`` rounded to
+nearest-even into ``float8_e4m3fn``; the kernel's writer quantises in C and a test checks it byte for
+byte against :func:`attnbench.kernels.fp8_cache.quantize`), so the gate's stored-K/V reference applies
+unchanged:
 
     pages:    [L, pages, Hkv, page_size / 16, 2, 16 · D]  uint8   # the bf16 tile order (K [D/2, 16, 2],
                                                                   # V [8, D, 2]); each 64-byte block's
@@ -52,6 +53,7 @@ from attnbench.backends.cpu_kernel import (
     FP8_SHIFT_CODE,
     ISA_NAMES,
     Kernel,
+    kernel_isa,
     load_kernel,
     with_variants,
 )
@@ -116,8 +118,8 @@ def measured_variant(kernel: Kernel) -> MeasuredVariant | None:
 
 
 def fp8_phys(n: int) -> torch.Tensor:
-    """Byte position of logical element ``L`` (bf16 tile order) for ``L < n``: ``cpu_decode.c``'s fp8_phys
-    (the two 32-value rows of each 64-byte block interleaved byte by byte)."""
+    """Byte position of logical element ``L`` (bf16 tile order) for ``L < n``: the kernel's fp8_phys
+    (``csrc/common.h``: the two 32-value rows of each 64-byte block interleaved byte by byte)."""
     L = torch.arange(n)
     return (L & ~63) | ((L & 31) << 1) | ((L >> 5) & 1)
 
@@ -161,23 +163,24 @@ class CpuDecodeFp8Cache(CpuDecodeCache):
         shape = (self.num_layers, self.num_pages, self.geometry.num_kv_heads, self.page_size)
         self.k_scales = empty_huge(shape, torch.float32).zero_()
         self.v_scales = empty_huge(shape, torch.float32).zero_()
-        # the fp8 kernel's pointers: kc, vc, then the layer's K and V scales
+        # the fp8 kernel's pointers: k_cache, v_cache and the layer's K and V scales
         self.layer_ptrs = [
-            (*ptrs, self.k_scales[i].data_ptr(), self.v_scales[i].data_ptr())
+            {**ptrs, "k_scales": self.k_scales[i].data_ptr(), "v_scales": self.v_scales[i].data_ptr()}
             for i, ptrs in enumerate(self.layer_ptrs)
         ]
 
     @property
     def isa_code(self) -> int:
-        """``c-avx512bf16`` with ``convert = "shift"`` is its own code in the kernel; else the variant's."""
+        """``c-avx512bf16`` with ``convert = "shift"`` is ``FP8_SHIFT_CODE`` (``kernel_isa`` makes it the
+        kernel's ``isa`` and ``fp8_convert``); else the variant's."""
         if self.isa == "c-avx512bf16" and self.convert == "shift":
             return FP8_SHIFT_CODE
         return super().isa_code
 
-    def writer_args(self) -> tuple[int, ...]:
-        """The fp8 writer's last arguments: the compute dtype's code (it quantises in C) and the variant's
-        (c-scalar quantises in plain C, every other fp8 variant in AVX-512; the bytes are the same)."""
-        return (DTYPE_CODES[self.dtype], self.isa_code)
+    def writer_args(self) -> dict[str, int]:
+        """The fp8 writer's fields: the compute dtype's code (it quantises in C) and the variant's (c-scalar
+        quantises in plain C, every other fp8 variant in AVX-512; the bytes are the same)."""
+        return {"dtype": DTYPE_CODES[self.dtype], "isa": kernel_isa(self.isa_code)[0]}
 
     def bytes_per_token(self) -> int:
         g = self.geometry

@@ -1,4 +1,4 @@
-"""``cpu_decode_mla`` — the MLA latent form (DeepSeek-V2/V3, Kimi) in ``cpu_decode``'s kernel file.
+"""``cpu_decode_mla`` — the MLA latent form (DeepSeek-V2/V3, Kimi) in ``cpu_decode``'s C kernel.
 
 The cache is the ``mla`` backend's :class:`attnbench.backends.mla.LatentCache` as it is: per token and
 layer one row ``[c | k_pe]`` of ``kv_lora_rank + qk_rope_head_dim`` values (576 for DeepSeek-V3), the
@@ -29,6 +29,9 @@ runs on the CPU's matrix units, or its bf16 dot-product instruction where it has
 - ``c-scalar`` (plain C, any dtype, fp32 arithmetic) where those do not apply (``force_isa``; the
   tests run it on every CPU).
 
+The three items are in the kernel's ``csrc/decode_latent.h``, called through ``cpu_decode_attend_latent``
+with the attention argument struct (:class:`attnbench.backends.cpu_kernel.AttendArgs`).
+
 Which call may allocate: ``create_cache`` (pages, workspace, step buffers); ``plan`` (host work);
 ``decode`` allocates only its output. Prefill is the base class's (causal attention on the latent
 rows, then one write).
@@ -36,6 +39,7 @@ rows, then one write).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -48,6 +52,7 @@ from attnbench.backends.cpu_kernel import (
     ISA_CODES,
     ISA_NAMES,
     MAX_SPLITS,
+    AttendArgs,
     kernel_failed,
     load_kernel,
     with_variants,
@@ -225,12 +230,26 @@ class CpuDecodeMLABackend(Backend):
         out = torch.empty(q.shape[0], g.num_q_heads, g.v_head_dim, dtype=q.dtype)
         kernel = load_kernel(self.kernel_build)
         assert not isinstance(kernel, str) and plan.seq_lens32 is not None
-        rc = kernel.lib.cpu_decode_attend_latent(
-            q.data_ptr(), cache.k_pages[layer].data_ptr(), cache.block_table.data_ptr(), plan.seq_lens32.data_ptr(),
-            out.data_ptr(), cache.workspace.data_ptr(), cache.batch, g.num_q_heads, g.qk_head_dim, g.v_head_dim,
-            cache.page_size, cache.pages_per_seq, plan.splits, DTYPE_CODES[cache.dtype], ISA_CODES[cache.isa],
-            plan.threads, g.scale,
-        )  # fmt: skip
+        args = AttendArgs(
+            q=q.data_ptr(),
+            k_cache=cache.k_pages[layer].data_ptr(),
+            block_table=cache.block_table.data_ptr(),
+            seq_lens=plan.seq_lens32.data_ptr(),
+            out=out.data_ptr(),
+            workspace=cache.workspace.data_ptr(),
+            num_seqs=cache.batch,
+            num_q_heads=g.num_q_heads,
+            head_dim=g.qk_head_dim,
+            v_head_dim=g.v_head_dim,
+            page_size=cache.page_size,
+            max_pages=cache.pages_per_seq,
+            splits=plan.splits,
+            dtype=DTYPE_CODES[cache.dtype],
+            isa=ISA_CODES[cache.isa],
+            threads=plan.threads,
+            scale=g.scale,
+        )
+        rc = kernel.lib.cpu_decode_attend_latent(ctypes.byref(args))
         if rc != 0:
             raise kernel_failed(self.name, rc)
         return out

@@ -1,11 +1,24 @@
 """The compiled ``cpu_decode`` kernel: its source tree, its builds, the compile cache and its ctypes interface.
 
 The kernel is the C source tree ``csrc/`` beside this file, shared by the ``cpu_decode``,
-``cpu_decode_fp8`` and ``cpu_decode_mla`` backends. :func:`load_kernel` compiles it at first use with
-the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a per-user cache
-(``attnbench.core.device.cache_dir() / "cpu_decode"``, one file per hash of the tree, the compiler's
-version and the flags, renamed into place atomically so parallel processes never see a half-written
-library) and declares the entry points' argument types.
+``cpu_decode_fp8`` and ``cpu_decode_mla`` backends: ``cpu_decode.c``, the one translation unit the
+build compiles (the entry points, the ISA detection and the dispatch), and the headers it includes —
+``common.h`` (types, enums, the argument structs, scratch memory, scalar conversions),
+``vec_generic.h``, ``isa_avx2.h``, ``isa_avx512.h``, ``isa_amx.h`` (one per instruction set, with
+``amx_emu.h``), ``decode_paged.h``, ``decode_fp8.h``, ``decode_latent.h`` (one per cache form) and
+``writers.h``; ``cpu_decode.c``'s header comment describes every path. :func:`load_kernel` compiles
+it at first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a per-user
+cache (``attnbench.core.device.cache_dir() / "cpu_decode"``, one file per hash of the tree, the
+compiler's version and the flags, renamed into place atomically so parallel processes never see a
+half-written library), declares the entry points' argument types and checks that the C argument
+structs (``cpu_decode_attend_args``, ``cpu_decode_write_args``) have the layout of their ctypes
+Structures here (:class:`AttendArgs`, :class:`WriteArgs`; :func:`check_layout`).
+
+Each entry point takes one pointer to its struct: build it with keyword fields and pass
+``ctypes.byref`` (``lib.cpu_decode_attend(ctypes.byref(AttendArgs(q=..., ...)))``); fields a form does
+not read stay 0 / NULL. The fp8 conversion is a field of its own (``fp8_convert``); on this side the
+code :data:`FP8_SHIFT_CODE` still names "c-avx512bf16 with the shift conversion", and
+:func:`kernel_isa` turns a variant code into the two fields.
 
 Builds (:data:`BUILDS`): ``native``, what every backend loads, and ``amx-emulated``, the same tree with
 the AMX tile operations in plain C (``csrc/amx_emu.h``, which checks every operand the hardware would
@@ -25,6 +38,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -35,22 +49,27 @@ __all__ = [
     "BUILDS",
     "DTYPE_CODES",
     "ERR_NOMEM",
+    "FP8_CONVERT_CODES",
     "FP8_SHIFT_CODE",
     "ISA_CODES",
     "ISA_NAMES",
     "MAX_SPLITS",
     "SOURCE",
     "SOURCE_DIR",
+    "AttendArgs",
     "Kernel",
+    "WriteArgs",
     "build_flags",
     "build_library",
+    "check_layout",
     "find_compiler",
     "kernel_failed",
+    "kernel_isa",
     "load_kernel",
     "with_variants",
 ]
 
-#: the kernel's source tree: ``cpu_decode.c`` and the headers it includes (``amx_emu.h``)
+#: the kernel's source tree: ``cpu_decode.c`` (the translation unit compiled) and the headers it includes
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCE = SOURCE_DIR / "cpu_decode.c"
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
@@ -66,17 +85,149 @@ SANITIZERS = {"address": ("-O1", "-fsanitize=address", "-fno-omit-frame-pointer"
 #: ``ATTNBENCH_CPU_DECODE_SOURCE_DIR``: build from another copy of the tree (scripts/asan-kernel.sh's
 #: planted bugs); unset, ``SOURCE_DIR``
 SOURCE_DIR_ENV = "ATTNBENCH_CPU_DECODE_SOURCE_DIR"
-#: KV splits per sequence the kernel takes (cpu_decode.c's MAX_SPLITS: the workspace is sized for them)
+#: KV splits per sequence the kernel takes (common.h's MAX_SPLITS: the workspace is sized for them)
 MAX_SPLITS = 16
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: the kernel's variants, ordered: a CPU that runs one runs every one before it (cpu_decode_isa())
 ISA_NAMES = {0: "c-scalar", 1: "c-avx2", 2: "c-avx512", 3: "c-avx512bf16", 4: "c-amx"}  # 4: fp8 caches only
 ISA_CODES = {v: k for k, v in ISA_NAMES.items()}
-FP8_SHIFT_CODE = 5  # ISA_FP8_SHIFT: c-avx512bf16 over an fp8 cache with the shift conversion
-#: the entry points' interface version (cpu_decode_abi() in cpu_decode.c)
-ABI = 7
+#: the fp8 conversions of c-avx512bf16 (the attend args' ``fp8_convert``: common.h's CV_LOOKUP, CV_SHIFT)
+FP8_CONVERT_CODES = {"lookup": 0, "shift": 1}
+#: on this side only, a variant code beside ISA_NAMES': c-avx512bf16 over an fp8 cache with the shift
+#: conversion (the kernel takes it as ``isa`` c-avx512bf16 and ``fp8_convert`` shift: :func:`kernel_isa`)
+FP8_SHIFT_CODE = 5
+#: the entry points' interface version (cpu_decode_abi() in cpu_decode.c): 8, the argument structs
+ABI = 8
 #: what the kernel's entry points return when a scratch allocation is refused (ERR_NOMEM)
 ERR_NOMEM = -4
+
+
+def kernel_isa(code: int) -> tuple[int, int]:
+    """The ``isa`` and ``fp8_convert`` fields for the variant code ``code`` (a key of ``ISA_NAMES``, or
+    :data:`FP8_SHIFT_CODE`: c-avx512bf16 with the shift conversion; every other code converts fp8 by
+    lookups, the only conversion its item has)."""
+    if code == FP8_SHIFT_CODE:
+        return ISA_CODES["c-avx512bf16"], FP8_CONVERT_CODES["shift"]
+    return code, FP8_CONVERT_CODES["lookup"]
+
+
+_P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
+
+
+class AttendArgs(ctypes.Structure):
+    """``cpu_decode_attend_args`` (common.h), what ``cpu_decode_attend``, ``cpu_decode_attend_fp8`` and
+    ``cpu_decode_attend_latent`` take: one struct for the three forms (the same arguments but for the fp8
+    scales and the latent value width). The paged form leaves the scales and ``v_head_dim`` unset; the
+    latent form reads ``num_q_heads`` as H, ``head_dim`` as the row Dk, ``v_head_dim`` as Dv and
+    ``k_cache`` as its rows (``v_cache``, the scales, ``num_kv_heads`` and ``prefetch`` unset)."""
+
+    c_name: ClassVar[str] = "cpu_decode_attend_args"
+    _fields_ = (
+        ("q", _P),
+        ("k_cache", _P),
+        ("v_cache", _P),
+        ("k_scales", _P),
+        ("v_scales", _P),
+        ("block_table", _P),
+        ("seq_lens", _P),
+        ("out", _P),
+        ("workspace", _P),
+        ("num_seqs", _I32),
+        ("num_q_heads", _I32),
+        ("num_kv_heads", _I32),
+        ("head_dim", _I32),
+        ("v_head_dim", _I32),
+        ("page_size", _I32),
+        ("max_pages", _I32),
+        ("splits", _I32),
+        ("dtype", _I32),
+        ("isa", _I32),
+        ("fp8_convert", _I32),
+        ("threads", _I32),
+        ("prefetch", _I32),
+        ("scale", _F32),
+    )
+
+
+class WriteArgs(ctypes.Structure):
+    """``cpu_decode_write_args`` (common.h), what ``cpu_decode_write`` and ``cpu_decode_write_fp8`` take:
+    ``k``/``v`` ``[num_seqs, max_new, Hkv, D]``. ``cpu_decode_write`` reads ``pair`` and ``elem_size``,
+    ``cpu_decode_write_fp8`` the scales, ``dtype`` and ``isa`` instead."""
+
+    c_name: ClassVar[str] = "cpu_decode_write_args"
+    _fields_ = (
+        ("k_cache", _P),
+        ("v_cache", _P),
+        ("k_scales", _P),
+        ("v_scales", _P),
+        ("k", _P),
+        ("v", _P),
+        ("block_table", _P),
+        ("positions", _P),
+        ("num_new", _P),
+        ("num_seqs", _I32),
+        ("max_new", _I32),
+        ("num_kv_heads", _I32),
+        ("head_dim", _I32),
+        ("page_size", _I32),
+        ("max_pages", _I32),
+        ("pair", _I32),
+        ("elem_size", _I32),
+        ("dtype", _I32),
+        ("isa", _I32),
+    )
+
+
+#: the argument structs :func:`load_kernel` checks
+ARG_STRUCTS: tuple[type[ctypes.Structure], ...] = (AttendArgs, WriteArgs)
+
+
+def check_layout(
+    lib: ctypes.CDLL, struct_cls: type[ctypes.Structure], c_name: str | None = None
+) -> str | None:
+    """None where the C struct ``c_name`` (default ``struct_cls.c_name``) has the layout of ``struct_cls``:
+    the same fields in the same order, each at the same offset with the same size, and the same
+    ``sizeof`` (``cpu_decode_args_layout``/``cpu_decode_args_field`` report the C side); else what differs
+    first, naming the struct and the field with its C and ctypes offsets (or the two sizes)."""
+    name: str = c_name or str(getattr(struct_cls, "c_name", struct_cls.__name__))
+    key = name.encode()
+    lib.cpu_decode_args_layout.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    lib.cpu_decode_args_layout.restype = ctypes.c_int
+    lib.cpu_decode_args_field.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    lib.cpu_decode_args_field.restype = ctypes.c_char_p
+    count = lib.cpu_decode_args_layout(key, None, 0)
+    if count < 0:
+        return f"the kernel has no argument struct {name}"
+    layout = (ctypes.c_int64 * (1 + 2 * count))()
+    lib.cpu_decode_args_layout(key, layout, len(layout))
+    ours = [(field[0], getattr(struct_cls, field[0])) for field in struct_cls._fields_]
+    for i in range(max(count, len(ours))):
+        c_field = lib.cpu_decode_args_field(key, i).decode() if i < count else None
+        c_off, c_size = (layout[1 + 2 * i], layout[2 + 2 * i]) if i < count else (None, None)
+        if i >= len(ours):
+            return (
+                f"{name}: field {c_field!r} (C offset {c_off}) has no ctypes field in "
+                f"{struct_cls.__name__} (ctypes offset none)"
+            )
+        py_field, desc = ours[i]
+        if c_field is None:
+            return (
+                f"{name}: field {py_field!r} of {struct_cls.__name__} (ctypes offset {desc.offset}) is not "
+                "in the C struct (C offset none)"
+            )
+        if c_field != py_field:
+            return (
+                f"{name}: field {i} is {c_field!r} at C offset {c_off} but {py_field!r} at ctypes offset "
+                f"{desc.offset} in {struct_cls.__name__}"
+            )
+        if c_off != desc.offset or c_size != desc.size:
+            return (
+                f"{name}: field {py_field!r} at C offset {c_off} ({c_size} bytes), ctypes offset "
+                f"{desc.offset} ({desc.size} bytes) in {struct_cls.__name__}"
+            )
+    if layout[0] != ctypes.sizeof(struct_cls):
+        return f"{name}: size {layout[0]} bytes in C, {ctypes.sizeof(struct_cls)} in ctypes ({struct_cls.__name__})"
+    return None
 
 
 def kernel_failed(backend: str, rc: int, what: str = "kernel") -> Exception:
@@ -183,17 +334,20 @@ def load_kernel(build: str = "native") -> Kernel | str:
         return f"cpu_decode kernel unavailable: {exc}"
     if lib.cpu_decode_abi() != ABI:
         return f"cpu_decode kernel at {path} has ABI {lib.cpu_decode_abi()}, expected {ABI}"
-    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.cpu_decode_attend.argtypes = [p] * 7 + [i] * 11 + [f]
-    lib.cpu_decode_attend.restype = i
-    lib.cpu_decode_write.argtypes = [p] * 7 + [i] * 8
-    lib.cpu_decode_write.restype = i
-    lib.cpu_decode_attend_fp8.argtypes = [p] * 9 + [i] * 11 + [f]
-    lib.cpu_decode_attend_fp8.restype = i
-    lib.cpu_decode_write_fp8.argtypes = [p] * 9 + [i] * 7
-    lib.cpu_decode_write_fp8.restype = i
-    lib.cpu_decode_attend_latent.argtypes = [p] * 6 + [i] * 10 + [f]
-    lib.cpu_decode_attend_latent.restype = i
+    for struct_cls in ARG_STRUCTS:
+        mismatch = check_layout(lib, struct_cls)
+        if mismatch is not None:
+            return f"cpu_decode kernel at {path}: argument struct layout differs from ctypes: {mismatch}"
+    i = ctypes.c_int
+    for fn, struct_cls in (
+        (lib.cpu_decode_attend, AttendArgs),
+        (lib.cpu_decode_attend_fp8, AttendArgs),
+        (lib.cpu_decode_attend_latent, AttendArgs),
+        (lib.cpu_decode_write, WriteArgs),
+        (lib.cpu_decode_write_fp8, WriteArgs),
+    ):
+        fn.argtypes = [ctypes.POINTER(struct_cls)]
+        fn.restype = i
     lib.cpu_decode_fail_alloc.argtypes = [i]
     lib.cpu_decode_fail_alloc.restype = i
     assert bool(lib.cpu_decode_amx_emulated()) == (build == "amx-emulated"), f"{path}: not the {build} build"

@@ -54,23 +54,26 @@ trap 'rm -rf "$work"' EXIT
 tests=(tests/backends/test_cpu_decode.py tests/backends/test_cpu_decode_fp8.py
     tests/backends/test_cpu_decode_mla.py tests/backends/test_cpu_decode_scratch.py)
 if [ -n "$plant" ]; then
-    # a copy of the source tree with one line changed: an off-by-one read the tests' shapes reach
+    # a copy of the source tree with one line changed: an off-by-one read the tests' shapes reach, in
+    # the file of the tree that holds that form's items
     cp -r backends/csrc "$work/csrc"
-    python - "$work/csrc/cpu_decode.c" "$plant" <<'PY'
+    python - "$work/csrc" "$plant" <<'PY'
 import sys
-path, plant = sys.argv[1], sys.argv[2]
+from pathlib import Path
+tree, plant = Path(sys.argv[1]), sys.argv[2]
 edits = {
     # the AMX fp8 item's q tile: each head's row read from 64 bytes on (the last head's runs past q)
-    "fp8": ("_tile_loadd(4, (const char *)it->q + k * 64, D * 2);",
+    "fp8": ("decode_fp8.h", "_tile_loadd(4, (const char *)it->q + k * 64, D * 2);",
             "_tile_loadd(4, (const char *)it->q + (k + 1) * 64, D * 2);"),
     # the latent items' Q^T: one head past the sequence's last (the last sequence's runs past q)
-    "latent": ("if (h < H) v = q[(size_t)h * Dk + 2 * r]", "if (h <= H) v = q[(size_t)h * Dk + 2 * r]"),
+    "latent": ("decode_latent.h", "if (h < H) v = q[(size_t)h * Dk + 2 * r]",
+               "if (h <= H) v = q[(size_t)h * Dk + 2 * r]"),
 }
-old, new = edits[plant]
-src = open(path).read()
+name, old, new = edits[plant]
+src = (tree / name).read_text()
 if src.count(old) != 1:
-    sys.exit(f"the plant {plant!r} no longer matches one line of cpu_decode.c: update scripts/asan-kernel.sh")
-open(path, "w").write(src.replace(old, new))
+    sys.exit(f"the plant {plant!r} no longer matches one line of csrc/{name}: update scripts/asan-kernel.sh")
+(tree / name).write_text(src.replace(old, new))
 PY
     export ATTNBENCH_CPU_DECODE_SOURCE_DIR="$work/csrc"
     if [ "$plant" = fp8 ]; then

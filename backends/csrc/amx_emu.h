@@ -1,7 +1,7 @@
-/* amx_emu.h — the AMX tile operations cpu_decode.c uses, in plain C, so that its AMX items run (and are
- * tested) on CPUs without AMX. Included by cpu_decode.c only when built with -DCPU_DECODE_AMX_EMULATE
- * (backends/cpu_decode.py's "amx-emulated" build, which the tests load beside the native one); the
- * native build never sees this file.
+/* amx_emu.h — the AMX tile operations the kernel's AMX items use (decode_fp8.h, decode_latent.h), in
+ * plain C, so that they run (and are tested) on CPUs without AMX. Included by isa_amx.h only when built
+ * with -DCPU_DECODE_AMX_EMULATE (backends/cpu_kernel.py's "amx-emulated" build, which the tests load
+ * beside the native one); the native build never sees this file.
  *
  * Contents: the tile state (8 tiles of up to 16 rows × 64 bytes, one set per thread, as the hardware
  * keeps one per logical CPU) · the configuration (palette 1, _tile_loadconfig / _tile_release) · loads,

@@ -8,6 +8,7 @@ Imported by vLLM's attention registry when :func:`attnbench_vllm.serving.registe
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -32,8 +33,11 @@ from attnbench.backends.cpu_kernel import (
     FP8_SHIFT_CODE,
     ISA_CODES,
     MAX_SPLITS,
+    AttendArgs,
     Kernel,
+    WriteArgs,
     kernel_failed,
+    kernel_isa,
     load_kernel,
 )
 from attnbench.core.registry import load_registry
@@ -42,6 +46,10 @@ from attnbench.core.workload import bucket
 
 #: under vLLM's logger, so the lines appear in vLLM's log with its format and level
 log = logging.getLogger("vllm.plugins.attnbench")
+#: the fp8 cache's variant, c-avx512bf16 with the shift conversion, as the kernel's ``isa`` and
+#: ``fp8_convert`` fields (computed once: the calls below run per layer and step)
+_FP8_ISA, _FP8_CONVERT = kernel_isa(FP8_SHIFT_CODE)
+_BF16 = DTYPE_CODES[torch.bfloat16]
 
 
 def _kernel() -> Kernel:
@@ -559,23 +567,52 @@ def write_slots(
     if writes.rows is not None:
         key, value = key.index_select(0, writes.rows), value.index_select(0, writes.rows)
     kernel = _kernel()
+    kc, vc = _pointers(kv_cache)
     if scales is not None:
         k, v = (t.to(torch.bfloat16).contiguous().view(count, 1, hkv, d) for t in (key, value))
-        rc = kernel.lib.cpu_decode_write_fp8(
-            *_pointers(kv_cache), scales[0].data_ptr(), scales[1].data_ptr(), k.data_ptr(), v.data_ptr(),
-            writes.table.data_ptr(), writes.positions.data_ptr(), writes.ones.data_ptr(), count, 1, hkv, d, ps, 1,
-            DTYPE_CODES[torch.bfloat16], FP8_SHIFT_CODE,
-        )  # fmt: skip
+        args = WriteArgs(
+            k_cache=kc,
+            v_cache=vc,
+            k_scales=scales[0].data_ptr(),
+            v_scales=scales[1].data_ptr(),
+            k=k.data_ptr(),
+            v=v.data_ptr(),
+            block_table=writes.table.data_ptr(),
+            positions=writes.positions.data_ptr(),
+            num_new=writes.ones.data_ptr(),
+            num_seqs=count,
+            max_new=1,
+            num_kv_heads=hkv,
+            head_dim=d,
+            page_size=ps,
+            max_pages=1,
+            dtype=_BF16,
+            isa=_FP8_ISA,
+        )
+        rc = kernel.lib.cpu_decode_write_fp8(ctypes.byref(args))
         if rc != 0:
             raise kernel_failed("cpu_decode_fp8 (vLLM)", rc, "kernel's writer")
         return
     k = key.to(kv_cache.dtype).contiguous().view(count, 1, hkv, d)
     v = value.to(kv_cache.dtype).contiguous().view(count, 1, hkv, d)
-    pair = 2 if kv_cache.dtype == torch.bfloat16 else 1
-    rc = kernel.lib.cpu_decode_write(
-        *_pointers(kv_cache), k.data_ptr(), v.data_ptr(), writes.table.data_ptr(), writes.positions.data_ptr(),
-        writes.ones.data_ptr(), count, 1, hkv, d, ps, 1, pair, kv_cache.element_size(),
-    )  # fmt: skip
+    args = WriteArgs(
+        k_cache=kc,
+        v_cache=vc,
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        block_table=writes.table.data_ptr(),
+        positions=writes.positions.data_ptr(),
+        num_new=writes.ones.data_ptr(),
+        num_seqs=count,
+        max_new=1,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=ps,
+        max_pages=1,
+        pair=2 if kv_cache.dtype == torch.bfloat16 else 1,
+        elem_size=kv_cache.element_size(),
+    )
+    rc = kernel.lib.cpu_decode_write(ctypes.byref(args))
     if rc != 0:
         raise kernel_failed("cpu_decode (vLLM)", rc, "kernel's writer")
 
@@ -610,21 +647,57 @@ def attend(
         q = q.contiguous()
         res = out if plan.all_decode and out.is_contiguous() else torch.empty_like(q)
         kernel = _kernel()
+        kc, vc = _pointers(kv_cache)
         if impl.fp8:
             ks, vs = impl.scales_for(kv_cache)
-            rc = kernel.lib.cpu_decode_attend_fp8(
-                q.data_ptr(), *_pointers(kv_cache), ks.data_ptr(), vs.data_ptr(), plan.decode_block_table.data_ptr(),
-                plan.decode_seq_lens.data_ptr(), res.data_ptr(), plan.workspace.data_ptr(), q.shape[0], hq, hkv, d,
-                kv_cache.shape[2], plan.decode_block_table.shape[1], plan.splits, DTYPE_CODES[q.dtype],
-                FP8_SHIFT_CODE, plan.threads, plan.prefetch, impl.scale,
-            )  # fmt: skip
+            args = AttendArgs(
+                q=q.data_ptr(),
+                k_cache=kc,
+                v_cache=vc,
+                k_scales=ks.data_ptr(),
+                v_scales=vs.data_ptr(),
+                block_table=plan.decode_block_table.data_ptr(),
+                seq_lens=plan.decode_seq_lens.data_ptr(),
+                out=res.data_ptr(),
+                workspace=plan.workspace.data_ptr(),
+                num_seqs=q.shape[0],
+                num_q_heads=hq,
+                num_kv_heads=hkv,
+                head_dim=d,
+                page_size=kv_cache.shape[2],
+                max_pages=plan.decode_block_table.shape[1],
+                splits=plan.splits,
+                dtype=DTYPE_CODES[q.dtype],
+                isa=_FP8_ISA,
+                fp8_convert=_FP8_CONVERT,
+                threads=plan.threads,
+                prefetch=plan.prefetch,
+                scale=impl.scale,
+            )
+            rc = kernel.lib.cpu_decode_attend_fp8(ctypes.byref(args))
         else:
-            rc = kernel.lib.cpu_decode_attend(
-                q.data_ptr(), *_pointers(kv_cache), plan.decode_block_table.data_ptr(),
-                plan.decode_seq_lens.data_ptr(), res.data_ptr(), plan.workspace.data_ptr(), q.shape[0], hq, hkv, d,
-                kv_cache.shape[2], plan.decode_block_table.shape[1], plan.splits, DTYPE_CODES[q.dtype],
-                ISA_CODES[_variant(kernel, q.dtype)], plan.threads, plan.prefetch, impl.scale,
-            )  # fmt: skip
+            args = AttendArgs(
+                q=q.data_ptr(),
+                k_cache=kc,
+                v_cache=vc,
+                block_table=plan.decode_block_table.data_ptr(),
+                seq_lens=plan.decode_seq_lens.data_ptr(),
+                out=res.data_ptr(),
+                workspace=plan.workspace.data_ptr(),
+                num_seqs=q.shape[0],
+                num_q_heads=hq,
+                num_kv_heads=hkv,
+                head_dim=d,
+                page_size=kv_cache.shape[2],
+                max_pages=plan.decode_block_table.shape[1],
+                splits=plan.splits,
+                dtype=DTYPE_CODES[q.dtype],
+                isa=ISA_CODES[_variant(kernel, q.dtype)],
+                threads=plan.threads,
+                prefetch=plan.prefetch,
+                scale=impl.scale,
+            )
+            rc = kernel.lib.cpu_decode_attend(ctypes.byref(args))
         if rc != 0:
             raise kernel_failed("cpu_decode (vLLM)", rc)
         if res is not out:
