@@ -46,6 +46,7 @@ from attnbench.core.device import fingerprint
 from attnbench.core.shapes import load_shape
 from attnbench.core.workload import bucket
 from attnbench.selection.select import Selector
+from attnbench.tables.corpus import CORPUS_ENV, corpus_entry
 from attnbench.tables.dispatch import (
     DispatchMap,
     GridPoint,
@@ -261,11 +262,11 @@ def _answered(row: dict) -> str:
 
 
 @contextlib.contextmanager
-def _plugins(load: bool) -> Iterator[None]:
-    """Built-in backends only unless ``load`` (the variable is restored afterwards)."""
-    name, old = "ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", os.environ.get("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD")
-    if not load:
-        os.environ[name] = "1"
+def _env(name: str, value: str | None) -> Iterator[None]:
+    """``$name`` set to ``value`` (``None``: left as it is) for the block, restored afterwards."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
     try:
         yield
     finally:
@@ -306,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     load_start = os.getloadavg()
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp, _plugins(args.plugins):
+    plugins = _env("ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD", None if args.plugins else "1")  # built-ins only
+    with tempfile.TemporaryDirectory() as tmp, plugins:
         empty, mapped = Path(tmp) / "empty", Path(tmp) / "map"
         empty.mkdir()
         _planted_map(mapped, model=args.model, dtype=args.dtype, device=device)
@@ -319,8 +321,13 @@ def main(argv: list[str] | None = None) -> int:
             "calls": calls,
             "seed": args.seed,
         }
-        rows["heuristic (empty results folder)"] = _measure(empty, **common)
-        rows["dispatch map (planted 5×6 grid, 3 candidates)"] = _measure(mapped, **common)
+        with _env(CORPUS_ENV, "off"):  # these rows measure their own source, not the shipped corpus
+            rows["heuristic (empty results folder)"] = _measure(empty, **common)
+            rows["dispatch map (planted 5×6 grid, 3 candidates)"] = _measure(mapped, **common)
+        known = corpus_entry(hardware_id(fingerprint(device)))
+        if known is not None:  # a kind of machine the project measured: select() before any tune
+            with _env(CORPUS_ENV, "on"):
+                rows[f"shipped corpus (empty results folder; {known.label})"] = _measure(empty, **common)
         held = None
         if args.results:
             folder = Path(args.results)

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from attnbench.tables.dispatch import dispatch_path
+from attnbench.tables.files import load_yaml
 
 __all__ = ["CORPUS_DIR", "CORPUS_ENV", "CorpusEntry", "corpus_enabled", "corpus_entries", "corpus_entry"]
 
@@ -83,7 +82,8 @@ def corpus_entries(folder: Path | None = None) -> tuple[CorpusEntry, ...]:
 def _entries(folder: Path) -> tuple[CorpusEntry, ...]:
     out = []
     for table in sorted(folder.glob("tuning-*.yaml")):
-        data = yaml.safe_load(table.read_text()) or {}
+        head = table.read_text().split("\nentries:", 1)[0]  # the device and meta come first: no entries read
+        data = load_yaml(head) or {}
         device = data.get("device") or {}
         if not device.get("hardware_id"):
             continue  # not a results table: nothing to serve

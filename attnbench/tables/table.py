@@ -25,6 +25,7 @@ import yaml
 
 from attnbench.core.device import DeviceProfile, triton_version
 from attnbench.core.version import __version__
+from attnbench.tables.files import load_yaml
 from attnbench.tables.files import locked as _locked
 from attnbench.tables.files import write_atomically as _write_atomically
 from attnbench.tables.margin import SWITCH_MARGIN
@@ -106,7 +107,7 @@ class ResultsTable:
         if not path.exists():
             return cls(path, {"fingerprint": dict(fingerprint or {})})
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml(path.read_text())
         except OSError as err:
             raise TableReadError(f"cannot read results table {path}: {err.strerror or err}") from None
         except (yaml.YAMLError, UnicodeDecodeError) as err:
