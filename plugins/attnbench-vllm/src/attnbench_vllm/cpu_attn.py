@@ -648,55 +648,38 @@ def attend(
         res = out if plan.all_decode and out.is_contiguous() else torch.empty_like(q)
         kernel = _kernel()
         kc, vc = _pointers(kv_cache)
+        fields = dict(
+            q=q.data_ptr(),
+            k_cache=kc,
+            v_cache=vc,
+            block_table=plan.decode_block_table.data_ptr(),
+            seq_lens=plan.decode_seq_lens.data_ptr(),
+            out=res.data_ptr(),
+            workspace=plan.workspace.data_ptr(),
+            num_seqs=q.shape[0],
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+            page_size=kv_cache.shape[2],
+            max_pages=plan.decode_block_table.shape[1],
+            splits=plan.splits,
+            dtype=DTYPE_CODES[q.dtype],
+            threads=plan.threads,
+            prefetch=plan.prefetch,
+            scale=impl.scale,
+        )
         if impl.fp8:
             ks, vs = impl.scales_for(kv_cache)
             args = AttendArgs(
-                q=q.data_ptr(),
-                k_cache=kc,
-                v_cache=vc,
+                **fields,
                 k_scales=ks.data_ptr(),
                 v_scales=vs.data_ptr(),
-                block_table=plan.decode_block_table.data_ptr(),
-                seq_lens=plan.decode_seq_lens.data_ptr(),
-                out=res.data_ptr(),
-                workspace=plan.workspace.data_ptr(),
-                num_seqs=q.shape[0],
-                num_q_heads=hq,
-                num_kv_heads=hkv,
-                head_dim=d,
-                page_size=kv_cache.shape[2],
-                max_pages=plan.decode_block_table.shape[1],
-                splits=plan.splits,
-                dtype=DTYPE_CODES[q.dtype],
                 isa=_FP8_ISA,
                 fp8_convert=_FP8_CONVERT,
-                threads=plan.threads,
-                prefetch=plan.prefetch,
-                scale=impl.scale,
             )
             rc = kernel.lib.cpu_decode_attend_fp8(ctypes.byref(args))
         else:
-            args = AttendArgs(
-                q=q.data_ptr(),
-                k_cache=kc,
-                v_cache=vc,
-                block_table=plan.decode_block_table.data_ptr(),
-                seq_lens=plan.decode_seq_lens.data_ptr(),
-                out=res.data_ptr(),
-                workspace=plan.workspace.data_ptr(),
-                num_seqs=q.shape[0],
-                num_q_heads=hq,
-                num_kv_heads=hkv,
-                head_dim=d,
-                page_size=kv_cache.shape[2],
-                max_pages=plan.decode_block_table.shape[1],
-                splits=plan.splits,
-                dtype=DTYPE_CODES[q.dtype],
-                isa=ISA_CODES[_variant(kernel, q.dtype)],
-                threads=plan.threads,
-                prefetch=plan.prefetch,
-                scale=impl.scale,
-            )
+            args = AttendArgs(**fields, isa=ISA_CODES[_variant(kernel, q.dtype)])
             rc = kernel.lib.cpu_decode_attend(ctypes.byref(args))
         if rc != 0:
             raise kernel_failed("cpu_decode (vLLM)", rc)
