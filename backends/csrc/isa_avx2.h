@@ -27,19 +27,7 @@
 #define VNAME_EXP exp256
 #define VNAME_LOAD load8
 #define VNAME_ACC acc8
-#include "vec_generic.h"
-#undef VTGT
-#undef VF
-#undef VI
-#undef V
-#undef V_CASTPS_SI
-#undef V_CASTSI_PS
-#undef VH_LOAD
-#undef VEXP_MAX
-#undef VNAME_EXPN
-#undef VNAME_EXP
-#undef VNAME_LOAD
-#undef VNAME_ACC
+#include "vec_generic.h" /* which #undefs its parameters at its end */
 
 /* 8 floats from p kept in a register: compilers otherwise fold the load into every FMA that uses it
  * (a load each), and at two loads a cycle the loads rather than the FMAs would set the pace */

@@ -33,19 +33,7 @@
 #define VNAME_EXP exp512
 #define VNAME_LOAD load16
 #define VNAME_ACC acc16
-#include "vec_generic.h"
-#undef VTGT
-#undef VF
-#undef VI
-#undef V
-#undef V_CASTPS_SI
-#undef V_CASTSI_PS
-#undef VH_LOAD
-#undef VEXP_MAX
-#undef VNAME_EXPN
-#undef VNAME_EXP
-#undef VNAME_LOAD
-#undef VNAME_ACC
+#include "vec_generic.h" /* which #undefs its parameters at its end */
 
 TGT INLINE void prefetch_tile(const char *p, size_t bytes) {
     for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T2);

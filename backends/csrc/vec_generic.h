@@ -10,7 +10,7 @@
  *   VNAME_LOAD  VLANES fp32 or fp16 elements from p + i as fp32 (load8, load16)
  *   VNAME_ACC   o[0 .. VLANES) = o · alpha + x, the accumulator update every p·v ends with (acc8, acc16)
  *
- * The parameters, which the including header defines and undefines after: VTGT (the target attribute),
+ * The parameters, which the including header defines and this file undefines at its end: VTGT (the target attribute),
  * VF and VI (the float and the integer vector), V(op) (the intrinsic op of that width, _mm256_op or
  * _mm512_op), V_CASTPS_SI and V_CASTSI_PS (the casts, whose names carry the width), VH_LOAD(ptr) (the
  * unaligned load of VLANES fp16 values, half a vector), VEXP_MAX, and the four names.
@@ -57,3 +57,17 @@ VTGT INLINE VF VNAME_LOAD(int dt, const void *p, size_t i) {
 
 /* the accumulator update of a p·v: o = o · alpha + x (o unaligned) */
 VTGT INLINE void VNAME_ACC(float *o, VF alpha, VF x) { V(storeu_ps)(o, V(fmadd_ps)(V(loadu_ps)(o), alpha, x)); }
+
+/* the parameters end here, so the next width can define its own */
+#undef VTGT
+#undef VF
+#undef VI
+#undef V
+#undef V_CASTPS_SI
+#undef V_CASTSI_PS
+#undef VH_LOAD
+#undef VEXP_MAX
+#undef VNAME_EXPN
+#undef VNAME_EXP
+#undef VNAME_LOAD
+#undef VNAME_ACC
