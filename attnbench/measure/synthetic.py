@@ -8,8 +8,9 @@ budget — and runs every one of ``num_layers`` decode calls per step, cycling o
 uses cache ``l % layers_materialised``). Each call therefore still reads its cache from DRAM, and a
 step does ``num_layers`` calls, exactly as the real model would.
 
-Every input comes from a generator seeded per purpose (the decode inputs, and each layer cache's fill
-on its own), so :meth:`SyntheticModel.history_for` can rebuild exactly what any decode call saw — the
+Every input comes from a generator seeded per purpose (the decode inputs, the caches' fill: one random
+chunk for all layer caches, each taking its own window of it, shifted and its dims rotated by its
+slot), so :meth:`SyntheticModel.history_for` can rebuild exactly what any decode call saw — the
 timed run is checked against float64 afterwards (:mod:`attnbench.measure.bench`) without keeping a copy of the
 history while it is timed.
 """
@@ -174,13 +175,35 @@ class SyntheticModel:
         lens = list(self.workload.context_lens)
         self._allocate(max(lens) + max(extra_tokens, 1))
         assert self.cache is not None
-        gens = [self._generator("fill", slot) for slot in range(self.layers_materialised)]
+        gen = self._generator("fill")
         for num_new in self._fill_chunks():
             plan = self.backend.plan(self.cache, num_new=num_new)
+            pool = self._fill_pool(max(num_new), generator=gen)
             for slot in range(self.layers_materialised):
-                _, k, v = self._random(max(num_new), q=False, generator=gens[slot])
+                k, v = self._fill_window(pool, slot, max(num_new))
                 self.backend.append(self.cache, plan, layer=slot, k=k, v=v)
             self.cache.commit(plan)
+
+    def _fill_pool(self, tokens: int, *, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """One fill chunk's random K/V for every layer cache at once: ``tokens`` plus one more token per
+        further layer cache (generating each layer's own would cost ``layers_materialised`` times the
+        random numbers, most of a fill's time)."""
+        _, k, v = self._random(tokens + self.layers_materialised - 1, q=False, generator=generator)
+        return k, v
+
+    def _fill_window(
+        self, pool: tuple[torch.Tensor, torch.Tensor], slot: int, tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer cache ``slot``'s K/V of a chunk: the pool's ``tokens`` starting at token ``slot``, each
+        vector's dims rotated by ``slot`` (a copy: a fraction of generating it), so that every key of
+        every layer cache differs from the others' and a backend reading the wrong layer fails the timed
+        step's check. The latent form keeps ``v`` the first columns of its ``k``."""
+        k = pool[0][:, slot : slot + tokens]
+        k = k.roll(slot % k.shape[-1], dims=-1) if slot % k.shape[-1] else k
+        if self.form == "latent":
+            return k, k[..., : pool[1].shape[-1]]
+        v = pool[1][:, slot : slot + tokens]
+        return k, v.roll(slot % v.shape[-1], dims=-1) if slot % v.shape[-1] else v
 
     def _fill_chunks(self) -> list[list[int]]:
         lens = list(self.workload.context_lens)
@@ -211,9 +234,9 @@ class SyntheticModel:
             if self.form == "latent"
             else torch.zeros(self.batch, total, g.num_kv_heads, g.v_head_dim, **kw)
         )
-        gen, done = self._generator("fill", slot), [0] * self.batch
+        gen, done = self._generator("fill"), [0] * self.batch
         for num_new in self._fill_chunks():
-            _, k, v = self._random(max(num_new), q=False, generator=gen)
+            k, v = self._fill_window(self._fill_pool(max(num_new), generator=gen), slot, max(num_new))
             for i, n in enumerate(num_new):
                 hk[i, done[i] : done[i] + n] = k[i, :n]
                 if self.form != "latent":

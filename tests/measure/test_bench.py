@@ -305,3 +305,25 @@ def test_a_measurement_resolves_its_backend_once() -> None:
     m = measure_decode(Counting(), w, warmup=1, repeats=2, num_layers=2)
     assert m.check is not None and m.check.passed and m.timed
     assert len(calls) == 1, f"supports() ran {len(calls)} times for one measurement"
+
+
+class WrongLayerNaive(NaiveBackend):
+    """Correct over the gate's two-layer cache; over more layer caches it reads the next layer's cache
+    (the bug the timed step's check must see: every layer cache holds different data)."""
+
+    name = "wrong_layer"
+
+    def decode(self, cache, plan, *, layer, q, k, v):  # type: ignore[override]
+        if cache.num_layers > 2:
+            layer = (layer + 1) % cache.num_layers
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_backend_reading_another_layers_cache_fails_the_timed_steps_check(dtype, monkeypatch) -> None:
+    monkeypatch.setenv("ATTNBENCH_LLC_BYTES", str(2**30))  # every layer materialised: 6 caches
+    workload = Workload.uniform("tiny-gqa", batch=2, context=96, dtype=dtype)
+    ok = measure_decode(NaiveBackend(), workload, repeats=3, num_layers=6)
+    assert ok.check is not None and ok.check.passed and ok.layers_materialised == 6
+    with pytest.raises(CheckFailed):
+        measure_decode(WrongLayerNaive(), workload, repeats=3, num_layers=6)
