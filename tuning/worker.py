@@ -136,9 +136,14 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
             return failed("unsupported", "; ".join(resolution.reasons))
         profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
         settings: dict[str, Any] = {k: task.get(k) for k in MEASURE_SETTINGS}
+        key = _gate_key(task, config, backend.result_neutral)
+        passed = _PASSED.get(key)
         m = measure_decode(
-            backend, workload, config=config, resolution=resolution, profile=profile, check=True, **settings
-        )
+            backend, workload, config=config, resolution=resolution, profile=profile, check=True,
+            gate=passed[1] if passed else None, **settings,
+        )  # fmt: skip
+        if passed is None and m.check is not None and m.check.passed:
+            _PASSED[key] = (_label(name, config), m.check)
     except CheckFailed as err:
         return failed("nan" if err.check.error.nonfinite else "gate", str(err), err.check.as_dict())
     except Implausible as err:  # faster than the device can read: a measurement bug, never a winner
@@ -152,6 +157,9 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     value = m.step.median_s
     if not math.isfinite(value) or value <= 0:
         return failed("nan", f"step time {value!r} is not a positive number", check)
+    gate = _gate_summary(check)
+    if gate is not None and passed is not None:
+        gate["reused_from"] = passed[0]  # the same bits as this config: the verdict was not drawn again
     result = CandidateResult(
         name,
         config,
@@ -159,11 +167,28 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         gbps=None if math.isnan(m.gbps) else round(m.gbps, 3),
         pct_of_bandwidth=None if m.pct_of_bandwidth is None else round(m.pct_of_bandwidth, 2),
         implementation=m.implementation or None,
-        gate=_gate_summary(check),
+        gate=gate,
         lossy=(check or {}).get("lossy") or None,
         study_interval=_study_interval(m.step).as_dict(),
     )
     return {"ok": True, "value": value, "result": result.as_dict(), "phases": m.phases}
+
+
+#: the gate verdicts this worker drew and passed, by what decides them: the backend, the workload, the
+#: measuring settings and the config without its ``result_neutral`` tunables (a candidate differing
+#: only in those computes the same bits, so its gate would repeat this one's); each value the label of
+#: the config that drew it and the verdict
+_PASSED: dict[str, tuple[str, Any]] = {}
+
+
+def _gate_key(task: dict[str, Any], config: dict[str, Any], neutral: tuple[str, ...]) -> str:
+    settings = {k: task.get(k) for k in MEASURE_SETTINGS}
+    kept = {k: v for k, v in config.items() if k not in neutral}
+    return json.dumps([task["backend_ref"], task["workload"], settings, kept], sort_keys=True, default=str)
+
+
+def _label(name: str, config: dict[str, Any]) -> str:
+    return f"{name}[{','.join(f'{k}={v}' for k, v in sorted(config.items()))}]" if config else name
 
 
 def _study_interval(step: Timing) -> Interval:

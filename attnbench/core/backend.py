@@ -202,6 +202,10 @@ class Backend(ABC):
     kv_form: ClassVar[KVForm] = "expanded"
     plugin_api: ClassVar[int] = PLUGIN_API_VERSION
     lossy: ClassVar[str] = ""
+    #: tunables that change how fast the backend runs and never a bit of what it computes (a prefetch
+    #: distance): ``tune`` gates one config per combination of the others and reuses that verdict for
+    #: the rest, each still timed and its timed step checked (a test must show the outputs equal)
+    result_neutral: ClassVar[tuple[str, ...]] = ()
     #: True when a whole decode step (``decode()`` of every layer, after ``plan()``) can be captured
     #: as a CUDA graph once and replayed for later steps of the same batch and context bucket: the
     #: plan lives in buffers the cache owns and no host integer that changes per step is baked in

@@ -18,7 +18,9 @@ from helpers.cpu_kernel import SPLIT_CONFIGS, ScalarConformance, scalar
 
 import attnbench.backends.cpu_decode as cpu_decode
 from attnbench.backends.cpu_decode import CpuDecodeBackend
+from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
 from attnbench.backends.cpu_kernel import load_kernel
+from attnbench.core.registry import load_registry
 from attnbench.core.shapes import ModelShape
 from attnbench.core.workload import Workload
 from attnbench.correctness.gate import check
@@ -221,3 +223,45 @@ def test_gate_at_llama_geometry() -> None:
     w = Workload.uniform("llama-3.1-8b", batch=1, context=2048, dtype="bf16")
     result = check(CpuDecodeBackend(), w, config={"page_size": 64}, decode_steps=1, num_layers=1)
     assert result.passed and result.retrieval == 1.0, result.summary()
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [
+        (CpuDecodeBackend(), torch.bfloat16),
+        (CpuDecodeBackend(), torch.float32),
+        (CpuDecodeFp8Backend(), torch.bfloat16),
+    ],
+    ids=["bf16", "fp32", "fp8"],
+)
+def test_prefetch_is_result_neutral(backend: CpuDecodeBackend, dtype: torch.dtype) -> None:
+    """``result_neutral = ("prefetch",)`` lets tune reuse one prefetch distance's gate verdict for the
+    others: every distance must give the same bits (ragged lengths, page ends, 1 and 4 KV splits)."""
+    if isinstance(load_kernel(), str):
+        pytest.skip(str(load_kernel()))
+    assert backend.result_neutral == ("prefetch",)
+    (distances,) = [t.choices for t in backend.tunables if t.name == "prefetch"]
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    lens = (301, 17, 64)
+    w = Workload(GQA.shape, lens, dtype, "cpu")
+    cache = backend.create_cache(w, config={"page_size": 32}, num_layers=1, max_seq_len=320)
+    k, v = (torch.randn(3, 301, 2, 64, generator=gen).to(dtype) for _ in range(2))
+    backend.append(cache, backend.plan(cache, num_new=lens), layer=0, k=k, v=v)
+    cache.commit(backend.plan(cache, num_new=(0, 0, 0)))
+    cache.seq_lens = lens
+    q = torch.randn(3, 8, 64, generator=gen).to(dtype)
+    nk = torch.randn(3, 2, 64, generator=gen).to(dtype)
+    for splits in (1, 4):
+        outs = []
+        for distance in distances:
+            cache.prefetch = distance
+            plan = backend.plan(cache, num_new=[1, 1, 1])
+            plan.splits = splits
+            outs.append(backend.decode(cache, plan, layer=0, q=q, k=nk, v=nk))
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), (splits, distances)
+
+
+def test_only_the_backends_tested_for_it_declare_result_neutral_tunables() -> None:
+    """A declaration lets tune skip gates: each built-in one needs a test like the one above."""
+    declared = {e.name: e.cls.result_neutral for e in load_registry() if e.cls.result_neutral}
+    assert declared == {"cpu_decode": ("prefetch",), "cpu_decode_fp8": ("prefetch",)}
