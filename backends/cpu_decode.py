@@ -60,17 +60,16 @@ from typing import Any, ClassVar
 import torch
 
 from attnbench.backends.cpu_kernel import (
-    DTYPE_CODES,
     ISA_CODES,
     ISA_NAMES,
     MAX_SPLITS,
     SOURCE_DIR,
-    AttendArgs,
     Kernel,
     WriteArgs,
     kernel_failed,
     kernel_isa,
     load_kernel,
+    step_args,
 )
 from attnbench.core.backend import Backend, KVCache, StepPlan, Tunable, base_plan
 from attnbench.core.device import empty_huge
@@ -398,26 +397,16 @@ class CpuDecodeBackend(Backend):
         assert not isinstance(kernel, str) and plan.seq_lens32 is not None
         g = cache.geometry
         isa, fp8_convert = kernel_isa(cache.isa_code)
-        args = AttendArgs(
-            q=q.data_ptr(),
+        args = step_args(
+            cache,
+            plan,
+            q,
+            out,
             **cache.layer_ptrs[layer],
-            block_table=cache.block_table.data_ptr(),
-            seq_lens=plan.seq_lens32.data_ptr(),
-            out=out.data_ptr(),
-            workspace=cache.workspace.data_ptr(),
-            num_seqs=cache.batch,
-            num_q_heads=g.num_q_heads,
             num_kv_heads=g.num_kv_heads,
-            head_dim=g.qk_head_dim,
-            page_size=cache.page_size,
-            max_pages=cache.pages_per_seq,
-            splits=plan.splits,
-            dtype=DTYPE_CODES[cache.dtype],
             isa=isa,
             fp8_convert=fp8_convert,
-            threads=plan.threads,
             prefetch=cache.prefetch,
-            scale=g.scale,
         )
         rc = getattr(kernel.lib, self.kernel_functions[1])(ctypes.byref(args))
         if rc != 0:

@@ -48,13 +48,12 @@ import torch
 
 from attnbench.backends.cpu_decode import kv_splits_for
 from attnbench.backends.cpu_kernel import (
-    DTYPE_CODES,
     ISA_CODES,
     ISA_NAMES,
     MAX_SPLITS,
-    AttendArgs,
     kernel_failed,
     load_kernel,
+    step_args,
     with_variants,
 )
 from attnbench.backends.mla import LatentCache
@@ -230,24 +229,14 @@ class CpuDecodeMLABackend(Backend):
         out = torch.empty(q.shape[0], g.num_q_heads, g.v_head_dim, dtype=q.dtype)
         kernel = load_kernel(self.kernel_build)
         assert not isinstance(kernel, str) and plan.seq_lens32 is not None
-        args = AttendArgs(
-            q=q.data_ptr(),
+        args = step_args(
+            cache,
+            plan,
+            q,
+            out,
             k_cache=cache.k_pages[layer].data_ptr(),
-            block_table=cache.block_table.data_ptr(),
-            seq_lens=plan.seq_lens32.data_ptr(),
-            out=out.data_ptr(),
-            workspace=cache.workspace.data_ptr(),
-            num_seqs=cache.batch,
-            num_q_heads=g.num_q_heads,
-            head_dim=g.qk_head_dim,
             v_head_dim=g.v_head_dim,
-            page_size=cache.page_size,
-            max_pages=cache.pages_per_seq,
-            splits=plan.splits,
-            dtype=DTYPE_CODES[cache.dtype],
             isa=ISA_CODES[cache.isa],
-            threads=plan.threads,
-            scale=g.scale,
         )
         rc = kernel.lib.cpu_decode_attend_latent(ctypes.byref(args))
         if rc != 0:

@@ -38,7 +38,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -66,6 +66,7 @@ __all__ = [
     "kernel_failed",
     "kernel_isa",
     "load_kernel",
+    "step_args",
     "with_variants",
 ]
 
@@ -146,6 +147,30 @@ class AttendArgs(ctypes.Structure):
         ("threads", _I32),
         ("prefetch", _I32),
         ("scale", _F32),
+    )
+
+
+def step_args(cache: Any, plan: Any, q: torch.Tensor, out: torch.Tensor, **fields: Any) -> AttendArgs:
+    """An attention call's struct over one of the kernel's paged caches (``cpu_decode``'s or the latent
+    one's): what every form takes from the cache (block table, workspace, sizes, dtype, scale) and the
+    step's plan (lengths, splits, threads), and ``fields``, the form's own (its pages, variant)."""
+    g = cache.geometry
+    return AttendArgs(
+        q=q.data_ptr(),
+        block_table=cache.block_table.data_ptr(),
+        seq_lens=plan.seq_lens32.data_ptr(),
+        out=out.data_ptr(),
+        workspace=cache.workspace.data_ptr(),
+        num_seqs=cache.batch,
+        num_q_heads=g.num_q_heads,
+        head_dim=g.qk_head_dim,
+        page_size=cache.page_size,
+        max_pages=cache.pages_per_seq,
+        splits=plan.splits,
+        dtype=DTYPE_CODES[cache.dtype],
+        threads=plan.threads,
+        scale=g.scale,
+        **fields,
     )
 
 

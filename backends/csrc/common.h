@@ -13,6 +13,7 @@
  *   5. scalar conversions: bf16 and fp16 to and from fp32, load_elem / store_elem, e4m3 to fp32, and the
  *      e4m3 → bf16 byte tables FP8_LO / FP8_HI (filled at load by a constructor)
  *   6. what one work item sees (item_t) and the cache's addressing: tile_offset, fp8_phys, scale_offset
+ *   7. the plain-C items' start: scalar_start
  */
 #ifndef CPU_DECODE_COMMON_H
 #define CPU_DECODE_COMMON_H
@@ -258,6 +259,26 @@ static inline size_t fp8_phys(size_t L) { return (L & ~(size_t)63) | ((L & 31) <
 static inline size_t scale_offset(const item_t *it, int t) {
     int page = it->bt[t / it->ps], slot = t % it->ps;
     return ((size_t)page * it->Hkv + it->h) * it->ps + slot;
+}
+
+/* The plain-C items' start (paged and fp8): the item's G query heads as fp32 in scratch, followed by D
+ * floats of room returned in *tmp, and the running max, sum and accumulator reset; NULL when the
+ * scratch is refused (flagged: the entry point returns ERR_NOMEM). */
+static float *scalar_start(const item_t *it, float **tmp) {
+    const int G = it->G, D = it->D;
+    float *qv = (float *)scratch(sizeof(float) * ((size_t)G + 1) * D);
+    if (!qv) {
+        flag_nomem(it->nomem);
+        return NULL;
+    }
+    *tmp = qv + (size_t)G * D;
+    for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, it->dt);
+    for (int g = 0; g < G; g++) {
+        it->m[g] = -INFINITY;
+        it->l[g] = 0.0f;
+    }
+    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
+    return qv;
 }
 
 #endif

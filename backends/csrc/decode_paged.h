@@ -29,17 +29,8 @@
 static void item_scalar(const item_t *it) {
     const int G = it->G, D = it->D, P = it->P, dt = it->dt;
     float s[TILE];
-    float *qv = (float *)scratch(sizeof(float) * ((size_t)G + 1) * D), *tmp = qv + (size_t)G * D;
-    if (!qv) {
-        flag_nomem(it->nomem);
-        return;
-    }
-    for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, dt);
-    for (int g = 0; g < G; g++) {
-        it->m[g] = -INFINITY;
-        it->l[g] = 0.0f;
-    }
-    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
+    float *tmp, *qv = scalar_start(it, &tmp);
+    if (!qv) return;
     for (int t = it->t0; t < it->t1; t += TILE) {
         int n = it->t1 - t < TILE ? it->t1 - t : TILE;
         size_t base = tile_offset(it, t);
