@@ -568,34 +568,9 @@ def write_slots(
         key, value = key.index_select(0, writes.rows), value.index_select(0, writes.rows)
     kernel = _kernel()
     kc, vc = _pointers(kv_cache)
-    if scales is not None:
-        k, v = (t.to(torch.bfloat16).contiguous().view(count, 1, hkv, d) for t in (key, value))
-        args = WriteArgs(
-            k_cache=kc,
-            v_cache=vc,
-            k_scales=scales[0].data_ptr(),
-            v_scales=scales[1].data_ptr(),
-            k=k.data_ptr(),
-            v=v.data_ptr(),
-            block_table=writes.table.data_ptr(),
-            positions=writes.positions.data_ptr(),
-            num_new=writes.ones.data_ptr(),
-            num_seqs=count,
-            max_new=1,
-            num_kv_heads=hkv,
-            head_dim=d,
-            page_size=ps,
-            max_pages=1,
-            dtype=_BF16,
-            isa=_FP8_ISA,
-        )
-        rc = kernel.lib.cpu_decode_write_fp8(ctypes.byref(args))
-        if rc != 0:
-            raise kernel_failed("cpu_decode_fp8 (vLLM)", rc, "kernel's writer")
-        return
-    k = key.to(kv_cache.dtype).contiguous().view(count, 1, hkv, d)
-    v = value.to(kv_cache.dtype).contiguous().view(count, 1, hkv, d)
-    args = WriteArgs(
+    dtype = torch.bfloat16 if scales is not None else kv_cache.dtype  # what the writer reads k/v as
+    k, v = (t.to(dtype).contiguous().view(count, 1, hkv, d) for t in (key, value))
+    fields = dict(
         k_cache=kc,
         v_cache=vc,
         k=k.data_ptr(),
@@ -609,9 +584,17 @@ def write_slots(
         head_dim=d,
         page_size=ps,
         max_pages=1,
-        pair=2 if kv_cache.dtype == torch.bfloat16 else 1,
-        elem_size=kv_cache.element_size(),
     )
+    if scales is not None:
+        args = WriteArgs(
+            **fields, k_scales=scales[0].data_ptr(), v_scales=scales[1].data_ptr(), dtype=_BF16, isa=_FP8_ISA
+        )
+        rc = kernel.lib.cpu_decode_write_fp8(ctypes.byref(args))
+        if rc != 0:
+            raise kernel_failed("cpu_decode_fp8 (vLLM)", rc, "kernel's writer")
+        return
+    pair = 2 if kv_cache.dtype == torch.bfloat16 else 1
+    args = WriteArgs(**fields, pair=pair, elem_size=kv_cache.element_size())
     rc = kernel.lib.cpu_decode_write(ctypes.byref(args))
     if rc != 0:
         raise kernel_failed("cpu_decode (vLLM)", rc, "kernel's writer")
