@@ -1,7 +1,9 @@
 """Latency of ``attnbench.select()`` as serving code calls it: once per batch, keyword form.
 
 For each source of an answer — the roofline heuristic (an empty results folder), a dispatch map (a
-planted map over a batch × context grid: the lookup's cost does not depend on the times in it), and,
+planted map over a batch × context grid: the lookup's cost does not depend on the times in it), both
+with the shipped corpus switched off (``ATTNBENCH_CORPUS=off``, else it would answer them), the shipped
+corpus's map where it holds this kind of machine (the empty folder with the corpus on), and,
 with ``--results DIR``, whatever that results folder holds (e.g. what ``attnbench tune`` wrote: its map
 has many candidates per point) — a fresh :class:`attnbench.selection.select.Selector` is made, its first call is
 timed (registry, model shape, device fingerprint, table and map read), then ``--calls`` further calls,
