@@ -110,7 +110,12 @@ def build_old(base: str, build: str) -> ctypes.CDLL:
     cc = ck.find_compiler()
     if cc is None:
         sys.exit("no C compiler found (set CC, or install gcc or clang)")
-    sha = _git("rev-parse", f"{base}^{{commit}}").decode().strip()
+    try:
+        sha = _git("rev-parse", "--verify", "--quiet", f"{base}^{{commit}}").decode().strip()
+    except subprocess.CalledProcessError:
+        sys.exit(
+            f"--base {base!r}: not a commit of this repository (accepted: a revision git knows, e.g. 24377cf)"
+        )
     flags = ck.build_flags(build)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(f"{sha} {' '.join(flags)} {version}".encode()).hexdigest()[:16]
