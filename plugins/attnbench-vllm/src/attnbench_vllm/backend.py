@@ -50,11 +50,11 @@ VLLM_BACKEND_NAME = "CPU_ATTN"
 class VllmStepPlan(StepPlan):
     """vLLM's per-step metadata (``CPUAttentionMetadata``), built once and read by every layer."""
 
-    query_start_loc: torch.Tensor | None = None  # [B + 1] int32
-    seq_lens: torch.Tensor | None = None  # [B] int32, lengths once the step's tokens are in
-    slot_mapping: torch.Tensor | None = None  # [total new tokens] int64: block · block_size + offset
-    token_index: torch.Tensor | None = None  # [total new tokens] int64 rows of the padded [B · T] input
-    scheduler_metadata: torch.Tensor | None = None  # vLLM's opaque work split (int8)
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, lengths once the step's tokens are in
+    slot_mapping: torch.Tensor  # [total new tokens] int64: block · block_size + offset
+    token_index: torch.Tensor  # [total new tokens] int64 rows of the padded [B · T] input
+    scheduler_metadata: torch.Tensor  # vLLM's opaque work split (int8)
 
 
 class VllmKVCache(KVCache):
@@ -237,18 +237,15 @@ class VllmCpuBackend(Backend):
         positions = torch.cat(pos)
         slot_mapping = cache.block_table[seq, positions // bs].long() * bs + positions % bs
         seq_lens = base.device_lens.to(torch.int32)
-        metadata = isa_mod.vllm_ops().cpu_attn_get_scheduler_metadata(
-            num_reqs=cache.batch,
+        metadata = isa_mod.scheduler_plan(
             num_heads=g.num_q_heads,
             num_kv_heads=g.num_kv_heads,
             head_dim=g.qk_head_dim,
             seq_lens=seq_lens,
-            dtype=cache.dtype,
             query_start_loc=query_start_loc,
-            causal=True,
-            sliding_window_size=-1,
+            dtype=cache.dtype,
             isa=cache.isa,
-            enable_kv_split=bool(cache.config["kv_split"]),
+            kv_split=bool(cache.config["kv_split"]),
             kv_cache_dtype=cache.kv_cache_dtype,
         )
         return base.extend(
@@ -279,21 +276,16 @@ class VllmCpuBackend(Backend):
         """``q [tokens, Hq, D]`` (packed) → ``[tokens, Hq, D]``, causal over each sequence's cache."""
         key_cache, value_cache = cache.halves[layer]
         out = torch.empty_like(q)
-        isa_mod.vllm_ops().cpu_attention_with_kv_cache(
-            query=q,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=out,
+        isa_mod.causal_attention(
+            q,
+            key_cache,
+            value_cache,
+            out,
             query_start_loc=plan.query_start_loc,
             seq_lens=plan.seq_lens,
             scale=cache.geometry.scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
             block_table=cache.block_table,
-            softcap=0.0,
-            scheduler_metadata=plan.scheduler_metadata,
-            s_aux=None,
+            plan=plan.scheduler_metadata,
             kv_cache_dtype=cache.kv_cache_dtype,
         )
         return out

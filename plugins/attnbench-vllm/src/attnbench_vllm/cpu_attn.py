@@ -43,6 +43,7 @@ from attnbench.backends.cpu_kernel import (
 from attnbench.core.registry import load_registry
 from attnbench.core.shapes import ModelShape
 from attnbench.core.workload import bucket
+from attnbench_vllm.isa import causal_attention, scheduler_plan
 
 #: under vLLM's logger, so the lines appear in vLLM's log with its format and level
 log = logging.getLogger("vllm.plugins.attnbench")
@@ -210,18 +211,15 @@ def _prefill_plan(
         scratch=torch.zeros(
             first_block, shape.num_kv_heads, block_size, 2 * shape.head_size, dtype=shape.dtype
         ),
-        scheduler_metadata=vllm_ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(reqs),
+        scheduler_metadata=scheduler_plan(
             num_heads=shape.num_heads,
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_size,
             seq_lens=seq_lens,
-            dtype=shape.dtype,
             query_start_loc=query_start_loc,
-            causal=True,
-            sliding_window_size=-1,
+            dtype=shape.dtype,
             isa=shape.isa,
-            enable_kv_split=vllm_envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_split=vllm_envs.VLLM_CPU_ATTN_SPLIT_KV,
         ),
     )
 
@@ -696,21 +694,16 @@ def prefill_chunks(
         k.to(pf.scratch.dtype), v.to(pf.scratch.dtype), key_cache, value_cache, pf.chunk_slots, pf.isa
     )
     res = out[first : first + count] if pf.contiguous else torch.empty_like(q)
-    vllm_ops.cpu_attention_with_kv_cache(
-        query=q,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        output=res,
+    causal_attention(
+        q,
+        key_cache,
+        value_cache,
+        res,
         query_start_loc=pf.query_start_loc,
         seq_lens=pf.seq_lens,
         scale=impl.scale,
-        causal=True,
-        alibi_slopes=None,
-        sliding_window=-1,
         block_table=pf.block_table,
-        softcap=0.0,
-        scheduler_metadata=pf.scheduler_metadata,
-        s_aux=None,
+        plan=pf.scheduler_metadata,
     )
     if not pf.contiguous:
         out.index_copy_(0, pf.rows, res)

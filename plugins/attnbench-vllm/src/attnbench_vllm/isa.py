@@ -15,6 +15,10 @@ for the block sizes offered here (all multiples of 32): ``vec16`` when ``head_di
 16 but not of 32, else ``amx`` for bf16 on an AMX CPU (whose tile data the OS grants the process),
 else ``vec``. The rule is restated rather than
 imported because importing that module loads vLLM's model executor (and torchvision with it).
+
+:func:`scheduler_plan` and :func:`causal_attention` are the two kernel calls every attention here
+makes (the backend's steps, the serving plugin's prefill): causal, with no sliding window, ALiBi,
+softcap or sinks.
 """
 
 from __future__ import annotations
@@ -36,6 +40,70 @@ def vllm_ops() -> Any:
     from vllm import _custom_ops
 
     return _custom_ops
+
+
+def scheduler_plan(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    dtype: torch.dtype,
+    isa: str,
+    kv_split: bool,
+    kv_cache_dtype: str = "auto",
+) -> torch.Tensor:
+    """vLLM's split of one causal step's work over threads (``cpu_attn_get_scheduler_metadata``), for
+    one request per entry of ``seq_lens``; ``kv_split`` also splits long sequences over threads."""
+    return vllm_ops().cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=query_start_loc,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=kv_split,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+
+
+def causal_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_table: torch.Tensor,
+    plan: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """``output`` ← each request's queries attending causally over its blocks of the cache
+    (``cpu_attention_with_kv_cache``, with ``plan`` from :func:`scheduler_plan`)."""
+    vllm_ops().cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=output,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=block_table,
+        softcap=0.0,
+        scheduler_metadata=plan,
+        s_aux=None,
+        kv_cache_dtype=kv_cache_dtype,
+    )
 
 
 @functools.cache
@@ -97,18 +165,15 @@ def fp8_kernel_error(isa: str, head_dim: int, dtype: torch.dtype) -> str | None:
     head size and refuses at planning time, so this is asked before a cache is made.
     """
     try:
-        vllm_ops().cpu_attn_get_scheduler_metadata(
-            num_reqs=1,
+        scheduler_plan(
             num_heads=2,
             num_kv_heads=1,
             head_dim=head_dim,
             seq_lens=torch.tensor([16], dtype=torch.int32),
-            dtype=dtype,
             query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-            causal=True,
-            sliding_window_size=-1,
+            dtype=dtype,
             isa=isa,
-            enable_kv_split=False,
+            kv_split=False,
             kv_cache_dtype="fp8_e4m3",
         )
     except RuntimeError as err:
