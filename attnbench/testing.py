@@ -35,7 +35,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -103,6 +103,37 @@ def replay_hint(seed: int, case: str) -> str:
     return f"seed {seed} (replay: ATTNBENCH_SEED={seed} pytest -k {case!r})"
 
 
+class _Run(NamedTuple):
+    workload: Workload
+    config: dict[str, Any]  # the config the backend resolved
+    generator: torch.Generator  # the run's random inputs, seeded
+    where: str  # the backend, case, dtype, config and replay hint, for the assertion messages
+
+
+def _start(
+    backend: Backend,
+    case: ConformanceCase,
+    lens: tuple[int, ...],
+    *,
+    dtype: str | torch.dtype,
+    config: Mapping[str, Any] | None,
+    device: str,
+    seed: int | None,
+) -> _Run:
+    """``case`` with prompts of ``lens`` tokens, resolved by ``backend`` and seeded (``seed``, else a fresh
+    one); raises ``ValueError`` with the backend's reasons where it does not support the case."""
+    seed = gate_seed(seed)
+    workload = Workload(case.shape, lens, parse_dtype(dtype), device)
+    resolution = backend.resolve(workload, config)
+    if resolution.reasons:
+        raise ValueError(
+            f"backend {backend.name!r} does not support case {case.id}: {'; '.join(resolution.reasons)}"
+        )
+    cfg = dict(resolution.config)
+    where = f"backend {backend.name!r} case {case.id} {dtype} config {cfg} {replay_hint(seed, case.id)}"
+    return _Run(workload, cfg, torch.Generator().manual_seed(seed), where)
+
+
 def run_case(
     backend: Backend,
     case: ConformanceCase,
@@ -117,14 +148,9 @@ def run_case(
     Raises ``AssertionError`` naming the step, layer and error numbers on any mismatch. Returns the
     worst errors seen (for reporting).
     """
-    seed = gate_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    workload = Workload(case.shape, case.prompt_lens, parse_dtype(dtype), device)
-    resolution = backend.resolve(workload, config)
-    if resolution.reasons:
-        why = "; ".join(resolution.reasons)
-        raise ValueError(f"backend {backend.name!r} does not support case {case.id}: {why}")
-    cfg = dict(resolution.config)
+    workload, cfg, gen, where = _start(
+        backend, case, case.prompt_lens, dtype=dtype, config=config, device=device, seed=seed
+    )
     form = backend.kv_form
     geom = workload.geometry(form)
     tol = backend.tolerance(workload.dtype)
@@ -132,7 +158,6 @@ def run_case(
     cache = backend.create_cache(
         workload, config=cfg, num_layers=layers, max_seq_len=max(case.prompt_lens) + case.decode_steps
     )
-    where = f"backend {backend.name!r} case {case.id} {dtype} config {cfg} {replay_hint(seed, case.id)}"
     worst: dict[str, Any] = {"prefill_rel_l2": 0.0, "decode_rel_l2": 0.0}
 
     plan = backend.plan(cache, num_new=case.prompt_lens)
@@ -213,23 +238,16 @@ def run_prefill_turns(
     rows. Raises ``AssertionError`` naming the turn, the layer and the numbers. Returns the worst
     errors and the bounds.
     """
-    seed = gate_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
     first = tuple(max(1, n // 2) for n in case.prompt_lens)
     second = tuple(max(1, n - f) for n, f in zip(case.prompt_lens, first, strict=True))
     total = tuple(a + b for a, b in zip(first, second, strict=True))
-    workload = Workload(case.shape, total, parse_dtype(dtype), device)
-    resolution = backend.resolve(workload, config)
-    if resolution.reasons:
-        raise ValueError(
-            f"backend {backend.name!r} does not support case {case.id}: {'; '.join(resolution.reasons)}"
-        )
-    cfg = dict(resolution.config)
+    workload, cfg, gen, where = _start(
+        backend, case, total, dtype=dtype, config=config, device=device, seed=seed
+    )
     if budget_bytes is not None:
         backend.prefill_budget_bytes = budget_bytes  # an instance attribute: this backend object only
     form, geom, layers = backend.kv_form, workload.geometry(backend.kv_form), 2
     cache = backend.create_cache(workload, config=cfg, num_layers=layers, max_seq_len=max(total) + 1)
-    where = f"backend {backend.name!r} case {case.id} {dtype} config {cfg} {replay_hint(seed, case.id)}"
     judge = Judge(
         backend=backend,
         config=cfg,
