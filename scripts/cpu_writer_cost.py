@@ -24,7 +24,7 @@ import torch
 from attnbench.backends.cpu_decode import CpuDecodeBackend
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
 from attnbench.backends.cpu_kernel import load_kernel
-from attnbench.cli.common import command_line, positive_int, run_record, write_report
+from attnbench.cli.common import command_line, positive_int, run_line, run_record, write_report
 from attnbench.core.workload import Workload, parse_int_list
 
 MODEL = "llama-3.1-8b"
@@ -106,9 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# The cpu_decode writers' cost per call and per new token (one layer, one thread)",
         "",
-        f"`{report['command']}` — {report['machine']}, CPU: {report['cpu']}, torch {report['torch']}, "
-        f"{report['date']}, load average {report['load_avg_start'][0]:.2f} → {report['load_avg_end'][0]:.2f}; "
-        f"{MODEL}'s K/V (8 KV heads × 128), one new token per sequence, the write as decode() calls it; "
+        run_line(report)
+        + f"; {MODEL}'s K/V (8 KV heads × 128), one new token per sequence, the write as decode() calls it; "
         f"{args.rounds} interleaved rounds of {args.calls} calls.",
         "",
         "| cache | "

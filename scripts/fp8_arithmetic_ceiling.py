@@ -29,7 +29,7 @@ import torch
 from attnbench.backends.cpu_decode import CpuDecodeBackend
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
 from attnbench.backends.cpu_kernel import load_kernel
-from attnbench.cli.common import command_line, positive_int, run_record, write_report
+from attnbench.cli.common import command_line, positive_int, run_line, run_record, write_report
 from attnbench.core.backend import Backend
 from attnbench.core.device import ReadMeter
 from attnbench.core.workload import Workload, parse_tokens
@@ -137,9 +137,8 @@ def main() -> int:
     lines = [
         "# cpu_decode's arithmetic per token with the cache nearly free to read (one thread)",
         "",
-        f"`{report['command']}` — {report['machine']}, CPU: {report['cpu']}, torch {report['torch']}, "
-        f"{report['date']}, load average {report['load_avg_start'][0]:.2f} → {report['load_avg_end'][0]:.2f}; "
-        f"{MODEL}'s attention, batch 1, one layer; the slope between {lo} and {hi} tokens of caches that "
+        run_line(report)
+        + f"; {MODEL}'s attention, batch 1, one layer; the slope between {lo} and {hi} tokens of caches that "
         f"stay in the caches; {args.rounds} interleaved rounds of {args.calls} calls.",
         "",
         f"The read bar (`ReadMeter`, before each round and after the last): median {bar / 1e9:.1f} GB/s "

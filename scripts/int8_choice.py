@@ -28,7 +28,14 @@ from pathlib import Path
 import torch
 
 from attnbench.backends.cpu_kernel import find_compiler
-from attnbench.cli.common import command_line, positive_int, positive_int_list, run_record, write_report
+from attnbench.cli.common import (
+    command_line,
+    positive_int,
+    positive_int_list,
+    run_line,
+    run_record,
+    write_report,
+)
 from attnbench.correctness.reference import compare, reference_pair
 
 HKV, G, D = 8, 4, 128
@@ -151,8 +158,7 @@ def main() -> int:
     lines = [
         "# int8 with VNNI or fp8 into bf16 dot products: the two facts",
         "",
-        f"`{report['command']}` — {report['machine']}, CPU: {report['cpu']}, torch {report['torch']}, "
-        f"{report['date']}, load average {report['load_avg_start'][0]:.2f} → {report['load_avg_end'][0]:.2f}.",
+        run_line(report) + ".",
         "",
         f"**Accuracy** against the gate's stored-K/V reference (int8 K/V, Llama-3.1-8B heads, {args.seeds} fresh "
         "seeds per context): worst rel_l2 error as a multiple of the calibration error. The gate allows 2 "

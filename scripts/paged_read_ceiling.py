@@ -26,7 +26,14 @@ from pathlib import Path
 import torch
 
 from attnbench.backends.cpu_kernel import find_compiler
-from attnbench.cli.common import command_line, positive_int, positive_int_list, run_record, write_report
+from attnbench.cli.common import (
+    command_line,
+    positive_int,
+    positive_int_list,
+    run_line,
+    run_record,
+    write_report,
+)
 from attnbench.core.device import ReadMeter
 
 PREFETCH = (0, 64, 256)
@@ -144,9 +151,7 @@ def main() -> int:
     lines = [
         "# Reading a paged cache at one thread: contiguous runs in a random order, no arithmetic",
         "",
-        f"`{report['command']}` — {report['machine']}, CPU: {report['cpu']}, torch {report['torch']}, "
-        f"{report['date']}, load average {report['load_avg_start'][0]:.2f} → {report['load_avg_end'][0]:.2f}; "
-        f"1 thread; median of {args.rounds} interleaved rounds.",
+        run_line(report) + f"; 1 thread; median of {args.rounds} interleaved rounds.",
         "",
         f"The bar (`ReadMeter`, a torch sum over 512 MiB in 2 MiB pages, before each round and after the "
         f"last): median {bar:.1f} GB/s ({', '.join(f'{b:.1f}' for b in bars)}).",

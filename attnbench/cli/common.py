@@ -52,6 +52,7 @@ __all__ = [
     "print_table",
     "progress_bar",
     "render_text",
+    "run_line",
     "run_options",
     "run_record",
     "sigterm_as_interrupt",
@@ -262,6 +263,15 @@ def run_record(*, command: str, load_start: Sequence[float], started: float | No
     if started is not None:
         record["seconds"] = round(time.time() - started, 1)
     return record
+
+
+def run_line(record: Mapping[str, Any]) -> str:
+    """A :func:`run_record` as a saved result's markdown states it, left for the caller to go on or
+    end: ``"`command` — machine, CPU: cpu, torch version, date, load average start → end"``."""
+    return (
+        f"`{record['command']}` — {record['machine']}, CPU: {record['cpu']}, torch {record['torch']}, "
+        f"{record['date']}, load average {record['load_avg_start'][0]:.2f} → {record['load_avg_end'][0]:.2f}"
+    )
 
 
 def write_report(out: str | Path, report: Mapping[str, Any], markdown: str, *, indent: int = 1) -> None:
