@@ -201,6 +201,9 @@ class CpuDecodeBackend(Backend):
     #: how far ahead the kernel prefetches changes no bit of its output (tested): tune gates one
     #: prefetch distance of each config and reuses the verdict for the others
     result_neutral: ClassVar[tuple[str, ...]] = ("prefetch",)
+    #: the pages depend on the page size only (the fp8 sibling's per-token scales too): tune fills one
+    #: cache per page size and times the KV splits and prefetch distances on it (reconfigure_cache)
+    cache_neutral: ClassVar[tuple[str, ...]] = ("kv_splits", "prefetch")
     #: run this variant instead of the best the CPU has (tests use "c-scalar"); None: the best
     force_isa: ClassVar[str | None] = None
     #: the build of the kernel this backend loads (a key of ``BUILDS``; tests use "amx-emulated")
@@ -318,6 +321,13 @@ class CpuDecodeBackend(Backend):
             prefetch=int(cfg["prefetch"]),
             **self.cache_fields(workload, cfg, num_layers, max_seq_len),
         )
+
+    def reconfigure_cache(self, cache: KVCache, config: Mapping[str, Any]) -> None:
+        """The KV splits and prefetch distance of ``config`` for the next steps on ``cache``."""
+        assert isinstance(cache, CpuDecodeCache)
+        cfg = self.resolve_config(config)
+        cache.kv_splits, cache.prefetch = cfg["kv_splits"], int(cfg["prefetch"])
+        cache.config = dict(cfg)
 
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> CpuDecodePlan:
         assert isinstance(cache, CpuDecodeCache)

@@ -206,6 +206,12 @@ class Backend(ABC):
     #: distance): ``tune`` gates one config per combination of the others and reuses that verdict for
     #: the rest, each still timed and its timed step checked (a test must show the outputs equal)
     result_neutral: ClassVar[tuple[str, ...]] = ()
+    #: tunables a cache's layout and contents never depend on (how the kernel walks it: KV splits, a
+    #: prefetch distance): ``tune`` fills one cache per combination of the others and times a config
+    #: that differs only in these on it, rewound to its fill and handed the config by
+    #: :meth:`reconfigure_cache`. Declaring them promises that the cache's state is its ``seq_lens``
+    #: and what was written at each position (writing a position again overwrites it)
+    cache_neutral: ClassVar[tuple[str, ...]] = ()
     #: True when a whole decode step (``decode()`` of every layer, after ``plan()``) can be captured
     #: as a CUDA graph once and replayed for later steps of the same batch and context bucket: the
     #: plan lives in buffers the cache owns and no host integer that changes per step is baked in
@@ -373,6 +379,13 @@ class Backend(ABC):
         g = workload.geometry(self.kv_form)
         return dict(
             workload=workload, geometry=g, config=config, num_layers=num_layers, max_seq_len=max_seq_len
+        )
+
+    def reconfigure_cache(self, cache: KVCache, config: Mapping[str, Any]) -> None:
+        """Make ``cache``, made for a config that differs from ``config`` only in :attr:`cache_neutral`
+        tunables, run ``config`` (a backend that declares ``cache_neutral`` implements it)."""
+        raise NotImplementedError(
+            f"backend {self.name!r} declares cache_neutral {self.cache_neutral} but no reconfigure_cache()"
         )
 
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> StepPlan:

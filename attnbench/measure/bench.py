@@ -76,6 +76,7 @@ __all__ = [
     "CheckFailed",
     "DecodeMeasurement",
     "Implausible",
+    "ModelShelf",
     "check_workload",
     "measure_decode",
     "plausibility",
@@ -175,6 +176,7 @@ def measure_decode(
     resolution: Resolution | None = None,
     timing: str | None = None,
     gate: CheckResult | None = None,
+    shelf: ModelShelf | None = None,
 ) -> DecodeMeasurement:
     """Check ``backend`` on ``workload``, then time its decode step through the synthetic model.
 
@@ -197,6 +199,8 @@ def measure_decode(
         gate: with ``check``, the gate's verdict for a config that computes the same bits (one that
             differs only in the backend's ``result_neutral`` tunables) instead of running the gate; the
             timed step is checked as always.
+        shelf: keeps the filled model of a backend that declares ``cache_neutral`` tunables after the
+            run, and runs a later call that differs only in those on it, rewound (see :class:`ModelShelf`).
 
     Raises:
         ValueError: the backend cannot run the workload (the message lists why).
@@ -208,6 +212,9 @@ def measure_decode(
     layers = num_layers or workload.shape.num_layers
     base = _identity(backend, workload, resolution, layers)
     multiple = error_multiple_for(backend, workload.dtype, cfg, error_multiple)
+    # the shelf's model first: one for another key is freed before the gate allocates its own caches
+    key = ModelShelf.key(backend, workload, cfg, layers, materialise_bytes, warmup, repeats)
+    shelved = shelf.take(key, backend, cfg, resolution) if shelf is not None else None
     result, gate_s = gate, 0.0  # a verdict reused: the gate passed a config that computes the same bits
     if check and gate is None:
         result, gate_s = _gate_first(
@@ -216,14 +223,16 @@ def measure_decode(
     if resolution.interpreted:  # checked, never timed
         return _untimed(base, workload.kv_bytes_per_step(backend.kv_form), check=result, gate_s=gate_s)
     made = time.perf_counter()
-    model = SyntheticModel(
-        backend,
-        workload,
-        config=cfg,
-        num_layers=layers,
-        materialise_bytes=materialise_bytes,
-        resolution=resolution,
-    )
+    model = shelved
+    if model is None:
+        model = SyntheticModel(
+            backend,
+            workload,
+            config=cfg,
+            num_layers=layers,
+            materialise_bytes=materialise_bytes,
+            resolution=resolution,
+        )
     made = time.perf_counter() - made
     run = _timed_run(
         model,
@@ -232,6 +241,8 @@ def measure_decode(
         repeats=repeats,
         max_seconds=max_seconds,
         multiple=multiple if check else None,
+        keep=shelf.put if shelf is not None and backend.cache_neutral else None,
+        key=key,
     )
     flops = decode_cost(workload, form=backend.kv_form, num_layers=layers).flops if peak_flops else 0.0
     m = run.measurement(
@@ -239,6 +250,78 @@ def measure_decode(
     )
     m.phases = {"gate": gate_s} | run.phases | {"cache": made + run.phases.get("cache", 0.0)}
     return m
+
+
+class ModelShelf:
+    """One filled synthetic model kept between measurements (the tuner's worker holds one).
+
+    A backend's ``cache_neutral`` tunables (KV splits, a prefetch distance) change how its kernel walks
+    the cache and never the cache, so a measurement of a config that differs from the shelved model's
+    only in those runs on that model — its lengths rewound to the fill (:meth:`SyntheticModel.rewind`),
+    the config handed to the cache (``Backend.reconfigure_cache``) — instead of allocating and filling
+    it again. Everything else is as for a fresh model: the same inputs at the same positions, one timed
+    step checked against float64. Anything else frees the shelf first, so it holds one model at most.
+    """
+
+    def __init__(self) -> None:
+        self._key: str | None = None
+        self._model: SyntheticModel | None = None
+        self.reused = 0  #: measurements that ran on a shelved model
+
+    @staticmethod
+    def key(
+        backend: Backend,
+        workload: Workload,
+        config: Mapping[str, Any],
+        layers: int,
+        materialise_bytes: int | None,
+        warmup: int,
+        repeats: int,
+    ) -> str:
+        """What a shelved model must share with a measurement to serve it: the backend's class, the
+        workload, the model's sizes, the steps it has room for and the config but its ``cache_neutral``."""
+        kept = sorted((k, repr(v)) for k, v in config.items() if k not in backend.cache_neutral)
+        cls = type(backend)
+        return repr(
+            (
+                f"{cls.__module__}.{cls.__qualname__}",
+                workload.describe(),
+                tuple(workload.context_lens),
+                workload.dtype_name,
+                str(workload.device),
+                layers,
+                materialise_bytes,
+                warmup,
+                repeats,
+                kept,
+            )
+        )
+
+    def take(
+        self, key: str, backend: Backend, config: Mapping[str, Any], resolution: Resolution
+    ) -> SyntheticModel | None:
+        """The shelved model for ``key``, rewound and reconfigured for ``config``; else ``None`` (and
+        the shelf emptied, so that a new model never shares memory with an old one)."""
+        model, self._model = self._model, None
+        if model is None or key != self._key or model.cache is None:
+            if model is not None:
+                model.release()
+            return None
+        backend.reconfigure_cache(model.cache, config)
+        model.backend, model.config, model.resolution = backend, dict(config), resolution
+        model.rewind()
+        self.reused += 1
+        return model
+
+    def put(self, key: str, model: SyntheticModel) -> None:
+        """Keep ``model`` (filled, after a run that completed) for a later measurement of ``key``."""
+        self.clear()
+        self._key, self._model = key, model
+
+    def clear(self) -> None:
+        if self._model is not None:
+            self._model.release()
+        self._key, self._model = None, None
 
 
 def _untimed(
@@ -371,18 +454,24 @@ def _timed_run(
     repeats: int,
     max_seconds: float | None,
     multiple: float | None,
+    keep: Callable[[str, SyntheticModel], None] | None = None,
+    key: str = "",
 ) -> _Run:
-    """Steps 4-5 of the module doc: fill, time the steps eagerly (and as a graph on CUDA), check one
-    timed step at random (``multiple=None``: unchecked); the model is released on every path."""
+    """Steps 4-5 of the module doc: fill (unless ``model`` is filled and rewound: a
+    :class:`ModelShelf`'s), time the steps eagerly (and as a graph on CUDA), check one timed step at
+    random (``multiple=None``: unchecked). The model is released on every path, but handed to
+    ``keep(key, model)`` after a run that completed without a graph and passed its check."""
     device = model.workload.device
     on_cuda = torch.device(device).type == "cuda"
     spot = random.Random(os.urandom(8))
     model.record_layer = spot.randrange(model.num_layers) if multiple is not None else None
     graph, note = None, ""
     phases: dict[str, float] = {}
+    kept = False
     try:
         t0 = time.perf_counter()
-        model.fill(extra_tokens=(2 if on_cuda else 1) * (max(warmup, 1) + repeats) + 1)
+        if model.cache is None:
+            model.fill(extra_tokens=(2 if on_cuda else 1) * (max(warmup, 1) + repeats) + 1)
         phases["cache"] = time.perf_counter() - t0
         start_bytes, growth = model.kv_bytes_per_step(), model.kv_bytes_per_step_growth()
         evict = _llc_evictor(model)
@@ -417,8 +506,12 @@ def _timed_run(
             phases["graph"] = time.perf_counter() - t0
         elif mode == "graph":
             note = "not capturable: timed eagerly (as an engine would run it)"
+        if keep is not None and graph is None and (checked is None or checked.passed):
+            keep(key, model)
+            kept = True
     finally:
-        model.release()
+        if not kept:
+            model.release()
         evict = None
         gc.collect()
     # step j of the run reads start_bytes + j · growth; the timed ones follow the warm-up (and the

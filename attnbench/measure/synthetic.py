@@ -184,6 +184,17 @@ class SyntheticModel:
                 self.backend.append(self.cache, plan, layer=slot, k=k, v=v)
             self.cache.commit(plan)
 
+    def rewind(self) -> None:
+        """Back to the state :meth:`fill` left, without filling again: the lengths back to the workload's
+        context, the step count to 0, nothing recorded. The next steps write their tokens at the same
+        positions as the first run's (overwriting them), so :meth:`history_for` holds; valid for a
+        backend whose cache's state is its lengths and what was written at each position (one that
+        declares ``cache_neutral``)."""
+        cache = self._require_cache()
+        cache.seq_lens = tuple(self.workload.context_lens)
+        self._step = 0
+        self.recorded = []
+
     def _fill_pool(self, tokens: int, *, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """One fill chunk's random K/V for every layer cache at once: ``tokens`` plus one more token per
         further layer cache (generating each layer's own would cost ``layers_materialised`` times the

@@ -265,3 +265,47 @@ def test_only_the_backends_tested_for_it_declare_result_neutral_tunables() -> No
     """A declaration lets tune skip gates: each built-in one needs a test like the one above."""
     declared = {e.name: e.cls.result_neutral for e in load_registry() if e.cls.result_neutral}
     assert declared == {"cpu_decode": ("prefetch",), "cpu_decode_fp8": ("prefetch",)}
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [(CpuDecodeBackend(), torch.bfloat16), (CpuDecodeFp8Backend(), torch.bfloat16)],
+    ids=["bf16", "fp8"],
+)
+def test_kv_splits_and_prefetch_are_cache_neutral(backend: CpuDecodeBackend, dtype: torch.dtype) -> None:
+    """``cache_neutral = ("kv_splits", "prefetch")`` lets tune time those on a cache made for another
+    value: a cache reconfigured to a config gives the same bits as one made for it, at every step."""
+    if isinstance(load_kernel(), str):
+        pytest.skip(str(load_kernel()))
+    assert backend.cache_neutral == ("kv_splits", "prefetch")
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    lens = (301, 17, 64)
+    w = Workload(GQA.shape, lens, dtype, "cpu")
+    k, v = (torch.randn(3, 301, 2, 64, generator=gen).to(dtype) for _ in range(2))
+    steps = [[torch.randn(3, h, 64, generator=gen).to(dtype) for h in (8, 2, 2)] for _ in range(3)]
+
+    def run(cache: Any) -> list[torch.Tensor]:
+        backend.append(cache, backend.plan(cache, num_new=lens), layer=0, k=k, v=v)
+        cache.commit(backend.plan(cache, num_new=(0, 0, 0)))
+        cache.seq_lens = lens
+        outs = []
+        for q, nk, nv in steps:
+            plan = backend.plan(cache, num_new=[1, 1, 1])
+            outs.append(backend.decode(cache, plan, layer=0, q=q, k=nk, v=nv))
+            cache.commit(plan)
+        return outs
+
+    made = {"page_size": 32, "kv_splits": 1, "prefetch": 0}
+    for target in ({"page_size": 32, "kv_splits": 4, "prefetch": 8}, {"page_size": 32, "kv_splits": "auto"}):
+        reused = backend.create_cache(w, config=made, num_layers=1, max_seq_len=320)
+        backend.reconfigure_cache(reused, target)
+        own = backend.create_cache(w, config=target, num_layers=1, max_seq_len=320)
+        assert reused.config == own.config
+        assert all(torch.equal(a, b) for a, b in zip(run(reused), run(own), strict=True)), target
+
+
+def test_only_the_backends_tested_for_it_declare_cache_neutral_tunables() -> None:
+    """A declaration lets tune time a config on another's cache: each built-in one needs a test like
+    the one above."""
+    declared = {e.name: e.cls.cache_neutral for e in load_registry() if e.cls.cache_neutral}
+    assert declared == {"cpu_decode": ("kv_splits", "prefetch"), "cpu_decode_fp8": ("kv_splits", "prefetch")}
