@@ -8,7 +8,10 @@ every other candidate, equally often). A change in the machine's load then hits 
 alike, and so does what one step leaves behind for the next (caches holding another candidate's
 pool, freed memory, a busy allocator): with a mere rotation each candidate would follow the same one
 in almost every round and inherit its after-effects every time. Each candidate's median gets a
-seeded bootstrap interval (:func:`attnbench.tables.margin.bootstrap_median`). If the interleaved run
+seeded bootstrap interval (:func:`attnbench.tables.margin.bootstrap_median`). Rounds run in blocks
+(:func:`attnbench.tables.margin.sample_rounds`): after the first, a candidate whose interval lies
+wholly above the best's, by more than the switch margin, stops being timed (the default is often
+several times slower than the winner) and the rounds go to those still in doubt. If the interleaved run
 kills its worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails
 with the reason.
 
@@ -137,10 +140,11 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
         order = list(models)
         seed = task.get("seed", 0)
 
-        def one_round(r: int) -> dict[str, float]:
+        def one_round(r: int, labels: Sequence[str] | None) -> dict[str, float]:
             got: dict[str, float] = {}
-            for i in round_order(len(order), r, seed=seed):  # balanced for position and for predecessor
-                label = order[i]
+            timed = list(labels) if labels is not None else order  # those still in doubt
+            for i in round_order(len(timed), r, seed=seed):  # balanced for position and for predecessor
+                label = timed[i]
                 t0 = clock()
                 steps[label]()
                 synchronize(workload.device)

@@ -45,6 +45,7 @@ from attnbench.tables.margin import (
     bootstrap_median,
     decide,
     finalists,
+    in_doubt,
     sample_rounds,
     too_wide,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "dispatch_path",
     "finalists",
     "hardware_id",
+    "in_doubt",
     "load_maps",
     "locked",
     "map_key",

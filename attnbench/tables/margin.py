@@ -30,6 +30,7 @@ __all__ = [
     "bootstrap_median",
     "decide",
     "finalists",
+    "in_doubt",
     "sample_rounds",
     "too_wide",
 ]
@@ -178,26 +179,50 @@ def too_wide(times: Mapping[str, Interval], *, limit: float = WIDE) -> list[str]
     return [k for k, t in times.items() if t.half_width > limit]
 
 
+def in_doubt(times: Mapping[str, Interval], *, margin: float = SWITCH_MARGIN) -> list[str]:
+    """Labels whose interval reaches down to within ``margin`` of the best's (their low end at or under
+    its high end × (1 + margin)): the candidates that could still be the fastest or tie with it. The
+    others lie wholly above that: slower, by their intervals, by more than a switch is decided on."""
+    if not times:
+        return []
+    best = min(times.values(), key=lambda t: t.median_ms)
+    return [k for k, t in times.items() if t.lo_ms <= best.hi_ms * (1 + margin)]
+
+
 def sample_rounds(
-    run_round: Callable[[int], Mapping[str, float]],
+    run_round: Callable[[int, Sequence[str] | None], Mapping[str, float]],
     *,
     samples: int = 15,
     max_samples: int | None = None,
     seed: int = 0,
+    first: int | None = None,
 ) -> dict[str, list[float]]:
-    """Interleaved samples: ``run_round(r)`` times one step of every candidate (in an order of its
-    choosing) and returns ``{label: ms}``. After ``samples`` rounds, more rounds are run, ``samples``
-    at a time, while any candidate's interval is too wide to decide (:func:`too_wide`), up to
-    ``max_samples`` (default ``4 × samples``): a candidate whose steps are often slowed by the load
-    then gets enough samples for its median to be known, instead of a tie by noise."""
+    """Interleaved samples: ``run_round(r, labels)`` times one step of each of ``labels`` (``None``:
+    every candidate), in an order of its choosing, and returns ``{label: ms}``.
+
+    Rounds run in blocks of ``first`` (default a third of ``samples``, at least 3), every candidate
+    in the first. Before each later block the candidates are sorted by their intervals: one whose
+    interval lies wholly above the best's (:func:`in_doubt`) stops being timed — it keeps its samples
+    and its interval, which already say it is slower — and the block goes to those still in doubt;
+    one that the best's interval has since moved up to meet is timed again. Blocks run until every
+    candidate in doubt has ``samples`` samples and none of their intervals is too wide to decide
+    (:func:`too_wide`), up to ``max_samples`` (default ``4 × samples``): a candidate whose steps are
+    often slowed by the load then gets enough samples for its median to be known, instead of a tie
+    by noise, and a clearly slower one (the default, often several times slower) costs a few steps."""
     cap = max_samples if max_samples is not None else 4 * samples
+    block = max(3, samples // 3) if first is None else max(1, first)
     out: dict[str, list[float]] = {}
+    labels: list[str] | None = None
     r = 0
     while True:
-        for _ in range(samples):
-            for label, ms in run_round(r).items():
+        for _ in range(block):
+            for label, ms in run_round(r, labels).items():
                 out.setdefault(label, []).append(ms)
             r += 1
         times = {k: bootstrap_median(v, seed=seed) for k, v in out.items() if v}
-        if not too_wide(times) or r + samples > cap:
+        labels = in_doubt(times)
+        most = max((len(out[k]) for k in labels), default=cap)
+        short = any(len(out[k]) < samples for k in labels)
+        wide = too_wide({k: times[k] for k in labels})
+        if not (short or wide) or most + block > cap:
             return out

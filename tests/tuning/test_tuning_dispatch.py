@@ -37,8 +37,12 @@ def _interleaved(bases: dict[str, float], rng: random.Random, *, slowdowns: dict
     """Round-robin samples of planted candidates, through the sampling loop the worker runs (more
     rounds while an interval is too wide), then their intervals."""
 
-    def one_round(r):
-        return {k: _samples(base, rng, n=1, slowdowns=slowdowns.get(k, 0.0))[0] for k, base in bases.items()}
+    def one_round(r, labels):
+        return {
+            k: _samples(base, rng, n=1, slowdowns=slowdowns.get(k, 0.0))[0]
+            for k, base in bases.items()
+            if labels is None or k in labels
+        }
 
     raw = sample_rounds(one_round, samples=15, seed=seed)
     return {k: bootstrap_median(v, seed=seed) for k, v in raw.items()}
@@ -53,6 +57,48 @@ def test_a_noisy_candidate_at_the_defaults_speed_never_wins_by_noise():
         assert v.winner == DEFAULT, (seed, times)
         ties += v.tie
     assert ties > 0  # some runs see it faster by the medians: recorded as ties, never as a switch
+
+
+def _planted_rounds(step_ms):
+    """A ``run_round`` over planted candidates (``step_ms(label, k)``: the label's k-th step) that
+    records which labels each round timed."""
+    counts: dict[str, int] = {}
+    timed: list[list[str]] = []
+
+    def one_round(r, labels):
+        run = list(labels) if labels is not None else ["fast", "close", "slow"]
+        timed.append(run)
+        out = {}
+        for k in run:
+            out[k] = step_ms(k, counts.get(k, 0))
+            counts[k] = counts.get(k, 0) + 1
+        return out
+
+    return one_round, timed
+
+
+def test_a_clearly_slower_candidate_stops_after_the_first_block():
+    base = {"fast": 10.0, "close": 10.3, "slow": 30.0}
+    rng = random.Random(3)
+    one_round, timed = _planted_rounds(lambda k, i: base[k] * rng.uniform(0.98, 1.02))
+    raw = sample_rounds(one_round, samples=15, seed=0)
+    assert len(raw["slow"]) == 5 and len(raw["fast"]) == len(raw["close"]) >= 15
+    assert all(t == ["fast", "close", "slow"] for t in timed[:5]) and all("slow" not in t for t in timed[5:])
+    times = {k: bootstrap_median(v) for k, v in raw.items()}
+    assert times["slow"].median_ms == pytest.approx(30.0, rel=0.03)  # its interval is still reported
+
+
+def test_a_candidate_dropped_early_is_timed_again_when_the_best_slows_down():
+    """'fast' is fast for its first five steps only: 'close' (20 ms) looks clearly slower after the
+    first block and stops, then comes back once the best's interval reaches it, and wins."""
+    one_round, timed = _planted_rounds(
+        lambda k, i: {"fast": 10.0 if i < 5 else 30.0, "close": 20.0, "slow": 60.0}[k]
+    )
+    raw = sample_rounds(one_round, samples=15, seed=0)
+    assert timed[5] == ["fast"]  # 'close' and 'slow' dropped after the first block
+    assert len(raw["close"]) >= 15 and len(raw["slow"]) == 5
+    times = {k: bootstrap_median(v) for k, v in raw.items()}
+    assert decide(times, default="fast").winner == "close"
 
 
 def test_a_tie_keeps_the_default_and_says_so():
