@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"  # tests/helpers/ → the repository
 
@@ -16,3 +20,13 @@ def load_script(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def refusal(name: str, argv: list[str]) -> str:
+    """What ``scripts/<name>.py``'s ``main(argv)`` writes to stderr as it refuses ``argv`` (asserted:
+    it exits with argparse's status 2)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+        load_script(name).main(argv)
+    assert exit_info.value.code == 2
+    return err.getvalue()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from helpers.cpu_kernel import require_kernel
-from helpers.script_module import load_script
+from helpers.script_module import load_script, refusal
 
 
 @pytest.mark.parametrize(
@@ -21,13 +21,8 @@ from helpers.script_module import load_script
         (["--calls", "1.5"], "argument --calls: '1.5': must be a whole number ≥ 1"),
     ],
 )
-def test_bad_input_names_the_option_and_what_is_accepted(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        load_script("cpu_writer_cost").main(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+def test_bad_input_names_the_option_and_what_is_accepted(argv: list[str], message: str) -> None:
+    assert message in refusal("cpu_writer_cost", argv)
 
 
 def test_a_tiny_run_reports_each_cache_per_call_and_per_token(tmp_path: Path) -> None:
