@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from helpers.script_module import load_script, refusal
 
 from attnbench.cli import main
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "validate_generation.py"
-
-
-def _script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("validate_generation", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_predicts_every_row_of_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -34,7 +24,9 @@ def test_predicts_every_row_of_a_report(tmp_path: Path, capsys: pytest.CaptureFi
     capsys.readouterr()
     out = tmp_path / "check"
     assert (
-        _script().main(["--runs", str(save.with_suffix(".json")), "--out", str(out), "--max-seconds", "2"])
+        load_script("validate_generation").main(
+            ["--runs", str(save.with_suffix(".json")), "--out", str(out), "--max-seconds", "2"]
+        )
         == 0
     )
     rec = json.loads(out.with_suffix(".json").read_text())
@@ -49,16 +41,15 @@ def test_predicts_every_row_of_a_report(tmp_path: Path, capsys: pytest.CaptureFi
     assert "Within ±15%" in out.with_suffix(".md").read_text()
 
 
-def test_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_refuses_bad_input(tmp_path: Path) -> None:
     bad = tmp_path / "x.json"
     bad.write_text("{}")
+    argv = ["--runs", str(bad), "--out", str(tmp_path / "o")]
     with pytest.raises(SystemExit, match="is not an `attnbench e2e` report"):
-        _script().main(["--runs", str(bad), "--out", str(tmp_path / "o")])
+        load_script("validate_generation").main(argv)
     with pytest.raises(SystemExit, match="does not exist; accepted"):
-        _script().main(["--runs", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")])
-    with pytest.raises(SystemExit):
-        _script().main(["--runs", str(bad), "--out", str(tmp_path / "o"), "--threads", "0"])
-    assert "--threads 0 must be ≥ 1" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        _script().main(["--runs", str(bad), "--out", str(tmp_path / "o"), "--max-seconds", "0"])
-    assert "--max-seconds 0.0 must be > 0" in capsys.readouterr().err
+        load_script("validate_generation").main(
+            ["--runs", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")]
+        )
+    assert "--threads 0 must be ≥ 1" in refusal("validate_generation", [*argv, "--threads", "0"])
+    assert "--max-seconds 0.0 must be > 0" in refusal("validate_generation", [*argv, "--max-seconds", "0"])
