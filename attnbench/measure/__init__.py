@@ -6,7 +6,14 @@ generation through each path (:mod:`~attnbench.measure.e2e`).
 
 from __future__ import annotations
 
-from attnbench.measure.bench import CheckFailed, Implausible, check_workload, measure_decode, plausibility
+from attnbench.measure.bench import (
+    CheckFailed,
+    Implausible,
+    ModelShelf,
+    check_workload,
+    measure_decode,
+    plausibility,
+)
 from attnbench.measure.decode import generate
 from attnbench.measure.graph_step import GraphedDecodeStep
 from attnbench.measure.synthetic import SyntheticModel
@@ -15,6 +22,7 @@ __all__ = [
     "CheckFailed",
     "GraphedDecodeStep",
     "Implausible",
+    "ModelShelf",
     "SyntheticModel",
     "check_workload",
     "generate",
