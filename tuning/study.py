@@ -354,34 +354,53 @@ def corpus_plans(
 ) -> list[StudyPlan]:
     """``plans`` with :attr:`StudyPlan.corpus_first` set where the corpus ``table`` (a
     :class:`~attnbench.tables.ResultsTable` of this device's hardware id) tuned the same key: its winner,
-    then the next fastest up to ``finalists`` in all, then the default, each where this plan's space
-    holds it."""
+    then the next fastest up to ``finalists`` in all, then the default, then the corpus's finalists of
+    the other keys of its dispatch map (same model and dtype), each where this plan's space holds it —
+    so that each point's study has measured every candidate the map's points are re-timed with, and
+    the map needs no second interleaved run of a point."""
     by_key = {
         (e.model, e.shape_hash, e.dtype, e.batch_bucket, e.context_bucket): e for e in table.typed().values()
     }
-    out = []
-    for plan in plans:
-        k = plan.key
-        entry = by_key.get((k.model, k.shape_hash, k.dtype, k.batch_bucket, k.context_bucket))
-        if entry is None or entry.winner is None:
-            out.append(plan)
+    out = [_corpus_plan(plan, by_key, label, finalists) for plan in plans]
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for plan in out:
+        for c in plan.corpus_first[:finalists]:
+            group = groups.setdefault((plan.key.model, plan.key.shape_hash, plan.key.dtype), [])
+            if c.ident() not in group:
+                group.append(c.ident())
+    for i, plan in enumerate(out):
+        if not plan.corpus_first:
             continue
         space = {c.ident(): c for c in plan.space.candidates()}
-        measured = [c for c in entry.candidates if c.step_ms is not None and not c.failed]
-        ranked = [entry.winner, *sorted(measured, key=lambda c: c.step_ms or 0)]
-        firsts: list[Candidate] = []
-        for c in ranked:
-            ident = Candidate(c.backend, c.config).ident()
-            if ident in space and space[ident] not in firsts and len(firsts) < finalists:
-                firsts.append(space[ident])
-        if not firsts or firsts[0].ident() != Candidate(entry.winner.backend, entry.winner.config).ident():
-            out.append(plan)  # the corpus's winner is not in this space: nothing to confirm
-            continue
-        default = plan.space.candidates()[0]
-        if default not in firsts:
-            firsts.append(default)
-        out.append(dataclasses.replace(plan, corpus_first=tuple(firsts), corpus_label=label))
+        mine = {c.ident() for c in plan.corpus_first}
+        others = groups[(plan.key.model, plan.key.shape_hash, plan.key.dtype)]
+        extra = tuple(space[x] for x in others if x in space and x not in mine)
+        out[i] = dataclasses.replace(plan, corpus_first=plan.corpus_first + extra)
     return out
+
+
+def _corpus_plan(
+    plan: StudyPlan, by_key: dict[tuple[Any, ...], Any], label: str, finalists: int
+) -> StudyPlan:
+    """``plan`` with the corpus's winner, its next fastest and the default first (see :func:`corpus_plans`)."""
+    k = plan.key
+    entry = by_key.get((k.model, k.shape_hash, k.dtype, k.batch_bucket, k.context_bucket))
+    if entry is None or entry.winner is None:
+        return plan
+    space = {c.ident(): c for c in plan.space.candidates()}
+    measured = [c for c in entry.candidates if c.step_ms is not None and not c.failed]
+    ranked = [entry.winner, *sorted(measured, key=lambda c: c.step_ms or 0)]
+    firsts: list[Candidate] = []
+    for c in ranked:
+        ident = Candidate(c.backend, c.config).ident()
+        if ident in space and space[ident] not in firsts and len(firsts) < finalists:
+            firsts.append(space[ident])
+    if not firsts or firsts[0].ident() != Candidate(entry.winner.backend, entry.winner.config).ident():
+        return plan  # the corpus's winner is not in this space: nothing to confirm
+    default = plan.space.candidates()[0]
+    if default not in firsts:
+        firsts.append(default)
+    return dataclasses.replace(plan, corpus_first=tuple(firsts), corpus_label=label)
 
 
 def _unique(trials: list[FrozenTrial]) -> list[CandidateResult]:

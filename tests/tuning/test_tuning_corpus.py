@@ -11,9 +11,9 @@ from helpers.tuning_helpers import planted_registry, save_table
 
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.workload import Workload
-from attnbench.tables import CandidateResult, corpus
+from attnbench.tables import CandidateResult, ResultsTable, corpus
 from attnbench.tuning import TuneOptions, backend_refs, plan_studies, summarize, tune
-from attnbench.tuning.study import KeyResult
+from attnbench.tuning.study import KeyResult, corpus_plans
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,3 +113,32 @@ def test_a_corpus_winner_that_fails_the_gate_here_never_wins(tmp_path, monkeypat
     wrong = next(c for c in entry["candidates"] if c["backend"] == "corpus_wrong")
     assert wrong["failed"] == "gate"
     assert "searched in full" in entry["search"] and entry["trials"] == 3
+
+
+def test_each_key_also_measures_the_corpus_finalists_of_its_maps_other_keys(tmp_path, profile) -> None:
+    """So that the dispatch map's points are re-timed once, with candidates every point's study measured."""
+    longer = Workload.uniform("tiny-gqa", batch=1, context=128, dtype="fp32")
+    plans = plan_studies(
+        [WORKLOAD, longer], backend_refs(_registry()), profile=profile, options=TuneOptions()
+    )
+    measured = {
+        64: {"corpus_fast": 1.0, "corpus_slow": 30.0},
+        128: {"corpus_slower": 1.0, "corpus_slow": 30.0},
+    }
+    entries = {}
+    for plan in plans:
+        records = [
+            CandidateResult(b, {}, step_ms=t, gbps=1.0, pct_of_bandwidth=1.0)
+            for b, t in measured[plan.key.context_bucket].items()
+        ]
+        result = KeyResult(plan, records)
+        entries[result.key.row] = summarize(result, profile=profile)
+    path = save_table(tmp_path, entries, profile=profile)
+    firsts = {
+        p.key.context_bucket: [c.backend for c in p.corpus_first]
+        for p in corpus_plans(plans, ResultsTable.load(path), "planted")
+    }
+    assert firsts == {
+        64: ["corpus_fast", "corpus_slow", "corpus_slower"],
+        128: ["corpus_slower", "corpus_slow", "corpus_fast"],
+    }
