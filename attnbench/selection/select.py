@@ -244,6 +244,16 @@ class Selector:
     ) -> tuple[Workload, str, str, int, int]:
         """The workload, its shape hash, its dtype's name, its batch and its (longest) context."""
         if workload is not None:
+            if not isinstance(workload, Workload):
+                hint = (
+                    f" (a model name: select(model={workload!r}, batch=…, context=…))"
+                    if isinstance(workload, str)
+                    else ""
+                )
+                raise TypeError(
+                    f"select: workload = {workload!r} is a {type(workload).__name__}; accepted: a Workload, "
+                    f"or model=, batch= and context= by keyword{hint}"
+                )
             shape, shape_hash = self._shape(workload.shape)
             return workload, shape_hash, workload.dtype_name, workload.batch, workload.context
         if model is None or batch is None or context is None:

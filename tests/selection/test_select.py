@@ -107,6 +107,8 @@ def test_another_devices_table_is_refused(tmp_path):
 def test_select_needs_a_workload_or_its_parts():
     with pytest.raises(ValueError, match="missing: batch, context"):
         attnbench.select(model="tiny-gqa")
+    with pytest.raises(TypeError, match=r"workload = 'tiny-gqa' is a str.*select\(model='tiny-gqa'"):
+        attnbench.select("tiny-gqa", batch=1, context=64)  # type: ignore[arg-type]
 
 
 def test_cli_tune_then_select(tmp_path, capsys):
