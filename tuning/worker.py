@@ -117,7 +117,8 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     # its memory limit is set (main); the parent, which imports this module too, needs neither here
     from attnbench.core.device import DeviceProfile
     from attnbench.core.registry import load_backend_class
-    from attnbench.measure.bench import CheckFailed, Implausible, ModelShelf, measure_decode
+    from attnbench.measure.bench import CheckFailed, Implausible, measure_decode
+    from attnbench.measure.timed_run import ModelShelf
 
     global _SHELF
     if _SHELF is None:
@@ -180,7 +181,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
 
 
 #: the filled model of the last candidate whose backend declares ``cache_neutral`` tunables: the next
-#: candidate that differs from it only in those is timed on it (attnbench.measure.bench.ModelShelf)
+#: candidate that differs from it only in those is timed on it (attnbench.measure.timed_run.ModelShelf)
 _SHELF: Any = None
 
 #: the gate verdicts this worker drew and passed, by what decides them: the backend, the workload, the

@@ -1,6 +1,7 @@
 """Measuring: the attention-only synthetic model (:mod:`~attnbench.measure.synthetic`), the decode
 loop (:mod:`~attnbench.measure.decode`), the CUDA-graph step timer (:mod:`~attnbench.measure.graph_step`),
-one measured and checked decode run (:mod:`~attnbench.measure.bench`), and real models' end-to-end
+one measured and checked decode run (:mod:`~attnbench.measure.bench`; its timed run and the shelf that
+keeps a filled model between runs: :mod:`~attnbench.measure.timed_run`), and real models' end-to-end
 generation through each path (:mod:`~attnbench.measure.e2e`).
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 from attnbench.measure.bench import (
     CheckFailed,
     Implausible,
-    ModelShelf,
     check_workload,
     measure_decode,
     plausibility,
@@ -17,6 +17,7 @@ from attnbench.measure.bench import (
 from attnbench.measure.decode import generate
 from attnbench.measure.graph_step import GraphedDecodeStep
 from attnbench.measure.synthetic import SyntheticModel
+from attnbench.measure.timed_run import ModelShelf, TimedRun, check_timed_step, llc_evictor, timed_run
 
 __all__ = [
     "CheckFailed",
@@ -24,8 +25,12 @@ __all__ = [
     "Implausible",
     "ModelShelf",
     "SyntheticModel",
+    "TimedRun",
+    "check_timed_step",
     "check_workload",
     "generate",
+    "llc_evictor",
     "measure_decode",
     "plausibility",
+    "timed_run",
 ]

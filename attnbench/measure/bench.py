@@ -46,20 +46,17 @@ import dataclasses
 import gc
 import math
 import os
-import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-
 from attnbench.core.backend import Backend, Resolution
-from attnbench.core.device import DeviceProfile, last_level_cache_bytes
-from attnbench.core.timing import Timing, measure, timing_mode
+from attnbench.core.device import DeviceProfile
+from attnbench.core.timing import Timing, timing_mode
 from attnbench.core.traffic import decode_cost
 from attnbench.core.workload import Workload
-from attnbench.correctness.gate import CheckResult, Judge
+from attnbench.correctness.gate import CheckResult
 from attnbench.correctness.gate import check as gate_check
 from attnbench.correctness.timed import (
     CHECK_BUDGET_BYTES,
@@ -70,7 +67,7 @@ from attnbench.correctness.timed import (
     plausibility,
 )
 from attnbench.measure.decode import SyntheticModel
-from attnbench.measure.graph_step import GraphedDecodeStep
+from attnbench.measure.timed_run import ModelShelf, TimedRun, timed_run
 
 __all__ = [
     "CheckFailed",
@@ -140,21 +137,6 @@ class DecodeMeasurement:
             "lossy": self.check.lossy if self.check else "",
             "load_avg": list(self.load_avg),
         }
-
-
-def _llc_evictor(model: SyntheticModel) -> Callable[[int], object] | None:
-    """When every materialised cache together is under 4 × the last-level cache, a step could find
-    them still cached from the previous step (a real model's weights would have evicted them): return
-    an untimed pass over a buffer of 2 × the LLC to run before each timed step. ``None`` otherwise."""
-    llc = last_level_cache_bytes(model.device)
-    cache = model.cache
-    total = cache.nbytes() if cache is not None else 0
-    if not total:
-        total = model.per_layer_bytes(model._last_max_seq_len) * model.layers_materialised
-    if total >= 4 * llc:
-        return None
-    scratch = torch.empty(min(2 * llc, 2**30) // 4, dtype=torch.float32, device=model.device).fill_(1.0)
-    return lambda i: scratch.add_(1.0)
 
 
 def measure_decode(
@@ -234,7 +216,7 @@ def measure_decode(
             resolution=resolution,
         )
     made = time.perf_counter() - made
-    run = _timed_run(
+    run = timed_run(
         model,
         mode=timing_mode(timing, workload.device),
         warmup=warmup,
@@ -245,83 +227,11 @@ def measure_decode(
         key=key,
     )
     flops = decode_cost(workload, form=backend.kv_form, num_layers=layers).flops if peak_flops else 0.0
-    m = run.measurement(
-        base, check=result, gate_s=gate_s, profile=profile, flops=flops, peak_flops=peak_flops
+    m = _measurement(
+        run, base, check=result, gate_s=gate_s, profile=profile, flops=flops, peak_flops=peak_flops
     )
     m.phases = {"gate": gate_s} | run.phases | {"cache": made + run.phases.get("cache", 0.0)}
     return m
-
-
-class ModelShelf:
-    """One filled synthetic model kept between measurements (the tuner's worker holds one).
-
-    A backend's ``cache_neutral`` tunables (KV splits, a prefetch distance) change how its kernel walks
-    the cache and never the cache, so a measurement of a config that differs from the shelved model's
-    only in those runs on that model — its lengths rewound to the fill (:meth:`SyntheticModel.rewind`),
-    the config handed to the cache (``Backend.reconfigure_cache``) — instead of allocating and filling
-    it again. Everything else is as for a fresh model: the same inputs at the same positions, one timed
-    step checked against float64. Anything else frees the shelf first, so it holds one model at most.
-    """
-
-    def __init__(self) -> None:
-        self._key: str | None = None
-        self._model: SyntheticModel | None = None
-        self.reused = 0  #: measurements that ran on a shelved model
-
-    @staticmethod
-    def key(
-        backend: Backend,
-        workload: Workload,
-        config: Mapping[str, Any],
-        layers: int,
-        materialise_bytes: int | None,
-        warmup: int,
-        repeats: int,
-    ) -> str:
-        """What a shelved model must share with a measurement to serve it: the backend's class, the
-        workload, the model's sizes, the steps it has room for and the config but its ``cache_neutral``."""
-        kept = sorted((k, repr(v)) for k, v in config.items() if k not in backend.cache_neutral)
-        cls = type(backend)
-        return repr(
-            (
-                f"{cls.__module__}.{cls.__qualname__}",
-                workload.describe(),
-                tuple(workload.context_lens),
-                workload.dtype_name,
-                str(workload.device),
-                layers,
-                materialise_bytes,
-                warmup,
-                repeats,
-                kept,
-            )
-        )
-
-    def take(
-        self, key: str, backend: Backend, config: Mapping[str, Any], resolution: Resolution
-    ) -> SyntheticModel | None:
-        """The shelved model for ``key``, rewound and reconfigured for ``config``; else ``None`` (and
-        the shelf emptied, so that a new model never shares memory with an old one)."""
-        model, self._model = self._model, None
-        if model is None or key != self._key or model.cache is None:
-            if model is not None:
-                model.release()
-            return None
-        backend.reconfigure_cache(model.cache, config)
-        model.backend, model.config, model.resolution = backend, dict(config), resolution
-        model.rewind()
-        self.reused += 1
-        return model
-
-    def put(self, key: str, model: SyntheticModel) -> None:
-        """Keep ``model`` (filled, after a run that completed) for a later measurement of ``key``."""
-        self.clear()
-        self._key, self._model = key, model
-
-    def clear(self) -> None:
-        if self._model is not None:
-            self._model.release()
-        self._key, self._model = None, None
 
 
 def _untimed(
@@ -384,196 +294,45 @@ def _gate_first(
     return result, seconds
 
 
-@dataclass(frozen=True)
-class _Run:
-    """What :func:`_timed_run` measured: the objective's timing and both runs, the mean KV bytes a
-    timed step read, the check of one timed step and how long it took."""
-
-    step: Timing
-    eager: Timing
-    graph: Timing | None
-    mode: str
-    note: str
-    kv_bytes: int
-    materialised: int
-    llc_flushed: bool
-    check: CheckResult | None
-    check_s: float
-    #: wall seconds by phase (see :attr:`DecodeMeasurement.phases`), the gate's excepted
-    phases: dict[str, float] = field(default_factory=dict)
-
-    def measurement(
-        self,
-        base: dict[str, Any],
-        *,
-        check: CheckResult | None,
-        gate_s: float,
-        profile: DeviceProfile | None,
-        flops: float,
-        peak_flops: float | None,
-    ) -> DecodeMeasurement:
-        """The run as a :class:`DecodeMeasurement` (``base``: what identifies it; ``check``/``gate_s``:
-        the gate's result and time before the run). Raises :class:`CheckFailed` when the timed step's
-        check failed and :class:`Implausible` when the time is faster than the device allows."""
-        if self.check is not None and not self.check.passed:
-            raise CheckFailed(self.check)
-        why = plausibility(
-            kv_bytes=self.kv_bytes,
-            seconds=self.step.median_s,
-            profile=profile,
-            flops=flops,
-            peak_flops=peak_flops,
-        )
-        if why:
-            raise Implausible(f"backend {base['backend']!r} {base['config']} on {base['workload']}: {why}")
-        bytes_per_s = self.kv_bytes / self.step.median_s
-        return DecodeMeasurement(
-            **base,
-            step=self.step,
-            kv_bytes=self.kv_bytes,
-            gbps=bytes_per_s / 1e9,
-            pct_of_bandwidth=100 * bytes_per_s / profile.bandwidth if profile else None,
-            check=check,
-            layers_materialised=self.materialised,
-            llc_flushed=self.llc_flushed,
-            timed_check=self.check,
-            gate_s=gate_s + self.check_s,
-            timing=self.mode,
-            eager_step=self.eager,
-            graph_step=self.graph,
-            note=self.note,
-            phases=dict(self.phases),
-        )
-
-
-def _timed_run(
-    model: SyntheticModel,
+def _measurement(
+    run: TimedRun,
+    base: dict[str, Any],
     *,
-    mode: str,
-    warmup: int,
-    repeats: int,
-    max_seconds: float | None,
-    multiple: float | None,
-    keep: Callable[[str, SyntheticModel], None] | None = None,
-    key: str = "",
-) -> _Run:
-    """Steps 4-5 of the module doc: fill (unless ``model`` is filled and rewound: a
-    :class:`ModelShelf`'s), time the steps eagerly (and as a graph on CUDA), check one timed step at
-    random (``multiple=None``: unchecked). The model is released on every path, but handed to
-    ``keep(key, model)`` after a run that completed without a graph and passed its check."""
-    device = model.workload.device
-    on_cuda = torch.device(device).type == "cuda"
-    spot = random.Random(os.urandom(8))
-    model.record_layer = spot.randrange(model.num_layers) if multiple is not None else None
-    graph, note = None, ""
-    phases: dict[str, float] = {}
-    kept = False
-    try:
-        t0 = time.perf_counter()
-        if model.cache is None:
-            model.fill(extra_tokens=(2 if on_cuda else 1) * (max(warmup, 1) + repeats) + 1)
-        phases["cache"] = time.perf_counter() - t0
-        start_bytes, growth = model.kv_bytes_per_step(), model.kv_bytes_per_step_growth()
-        evict = _llc_evictor(model)
-        flushed = evict is not None
-
-        def timed(step: Callable[[int], object], rotate: int = 1) -> Timing:
-            return measure(
-                step,
-                device=device,
-                warmup=warmup,
-                repeats=repeats,
-                rotate=rotate,
-                max_seconds=max_seconds,
-                before=evict,
-            )
-
-        t0 = time.perf_counter()
-        eager = timed(lambda i: model.decode_step(), rotate=1)
-        timed_s = time.perf_counter() - t0
-        phases["samples"] = min(timed_s, eager.median_s * eager.repeats)  # the median × the timed steps
-        phases["warmup"] = timed_s - phases["samples"]
-        materialised = model.layers_materialised
-        check_start = time.perf_counter()
-        checked = None
-        if multiple is not None:
-            checked = _check_timed_step(model, first=eager.warmup, rng=spot, multiple=multiple)
-        check_s = time.perf_counter() - check_start
-        phases["check"] = check_s
-        if on_cuda and getattr(model.cache, "capturable", False):
-            t0 = time.perf_counter()
-            graph = timed(GraphedDecodeStep(model))
-            phases["graph"] = time.perf_counter() - t0
-        elif mode == "graph":
-            note = "not capturable: timed eagerly (as an engine would run it)"
-        if keep is not None and graph is None and (checked is None or checked.passed):
-            keep(key, model)
-            kept = True
-    finally:
-        if not kept:
-            model.release()
-        evict = None
-        gc.collect()
-    # step j of the run reads start_bytes + j · growth; the timed ones follow the warm-up (and the
-    # graph run follows the eager one)
-    if mode == "graph" and graph is not None:
-        step, before_steps = graph, eager.warmup + eager.repeats
-    else:
-        step, before_steps = eager, 0
-    kv_bytes = int(start_bytes + (before_steps + step.warmup + (step.repeats - 1) / 2) * growth)
-    return _Run(
-        step=step,
-        eager=eager,
-        graph=graph,
-        mode=mode if graph is not None or mode == "eager" else "eager",
-        note=note,
-        kv_bytes=kv_bytes,
-        materialised=materialised,
-        llc_flushed=flushed,
-        check=checked,
-        check_s=check_s,
-        phases=phases,
+    check: CheckResult | None,
+    gate_s: float,
+    profile: DeviceProfile | None,
+    flops: float,
+    peak_flops: float | None,
+) -> DecodeMeasurement:
+    """``run`` as a :class:`DecodeMeasurement` (``base``: what identifies it; ``check``/``gate_s``:
+    the gate's result and time before the run). Raises :class:`CheckFailed` when the timed step's
+    check failed and :class:`Implausible` when the time is faster than the device allows."""
+    if run.check is not None and not run.check.passed:
+        raise CheckFailed(run.check)
+    why = plausibility(
+        kv_bytes=run.kv_bytes,
+        seconds=run.step.median_s,
+        profile=profile,
+        flops=flops,
+        peak_flops=peak_flops,
     )
-
-
-def _check_timed_step(
-    model: SyntheticModel, *, first: int, rng: random.Random, multiple: float
-) -> CheckResult | None:
-    """Check one timed step (the recorded layer's output, a step chosen at random) against float64.
-
-    The history that call attended over is rebuilt from the model's generators; the bound is the
-    gate's, calibrated on these inputs. ``None`` when nothing was recorded.
-    """
-    timed = [(step, out) for step, out in model.recorded if step >= first]
-    layer = model.record_layer
-    if not timed or layer is None:
-        return None
-    step, out = rng.choice(timed)
-    q, hk, hv, lens = model.history_for(layer, step)
-    backend, config = model.backend, dict(model.config)
-    judge = Judge(
-        backend=backend,
-        config=config,
-        dtype=model.workload.dtype,
-        scale=model.geometry.scale,
-        multiple=multiple,
-    )
-    judge.add(out, q, hk, hv, lens)
-    failures, _, _ = judge.failures()
-    exact_tol, stored_tol = judge.tolerances()
-    return CheckResult(
-        backend=backend.name,
-        config=config,
-        workload=f"{model.workload.describe()}, timed step {step} layer {layer}",
-        seed=model.seed,
-        error=judge.exact.stats(),
-        tolerance=exact_tol,
-        failures=[f"timed step {step} layer {layer}: {f}" for f in failures],
-        calibration=judge.calib.stats(),
-        multiple=judge.multiple,
-        decode_steps=1,
-        lossy=model.resolution.lossy,
-        stored_error=judge.stored.stats() if judge.stored else None,
-        stored_calibration=judge.stored_calib.stats() if judge.stored_calib else None,
-        stored_tolerance=stored_tol,
+    if why:
+        raise Implausible(f"backend {base['backend']!r} {base['config']} on {base['workload']}: {why}")
+    bytes_per_s = run.kv_bytes / run.step.median_s
+    return DecodeMeasurement(
+        **base,
+        step=run.step,
+        kv_bytes=run.kv_bytes,
+        gbps=bytes_per_s / 1e9,
+        pct_of_bandwidth=100 * bytes_per_s / profile.bandwidth if profile else None,
+        check=check,
+        layers_materialised=run.materialised,
+        llc_flushed=run.llc_flushed,
+        timed_check=run.check,
+        gate_s=gate_s + run.check_s,
+        timing=run.mode,
+        eager_step=run.eager,
+        graph_step=run.graph,
+        note=run.note,
+        phases=dict(run.phases),
     )

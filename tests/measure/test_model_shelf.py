@@ -15,8 +15,9 @@ from attnbench.backends.naive import NaiveBackend
 from attnbench.core.backend import KVCache
 from attnbench.core.resolution import Tunable
 from attnbench.core.workload import Workload
-from attnbench.measure.bench import CheckFailed, ModelShelf, measure_decode
+from attnbench.measure.bench import CheckFailed, measure_decode
 from attnbench.measure.synthetic import SyntheticModel
+from attnbench.measure.timed_run import ModelShelf
 from attnbench.tuning import TuneOptions, tune
 
 pytestmark = pytest.mark.usefixtures("one_thread")
