@@ -8,7 +8,7 @@ candidate, or when neither winner beats the other beyond both intervals by the s
 table's winner over the full table's, by the medians::
 
     python scripts/tune_agreement.py --full FULL/tuning-<device>.yaml --fast FAST/tuning-<device>.yaml \
-        --out results/cpu/tune/agreement-<cpu>
+        --out results/cpu/tune/quickstart/agreement-epyc-avx512
 
 Written: ``<out>.json`` and ``<out>.md`` with the command, machine, date and load average.
 """
