@@ -31,6 +31,7 @@ from optuna.storages import JournalStorage
 from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from optuna.storages.journal._file import get_lock_file
+from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
@@ -39,6 +40,7 @@ from attnbench.tables.files import write_atomically
 __all__ = [
     "JOURNAL_NAME",
     "StorageError",
+    "close_abandoned",
     "heartbeat",
     "heartbeats_enabled",
     "open_storage",
@@ -287,3 +289,34 @@ def fail_stale(study: optuna.Study) -> int:
         optuna.storages.fail_stale_trials(study)
     after = sum(1 for _ in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)))
     return max(0, before - after)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def close_abandoned(study: optuna.Study, storage: Any, *, timeout_s: float, host: str) -> None:
+    """Trials whose tuner is gone: by heartbeat on RDB storages; by PID on this host for the journal.
+
+    A trial silent far past the timeout is closed either way (e.g. killed before its first beat).
+    """
+    if heartbeats_enabled(storage):
+        fail_stale(study)
+    now = time.time()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        a = t.user_attrs
+        started = t.datetime_start.timestamp() if t.datetime_start else now
+        if a.get("pid") == os.getpid() and a.get("host") == host:
+            continue
+        by_pid = not heartbeats_enabled(storage) and a.get("host") == host
+        dead = (by_pid and not _alive(int(a.get("pid", 0)))) or now - started > 3 * timeout_s + 600
+        if dead:
+            storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+            storage.set_trial_user_attr(t._trial_id, "reason", "abandoned: its process is gone")
+            study.tell(t.number, state=TrialState.FAIL)

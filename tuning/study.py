@@ -37,8 +37,15 @@ from attnbench.core.workload import Workload, workload_to_dict
 from attnbench.tables.key import TuningKey
 from attnbench.tables.margin import SWITCH_MARGIN
 from attnbench.tables.table_schema import Candidate, CandidateResult
+from attnbench.tuning.pruning import study_pruner
 from attnbench.tuning.space import BackendRef, SearchSpace, build_space
-from attnbench.tuning.storage import JOURNAL_NAME, fail_stale, heartbeat, heartbeats_enabled, open_storage
+from attnbench.tuning.storage import (
+    JOURNAL_NAME,
+    close_abandoned,
+    heartbeat,
+    heartbeats_enabled,
+    open_storage,
+)
 from attnbench.tuning.worker import MEASURE_SETTINGS, Outcome, Worker, WorkerTask
 
 __all__ = [
@@ -81,6 +88,9 @@ class TuneOptions:
     clock: str | None = (
         None  # import path of the finalists' re-timing clock (default perf_counter; tests plant one)
     )
+    #: stop a trial's timed steps where Optuna's pruner finds it slower than the study's others
+    #: (study_pruner); the finalists are re-timed in full either way
+    prune: bool = True
     #: start each key from the shipped corpus's finalists where it has this device's kind (and
     #: ATTNBENCH_CORPUS is not off); stop there where this machine agrees (attnbench.tables.corpus)
     corpus: bool = True
@@ -122,6 +132,7 @@ class StudyPlan:
             study_name=self.study_name,
             storage=storage,
             sampler=sampler,
+            pruner=study_pruner(),
             direction="minimize",
             load_if_exists=True,
         )
@@ -180,44 +191,15 @@ def _finished(t: FrozenTrial, *, retry_failed: bool = False, since: int = -1) ->
     """
     if "duplicate_of" in t.user_attrs or "result" not in t.user_attrs:  # (no result: older attnbench)
         return False
-    if t.state == TrialState.COMPLETE:
-        return True
+    if t.state == TrialState.COMPLETE or (
+        t.state == TrialState.PRUNED and t.user_attrs.get("kind") == "pruned"
+    ):
+        return True  # measured, or gated and stopped early by the pruner: a verdict either way
     # a verdict is a failure kind recorded before the trial was told; a trial failed for its stale
     # heartbeat (its tuner died) or interrupted has none and runs again
     verdict = t.user_attrs.get("kind") not in (None, "", "ok", "interrupted")
     failed = t.state == TrialState.FAIL and verdict and not t.user_attrs.get("interrupted")
     return failed and (not retry_failed or t.number > since)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _close_abandoned(study: optuna.Study, storage: Any, *, timeout_s: float, host: str) -> None:
-    """Trials whose tuner is gone: by heartbeat on RDB storages; by PID on this host for the journal.
-
-    A trial silent far past the timeout is closed either way (e.g. killed before its first beat).
-    """
-    if heartbeats_enabled(storage):
-        fail_stale(study)
-    now = time.time()
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        a = t.user_attrs
-        started = t.datetime_start.timestamp() if t.datetime_start else now
-        if a.get("pid") == os.getpid() and a.get("host") == host:
-            continue
-        by_pid = not heartbeats_enabled(storage) and a.get("host") == host
-        dead = (by_pid and not _alive(int(a.get("pid", 0)))) or now - started > 3 * timeout_s + 600
-        if dead:
-            storage.set_trial_user_attr(t._trial_id, "interrupted", True)
-            storage.set_trial_user_attr(t._trial_id, "reason", "abandoned: its process is gone")
-            study.tell(t.number, state=TrialState.FAIL)
 
 
 def run_study(
@@ -239,7 +221,7 @@ def run_study(
     study.set_user_attr("key", plan.key.as_dict())
     study.set_user_attr("space", plan.space.describe())
     study.set_user_attr("code_hash", plan.code_hash)
-    _close_abandoned(study, study._storage, timeout_s=options.timeout_s, host=options.host_id)
+    close_abandoned(study, study._storage, timeout_s=options.timeout_s, host=options.host_id)
     result = KeyResult(plan)
     if not plan.space.backends:
         return result
@@ -276,7 +258,7 @@ def run_study(
                 break
             # the rest runs elsewhere: wait for it (or for its tuner to be found dead, then run it)
             time.sleep(max(1.0, options.heartbeat_s / 2))
-            _close_abandoned(study, study._storage, timeout_s=options.timeout_s, host=options.host_id)
+            close_abandoned(study, study._storage, timeout_s=options.timeout_s, host=options.host_id)
             continue
         if plan.exhaustive or confirming or duplicates >= _MAX_DUPLICATES:
             pick = todo[0] if plan.exhaustive or confirming else rng.choice(todo)
@@ -311,11 +293,17 @@ def run_study(
             workload=workload_to_dict(plan.workload),
             profile={k: v for k, v in profile.as_dict().items() if k != "id"},
             backend=cand.backend,
+            report=options.prune,
             **{k: getattr(options, k) for k in MEASURE_SETTINGS},
         )
+
+        def on_report(step: int, value: float, trial: optuna.Trial = trial) -> bool:
+            trial.report(value, step)  # the running median after ``step`` timed steps
+            return trial.should_prune()
+
         try:
             with heartbeat(study._storage, trial._trial_id):
-                outcome = worker.run(task, timeout=options.timeout_s)
+                outcome = worker.run(task, timeout=options.timeout_s, on_report=on_report)
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
             trial.set_user_attr("kind", "interrupted")
@@ -326,6 +314,8 @@ def run_study(
         _record(trial, cand, outcome)
         if outcome.ok:
             study.tell(trial, outcome.value)
+        elif outcome.kind == "pruned":
+            study.tell(trial, state=TrialState.PRUNED)
         else:
             study.tell(trial, state=TrialState.FAIL)
         result.ran += 1

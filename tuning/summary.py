@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from attnbench.core.device import DeviceProfile
+from attnbench.core.timing import Timing
 from attnbench.tables.margin import SWITCH_MARGIN, Interval, decide, too_wide
 from attnbench.tables.table import versions
 from attnbench.tables.table_schema import Candidate, CandidateResult, TableEntry
@@ -25,7 +26,7 @@ from attnbench.tuning.refine import PointMeasurement
 if TYPE_CHECKING:  # the study needs Optuna; a summary of its records does not
     from attnbench.tuning.study import KeyResult
 
-__all__ = ["candidate_label", "mergeable", "summarize", "versions"]
+__all__ = ["candidate_label", "gate_summary", "mergeable", "study_interval", "summarize", "versions"]
 
 _SAME = ("attnbench", "torch", "triton")
 
@@ -175,3 +176,34 @@ def _search(result: KeyResult) -> str:
     if result.corpus == "disagreed":
         return f"{how} (the corpus's winner, from {plan.corpus_label}, lost here: searched in full)"
     return how
+
+
+def study_interval(step: Timing) -> Interval:
+    """A study trial's time as an approximate 95 % interval of its median, from the 10th–90th
+    percentile of its steps (p90 − p10 ≈ 2.56 σ; the median's standard error ≈ 1.25 σ / √n). Used
+    only to pick the finalists, which are then re-timed interleaved."""
+    med, n = step.median_s * 1e3, max(1, step.repeats)
+    half = 0.96 * (step.p90_s - step.p10_s) * 1e3 / n**0.5
+    return Interval(med, max(med - half, 0.0), med + half, n)
+
+
+def gate_summary(check: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The gate's numbers a table keeps: worst error, calibration error, their ratio, the bound."""
+    if not check:
+        return None
+
+    def few(d: dict[str, Any] | None) -> dict[str, Any] | None:
+        keys = ("max_abs", "rel_l2", "cosine")
+        return {k: float(f"{d[k]:.4g}") for k in keys if isinstance(d.get(k), (int, float))} if d else None
+
+    out = {
+        "error": few(check.get("error")),
+        "calibration": few(check.get("calibration")),
+        "multiple": check.get("multiple"),
+        "ratios": {k: float(f"{v:.3g}") for k, v in (check.get("ratios") or {}).items()},
+        "retrieval": check.get("retrieval"),
+        "workload": check.get("workload"),
+    }
+    if check.get("stored_error"):
+        out["stored_error"] = few(check.get("stored_error"))
+    return {k: v for k, v in out.items() if v is not None}

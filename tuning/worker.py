@@ -17,7 +17,6 @@ registered only in a test's registry, or by a plugin, reaches the worker the sam
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import gc
 import json
@@ -25,23 +24,24 @@ import math
 import os
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from attnbench.core.child import Child
+from attnbench.core.child import Child, die_with_parent
 from attnbench.core.workload import workload_from_dict
-from attnbench.tables.margin import Interval
 from attnbench.tables.table_schema import CandidateResult
 from attnbench.tuning.interleave import run_interleaved
+from attnbench.tuning.summary import gate_summary, study_interval
 
 if TYPE_CHECKING:
-    from attnbench.core.timing import Timing
+    pass
 
 __all__ = ["Outcome", "Worker", "WorkerTask", "evaluate"]
 
@@ -71,6 +71,8 @@ class WorkerTask:
     accuracy_budget: float | None = None
     timing: str | None = None  # the objective: "eager" or "graph" (None: graph on CUDA, else eager)
     backend: str = ""  # the candidate's name in the search space (its record's ``backend``)
+    #: report each timed step's running median to the parent, which may answer "prune" (Optuna's pruner)
+    report: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -83,7 +85,8 @@ class Outcome:
     ``kind`` of a failure: ``gate`` (wrong values, in the gate or in the timed run), ``implausible``
     (faster than the measured read bandwidth allows), ``nan`` (non-finite output or time), ``exception``,
     ``oom``, ``crash`` (the process died), ``timeout`` (hang), ``unsupported``, ``not-timed``,
-    ``interrupted`` (Ctrl-C; not a verdict on the candidate).
+    ``interrupted`` (Ctrl-C; not a verdict on the candidate); ``pruned`` is no failure: the gate passed
+    and the parent's pruner stopped the timed steps early (``value``: their median so far).
     """
 
     ok: bool
@@ -118,7 +121,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     from attnbench.core.device import DeviceProfile
     from attnbench.core.registry import load_backend_class
     from attnbench.measure.bench import CheckFailed, Implausible, measure_decode
-    from attnbench.measure.timed_run import ModelShelf
+    from attnbench.measure.timed_run import ModelShelf, Pruned
 
     global _SHELF
     if _SHELF is None:
@@ -128,7 +131,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
 
     def failed(kind: str, reason: str, check: Any = None, **attrs: Any) -> dict[str, Any]:
         error = {k: v for k, v in ((check or {}).get("error") or {}).items() if k in _ERROR_KEYS} or None
-        gate, lossy = _gate_summary(check), (check or {}).get("lossy") or None
+        gate, lossy = gate_summary(check), (check or {}).get("lossy") or None
         result = CandidateResult(
             name, config, failed=kind, reason=reason, gate=gate, lossy=lossy, error=error
         )
@@ -144,12 +147,20 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         settings: dict[str, Any] = {k: task.get(k) for k in MEASURE_SETTINGS}
         key = _gate_key(task, config, backend.result_neutral)
         passed = _PASSED.get(key)
+        report = _reporter(int(task.get("repeats") or 0)) if task.get("report") else None
         m = measure_decode(
             backend, workload, config=config, resolution=resolution, profile=profile, check=True,
-            gate=passed[1] if passed else None, shelf=_SHELF, **settings,
+            gate=passed[1] if passed else None, shelf=_SHELF, report=report, **settings,
         )  # fmt: skip
         if passed is None and m.check is not None and m.check.passed:
             _PASSED[key] = (_label(name, config), m.check)
+    except Pruned as err:  # the gate passed; the parent's pruner stopped the timed steps early
+        if passed is None and err.check is not None and err.check.passed:
+            _PASSED[key] = (_label(name, config), err.check)
+        check = err.check.as_dict() if err.check is not None else None
+        verdict = failed("pruned", f"{err}: the tuner's pruner found it slower than others there", check)
+        verdict["result"]["implementation"] = resolution.implementation or None
+        return verdict | {"value": err.step.median_s, "phases": err.phases}
     except CheckFailed as err:
         return failed("nan" if err.check.error.nonfinite else "gate", str(err), err.check.as_dict())
     except Implausible as err:  # faster than the device can read: a measurement bug, never a winner
@@ -163,7 +174,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     value = m.step.median_s
     if not math.isfinite(value) or value <= 0:
         return failed("nan", f"step time {value!r} is not a positive number", check)
-    gate = _gate_summary(check)
+    gate = gate_summary(check)
     if gate is not None and passed is not None:
         gate["reused_from"] = passed[0]  # the same bits as this config: the verdict was not drawn again
     result = CandidateResult(
@@ -175,7 +186,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         implementation=m.implementation or None,
         gate=gate,
         lossy=(check or {}).get("lossy") or None,
-        study_interval=_study_interval(m.step).as_dict(),
+        study_interval=study_interval(m.step).as_dict(),
     )
     return {"ok": True, "value": value, "result": result.as_dict(), "phases": m.phases}
 
@@ -183,6 +194,24 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
 #: the filled model of the last candidate whose backend declares ``cache_neutral`` tunables: the next
 #: candidate that differs from it only in those is timed on it (attnbench.measure.timed_run.ModelShelf)
 _SHELF: Any = None
+
+#: the worker's way to ask the parent a question mid-task (set by main: a line out, a line back)
+_ASK: Any = None
+
+
+def _reporter(repeats: int) -> Any:
+    """``report(samples)`` for :func:`measure_decode`: each timed step's running median to the parent,
+    which answers whether to prune (Optuna's pruner, in the study); the last of ``repeats`` steps is
+    not reported (stopping there saves nothing)."""
+
+    def report(samples: list[float]) -> bool:
+        if _ASK is None or len(samples) >= repeats:
+            return False
+        answer = _ASK({"report": len(samples), "value": statistics.median(samples)})
+        return bool(answer.get("prune"))
+
+    return report
+
 
 #: the gate verdicts this worker drew and passed, by what decides them: the backend, the workload, the
 #: measuring settings and the config without its ``result_neutral`` tunables (a candidate differing
@@ -201,60 +230,6 @@ def _label(name: str, config: dict[str, Any]) -> str:
     return f"{name}[{','.join(f'{k}={v}' for k, v in sorted(config.items()))}]" if config else name
 
 
-def _study_interval(step: Timing) -> Interval:
-    """A study trial's time as an approximate 95 % interval of its median, from the 10th–90th
-    percentile of its steps (p90 − p10 ≈ 2.56 σ; the median's standard error ≈ 1.25 σ / √n). Used
-    only to pick the finalists, which are then re-timed interleaved."""
-    med, n = step.median_s * 1e3, max(1, step.repeats)
-    half = 0.96 * (step.p90_s - step.p10_s) * 1e3 / n**0.5
-    return Interval(med, max(med - half, 0.0), med + half, n)
-
-
-def _gate_summary(check: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The gate's numbers a table keeps: worst error, calibration error, their ratio, the bound."""
-    if not check:
-        return None
-
-    def few(d: dict[str, Any] | None) -> dict[str, Any] | None:
-        keys = ("max_abs", "rel_l2", "cosine")
-        return {k: float(f"{d[k]:.4g}") for k in keys if isinstance(d.get(k), (int, float))} if d else None
-
-    out = {
-        "error": few(check.get("error")),
-        "calibration": few(check.get("calibration")),
-        "multiple": check.get("multiple"),
-        "ratios": {k: float(f"{v:.3g}") for k, v in (check.get("ratios") or {}).items()},
-        "retrieval": check.get("retrieval"),
-        "workload": check.get("workload"),
-    }
-    if check.get("stored_error"):
-        out["stored_error"] = few(check.get("stored_error"))
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def _die_with_parent(parent: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``).
-
-    Unlike a watcher thread, this works while a backend holds the GIL in C code. The signal follows
-    the parent *thread* that started the worker, so the tuner starts workers from its main thread.
-    Elsewhere, a watcher thread is the fallback.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG = 1
-            if os.getppid() != parent:  # the parent died before the call: nobody will signal
-                os._exit(3)
-            return
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-
-
-def _watch_parent(parent: int) -> None:
-    while True:  # an orphaned worker (parent killed) must not run on
-        if os.getppid() != parent:
-            os._exit(3)
-        time.sleep(1.0)
-
-
 def main() -> None:
     """The worker process: read a task per line, answer a verdict per line."""
 
@@ -269,7 +244,7 @@ def main() -> None:
     if init.get("memory_limit_bytes"):
         limit = int(init["memory_limit_bytes"])
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    _die_with_parent(init["parent"])
+    die_with_parent(init["parent"])
     # torch and the measuring code, now that stdout is the protocol's and the limit is set, before "ready"
     import torch
 
@@ -282,6 +257,13 @@ def main() -> None:
     if init.get("threads"):  # the parent's thread count (`tune --threads`): its fingerprint says so
         torch.set_num_threads(int(init["threads"]))
 
+    def ask(message: dict[str, Any]) -> dict[str, Any]:
+        proto.write(json.dumps(message) + "\n")
+        line = sys.stdin.readline()
+        return json.loads(line) if line.strip() else {}
+
+    global _ASK
+    _ASK = ask
     proto.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:
         if not line.strip():
@@ -407,21 +389,43 @@ class Worker:
         return reply
 
     # -- one candidate ----------------------------------------------------------------------------
-    def run(self, task: WorkerTask, *, timeout: float) -> Outcome:
-        return self.request(task.as_dict(), timeout=timeout)
+    def run(
+        self, task: WorkerTask, *, timeout: float, on_report: Callable[[int, float], bool] | None = None
+    ) -> Outcome:
+        """Evaluate ``task``; with ``task.report``, ``on_report(step, running median seconds)`` answers
+        after each timed step whether to prune it."""
+        return self.request(task.as_dict(), timeout=timeout, on_report=on_report)
 
-    def request(self, message: dict[str, Any], *, timeout: float) -> Outcome:
+    def request(
+        self,
+        message: dict[str, Any],
+        *,
+        timeout: float,
+        on_report: Callable[[int, float], bool] | None = None,
+    ) -> Outcome:
         """Send one task (a :class:`WorkerTask`'s dict, or another ``op``) and wait for its verdict."""
-        outcome = self._request(message, timeout=timeout)
+        outcome = self._request(message, timeout=timeout, on_report=on_report)
         self._account(message, outcome)
         return outcome
 
-    def _request(self, message: dict[str, Any], *, timeout: float) -> Outcome:
+    def _request(
+        self,
+        message: dict[str, Any],
+        *,
+        timeout: float,
+        on_report: Callable[[int, float], bool] | None = None,
+    ) -> Outcome:
         if self.child is None or self.child.poll() is not None:
             self.start()
         t0 = time.monotonic()
         try:
             reply = self._ask(message, timeout)
+            while reply is not None and "report" in reply:  # a timed step's running median: prune?
+                prune = on_report(int(reply["report"]), float(reply["value"])) if on_report else False
+                assert self.child is not None
+                self.child.send({"prune": bool(prune)})
+                reply = self.child.receive(timeout)
+                self.eof = self.child.eof
         except BrokenPipeError:
             reply, self.eof = None, True
         except KeyboardInterrupt:

@@ -120,6 +120,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "its measured finalists run first and a key where this machine agrees stops there; see "
         "docs/tuning.md#the-shipped-corpus; ATTNBENCH_CORPUS=off does the same everywhere)",
     )
+    p.add_argument(
+        "--no-prune",
+        dest="prune",
+        action="store_false",
+        help="time every candidate's --repeats steps in full; by default Optuna's successive-halving "
+        "pruner stops a candidate's timed steps where it is slower than the study's others (it was "
+        "gated first; the finalists are re-timed in full either way; see docs/tuning.md)",
+    )
     p.add_argument("--seed", type=int, default=0, help="TPE sampler seed (default 0)")
     p.add_argument(
         "--storage",
@@ -218,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         max_seconds=args.max_seconds,
         retry_failed=args.retry_failed,
         corpus=args.corpus,
+        prune=args.prune,
         num_layers=args.layers,
         heartbeat_s=args.heartbeat,
         **fleet,

@@ -24,7 +24,7 @@ from attnbench.core.backend import (
     Tolerance,
     base_plan,
 )
-from attnbench.core.child import Child, run_child
+from attnbench.core.child import Child, die_with_parent, run_child
 from attnbench.core.device import (
     AUTO,
     DeviceProfile,
@@ -125,6 +125,7 @@ __all__ = [
     "code_hash",
     "decode_cost",
     "decode_roofline",
+    "die_with_parent",
     "dtype_bytes",
     "dtype_name",
     "empty_huge",

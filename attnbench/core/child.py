@@ -17,6 +17,7 @@ or runs out of memory), a plugin's ``resolve()`` (plugin code bounded in time), 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import selectors
@@ -24,12 +25,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-__all__ = ["Child", "ChildRun", "run_child"]
+__all__ = ["Child", "ChildRun", "die_with_parent", "run_child"]
 
 
 class Child:
@@ -154,3 +156,26 @@ def run_child(
         size = err.seek(0, os.SEEK_END)
         err.seek(max(0, size - stderr_bytes))
         return ChildRun(code, err.read().decode(errors="replace").strip())
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``).
+
+    Unlike a watcher thread, this works while a backend holds the GIL in C code. The signal follows
+    the parent *thread* that started the worker, so the tuner starts workers from its main thread.
+    Elsewhere, a watcher thread is the fallback.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG = 1
+            if os.getppid() != parent:  # the parent died before the call: nobody will signal
+                os._exit(3)
+            return
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while True:  # an orphaned worker (parent killed) must not run on
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(1.0)

@@ -64,13 +64,16 @@ def measure(
     rotate: int = 1,
     max_seconds: float | None = None,
     before: Callable[[int], object] | None = None,
+    after: Callable[[list[float]], bool] | None = None,
 ) -> Timing:
     """Time ``fn(i)`` where ``i`` cycles over ``range(rotate)``.
 
     ``warmup`` untimed calls run first (one per input set at least). ``max_seconds`` caps the timed
     phase: sampling stops early once it is exceeded, keeping at least 3 samples. ``before(i)``, if
     given, runs before every timed call, outside the timer (then a device sync): e.g. evicting the
-    last-level cache when the data is too small to do so itself.
+    last-level cache when the data is too small to do so itself. ``after(samples)``, if given, is
+    called with the samples so far after each timed call, outside the timer; ``True`` stops sampling
+    there (a tuner's pruner: the candidate is clearly slower than others).
     """
     if repeats < 1:
         raise ValueError(f"repeats = {repeats} must be ≥ 1")
@@ -96,6 +99,8 @@ def measure(
             fn(i % rotate)
             samples.append(time.perf_counter() - t0)
         if max_seconds is not None and len(samples) >= 3 and time.perf_counter() - start_all > max_seconds:
+            break
+        if after is not None and after(samples):
             break
     samples.sort()
     return Timing(

@@ -17,13 +17,14 @@ from attnbench.measure.bench import (
 from attnbench.measure.decode import generate
 from attnbench.measure.graph_step import GraphedDecodeStep
 from attnbench.measure.synthetic import SyntheticModel
-from attnbench.measure.timed_run import ModelShelf, TimedRun, check_timed_step, llc_evictor, timed_run
+from attnbench.measure.timed_run import ModelShelf, Pruned, TimedRun, check_timed_step, llc_evictor, timed_run
 
 __all__ = [
     "CheckFailed",
     "GraphedDecodeStep",
     "Implausible",
     "ModelShelf",
+    "Pruned",
     "SyntheticModel",
     "TimedRun",
     "check_timed_step",

@@ -47,7 +47,7 @@ import gc
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -67,7 +67,7 @@ from attnbench.correctness.timed import (
     plausibility,
 )
 from attnbench.measure.decode import SyntheticModel
-from attnbench.measure.timed_run import ModelShelf, TimedRun, timed_run
+from attnbench.measure.timed_run import ModelShelf, Pruned, TimedRun, timed_run
 
 __all__ = [
     "CheckFailed",
@@ -159,6 +159,7 @@ def measure_decode(
     timing: str | None = None,
     gate: CheckResult | None = None,
     shelf: ModelShelf | None = None,
+    report: Callable[[list[float]], bool] | None = None,
 ) -> DecodeMeasurement:
     """Check ``backend`` on ``workload``, then time its decode step through the synthetic model.
 
@@ -183,6 +184,9 @@ def measure_decode(
             timed step is checked as always.
         shelf: keeps the filled model of a backend that declares ``cache_neutral`` tunables after the
             run, and runs a later call that differs only in those on it, rewound (see :class:`ModelShelf`).
+        report: called with the step times so far after each timed step (eager timing only); ``True``
+            stops the run there and raises :class:`~attnbench.measure.timed_run.Pruned` (a tuner's
+            pruner: the gate passed, the steps are unchecked and never a result).
 
     Raises:
         ValueError: the backend cannot run the workload (the message lists why).
@@ -225,7 +229,11 @@ def measure_decode(
         multiple=multiple if check else None,
         keep=shelf.put if shelf is not None and backend.cache_neutral else None,
         key=key,
+        report=report,
     )
+    if run.pruned:
+        phases = {"gate": gate_s} | run.phases | {"cache": made + run.phases.get("cache", 0.0)}
+        raise Pruned(run.step, result, phases)
     flops = decode_cost(workload, form=backend.kv_form, num_layers=layers).flops if peak_flops else 0.0
     m = _measurement(
         run, base, check=result, gate_s=gate_s, profile=profile, flops=flops, peak_flops=peak_flops

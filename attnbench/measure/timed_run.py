@@ -27,7 +27,20 @@ from attnbench.correctness.gate import CheckResult, Judge
 from attnbench.measure.graph_step import GraphedDecodeStep
 from attnbench.measure.synthetic import SyntheticModel
 
-__all__ = ["ModelShelf", "TimedRun", "check_timed_step", "llc_evictor", "timed_run"]
+__all__ = ["ModelShelf", "Pruned", "TimedRun", "check_timed_step", "llc_evictor", "timed_run"]
+
+
+class Pruned(RuntimeError):
+    """The timed steps stopped early at a tuner's pruner: the candidate was clearly slower than
+    others. ``step``: the steps it ran; ``check``: the gate's verdict it passed before."""
+
+    def __init__(
+        self, step: Timing, check: CheckResult | None, phases: dict[str, float] | None = None
+    ) -> None:
+        super().__init__(f"pruned after {step.repeats} timed steps (median {step.median_s * 1e3:.4g} ms)")
+        self.step = step
+        self.check = check
+        self.phases = dict(phases or {})  #: wall seconds by phase, as a measurement's
 
 
 def llc_evictor(model: SyntheticModel) -> Callable[[int], object] | None:
@@ -134,6 +147,8 @@ class TimedRun:
     check_s: float
     #: wall seconds by phase (see :attr:`DecodeMeasurement.phases`), the gate's excepted
     phases: dict[str, float] = field(default_factory=dict)
+    #: ``report`` stopped the timed steps early (a tuner's pruner): unchecked, not a result
+    pruned: bool = False
 
 
 def timed_run(
@@ -146,11 +161,14 @@ def timed_run(
     multiple: float | None,
     keep: Callable[[str, SyntheticModel], None] | None = None,
     key: str = "",
+    report: Callable[[list[float]], bool] | None = None,
 ) -> TimedRun:
     """Steps 4-5 of :mod:`attnbench.measure.bench`'s doc: fill (unless ``model`` is filled and rewound: a
     :class:`ModelShelf`'s), time the steps eagerly (and as a graph on CUDA), check one timed step at
     random (``multiple=None``: unchecked). The model is released on every path, but handed to
-    ``keep(key, model)`` after a run that completed without a graph and passed its check."""
+    ``keep(key, model)`` after a run that completed without a graph and passed its check (or was
+    pruned). ``report(samples)``: called after each timed step where the eager steps are the
+    objective; ``True`` stops the run there, unchecked, as ``pruned``."""
     device = model.workload.device
     on_cuda = torch.device(device).type == "cuda"
     spot = random.Random(os.urandom(8))
@@ -167,7 +185,14 @@ def timed_run(
         evict = llc_evictor(model)
         flushed = evict is not None
 
-        def timed(step: Callable[[int], object], rotate: int = 1) -> Timing:
+        pruned = False
+
+        def stop(samples: list[float]) -> bool:
+            nonlocal pruned
+            pruned = report is not None and report(samples)
+            return pruned
+
+        def timed(step: Callable[[int], object], rotate: int = 1, *, reported: bool = False) -> Timing:
             return measure(
                 step,
                 device=device,
@@ -176,21 +201,26 @@ def timed_run(
                 rotate=rotate,
                 max_seconds=max_seconds,
                 before=evict,
+                after=stop if reported else None,
             )
 
         t0 = time.perf_counter()
-        eager = timed(lambda i: model.decode_step(), rotate=1)
+        eager = timed(
+            lambda i: model.decode_step(), rotate=1, reported=report is not None and mode == "eager"
+        )
         timed_s = time.perf_counter() - t0
         phases["samples"] = min(timed_s, eager.median_s * eager.repeats)  # the median × the timed steps
         phases["warmup"] = timed_s - phases["samples"]
         materialised = model.layers_materialised
         check_start = time.perf_counter()
         checked = None
-        if multiple is not None:
+        if multiple is not None and not pruned:
             checked = check_timed_step(model, first=eager.warmup, rng=spot, multiple=multiple)
         check_s = time.perf_counter() - check_start
         phases["check"] = check_s
-        if on_cuda and getattr(model.cache, "capturable", False):
+        if pruned:
+            pass
+        elif on_cuda and getattr(model.cache, "capturable", False):
             t0 = time.perf_counter()
             graph = timed(GraphedDecodeStep(model))
             phases["graph"] = time.perf_counter() - t0
@@ -223,6 +253,7 @@ def timed_run(
         check=checked,
         check_s=check_s,
         phases=phases,
+        pruned=pruned,
     )
 
 

@@ -156,7 +156,11 @@ def test_a_fleet_of_three_tuners_survives_a_sigkill(fresh_database, tmp_path, ca
         if "backend" not in t.user_attrs or "duplicate_of" in t.user_attrs:
             continue
         ident = (study, t.user_attrs["backend"], tuple(sorted(t.user_attrs["config"].items())))
-        verdict = t.state.name == "FAIL" and t.user_attrs.get("kind") not in (None, "ok", "interrupted")
+        kind = t.user_attrs.get("kind")
+        # a failure with its kind, or a candidate the pruner stopped after it passed the gate
+        verdict = (t.state.name == "FAIL" and kind not in (None, "ok", "interrupted")) or (
+            t.state.name == "PRUNED" and kind == "pruned"
+        )
         if t.state.name == "COMPLETE" or verdict:
             verdicts[ident].append(t.state.name)
     assert all(len(v) == 1 for v in verdicts.values()), verdicts

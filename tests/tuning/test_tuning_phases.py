@@ -71,5 +71,7 @@ def test_the_steady_speed_decides(tmp_path, profile, planted, winner) -> None:  
     (entry,) = report.entries.values()
     assert entry["complete"] and entry["trials"] == 2
     assert entry["winner"]["backend"] == winner, entry["candidates"]
-    times = {c["backend"]: c["step_ms"] for c in entry["candidates"]}
-    assert times[winner] < min(t for b, t in times.items() if b != winner), times
+    # the loser ran in full and was slower, or was pruned for its steady speed after its third step
+    (loser,) = [c for c in entry["candidates"] if c["backend"] != winner]
+    (won,) = [c for c in entry["candidates"] if c["backend"] == winner]
+    assert loser.get("failed") == "pruned" or won["step_ms"] < loser["step_ms"], entry["candidates"]

@@ -97,7 +97,7 @@ class _FakeWorker:
     def __init__(self):
         self.calls: list[dict] = []
 
-    def run(self, task: WorkerTask, *, timeout: float) -> Outcome:
+    def run(self, task: WorkerTask, *, timeout: float, on_report: object = None) -> Outcome:
         self.calls.append(task.config)
         c = task.config
         value = 1.0 + (c.get("a", 3) - 1) ** 2 + (c.get("b", 3) - 2) ** 2 + (c.get("c") != "z")
@@ -207,7 +207,7 @@ class _FlakyWorker(_FakeWorker):
         super().__init__()
         self.flaky = flaky
 
-    def run(self, task: WorkerTask, *, timeout: float) -> Outcome:
+    def run(self, task: WorkerTask, *, timeout: float, on_report: object = None) -> Outcome:
         if self.flaky and "block" in task.config:
             self.calls.append(task.config)
             return Outcome(ok=False, kind="timeout", reason="no result after 1 s")
@@ -235,7 +235,7 @@ def test_failed_trials_are_final_unless_retried(tmp_path):
 
 
 class _SlowFakeWorker(_FakeWorker):
-    def run(self, task: WorkerTask, *, timeout: float) -> Outcome:
+    def run(self, task: WorkerTask, *, timeout: float, on_report: object = None) -> Outcome:
         import time
 
         time.sleep(0.2)
