@@ -88,6 +88,7 @@ def tune(
     on_trial: Callable[[StudyPlan, CandidateResult, bool], None] | None = None,
     on_point: Callable[[GridPoint], None] | None = None,
     on_entry: Callable[[StudyPlan, Mapping[str, Any]], None] | None = None,
+    on_study: Callable[[StudyPlan, Mapping[str, Any]], None] | None = None,
     update_reference: bool = False,
 ) -> TuneReport:
     """Tune every key that ``workloads`` fall in, merge the winners into the device's table, and
@@ -106,8 +107,9 @@ def tune(
         margin: the switch margin of the margin policy (:func:`attnbench.tables.margin.decide`).
         samples: interleaved samples per finalist (0: no re-timing, no map).
         refine / resolution: add grid lines where winners differ, to within ``resolution`` octaves.
-        on_plan / on_trial / on_point / on_entry: progress hooks (the plans, each trial, each map
-            point, each key's table entry once written).
+        on_plan / on_trial / on_point / on_entry / on_study: progress hooks (the plans, each trial,
+            each map point, each key's table entry once its finalists were re-timed, and each key's
+            entry as its study ends, before any re-timing).
 
     Ctrl-C stops after marking the running trial interrupted; what was measured is kept in the
     study and written to the table (entries marked ``complete: false``), and ``interrupted`` is set.
@@ -188,6 +190,8 @@ def tune(
                     break
                 continue
             write(result, None)  # the study's own entry now: nothing lost if the run stops before re-timing
+            if on_study is not None:
+                on_study(plan, report.entries[plan.key.row])
             studied.append((plan, result))
             if result.interrupted:
                 report.interrupted = True

@@ -268,6 +268,21 @@ def run(args: argparse.Namespace) -> int:
             markup=False,
         )
 
+    studied = [0]
+
+    def on_study(plan, entry) -> None:
+        """A line per finished study where the bar is not drawn: the re-timing of every key's finalists
+        comes after all studies, so without it a log would show nothing for the whole search."""
+        studied[0] += 1
+        if args.json or out.is_terminal:
+            return
+        pruned = sum(c.get("failed") == "pruned" for c in entry.get("candidates", ()))
+        out.print(
+            f"study {studied[0]}/{len(state.get('plans', ()))} done: {plan.workload.describe()}, "
+            f"{entry.get('trials', 0)} trials ({pruned} pruned; {time.monotonic() - done[1]:.0f} s so far)",
+            markup=False,
+        )
+
     def on_point(point) -> None:
         progress.update(
             state["task"],
@@ -295,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
             on_trial=on_trial,
             on_point=on_point,
             on_entry=on_entry,
+            on_study=on_study,
         )
     if args.json:
         emit_json(

@@ -28,8 +28,12 @@ def test_a_log_gets_a_line_per_study_and_the_profile_its_table(tmp_path: Path) -
     proc = _tune(tmp_path, "--profile")
     lines = proc.stdout.splitlines()
     studies = [x for x in lines if x.startswith(("[1/2] ", "[2/2] "))]
-    assert len(studies) == 2, proc.stdout[-3000:]  # a pipe: no bar drawn, a line per study instead
+    assert len(studies) == 2, proc.stdout[-3000:]  # a pipe: no bar drawn, a line per key instead
     assert all("naive" in x and " ms " in x and "trials" in x for x in studies), studies
+    # and a line as each study ends, before the finalists' re-timing that follows all studies
+    ended = [i for i, x in enumerate(lines) if x.startswith(("study 1/2 done: ", "study 2/2 done: "))]
+    assert len(ended) == 2 and max(ended) < lines.index(studies[0]), proc.stdout[-3000:]
+    assert all("trials (" in lines[i] and "pruned" in lines[i] for i in ended), proc.stdout[-3000:]
     assert any("where the time went" in x for x in lines), proc.stdout[-3000:]
     for phase in ("gate", "samples", "bookkeeping", "worker start-up"):  # a row of the table each
         assert any(x.strip("│ ").startswith(phase + " ") for x in lines), (phase, proc.stdout[-3000:])
