@@ -325,9 +325,17 @@ class CpuDecodeFp8Backend(CpuDecodeBackend):
         128k (2.0× the calibration reference in rel_l2 at 1k), past the 0.8 headroom every declared
         multiple keeps; 3 leaves it at ~0.55. The AVX-512 variant's shift conversion (which reads e4m3
         subnormals as zero) over the same 30 seeds: no failure, worst 0.76 of ×3 at 128k
-        (results/gate/gate-matrix-cpu-fp8-shift-bf16.md). The scalar variant stays in fp32."""
+        (results/gate/gate-matrix-cpu-fp8-shift-bf16.md). The scalar variant stays in fp32. In fp32,
+        7: the conformance suite's gate failed at 2 on 2 of 2,000 seeds of its mqa case (16-token pages,
+        four KV splits) and once in CI, where the bound's fp32 accumulation allowance did not cover
+        the error against the stored K/V; over 1,503 seeds of that case (those three included) the
+        worst error reached 5.19× the calibration reference's (max of max_abs and rel_l2), the gqa
+        case and the default config 2.4–3.0× over 600 seeds each; 7 keeps the worst at 0.74. fp16 stays
+        at the default 2 (worst 1.00× over 300 seeds)."""
         if dtype == torch.bfloat16:
             return 3.0
+        if dtype == torch.float32:
+            return 7.0
         return super().error_multiple(dtype, config=config)
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
