@@ -21,7 +21,7 @@ class ClearlySlower(optuna.pruners.BasePruner):
     its first step or two, then fast, is judged by its steady speed). At the third step, and at the
     ninth, successive halving keeps the best third of the study's trials there; of the others, only
     one whose running median is more than ``margin`` above the best trial's at that step stops
-    (``pruned``: gated, unchecked, never a finalist). Near-ties run in full: they are what the
+    (``pruned``: gated, its steps checked, never a finalist). Near-ties run in full: they are what the
     finalists' interleaved re-timing decides between.
     """
 

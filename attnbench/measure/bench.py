@@ -186,7 +186,7 @@ def measure_decode(
             run, and runs a later call that differs only in those on it, rewound (see :class:`ModelShelf`).
         report: called with the step times so far after each timed step (eager timing only); ``True``
             stops the run there and raises :class:`~attnbench.measure.timed_run.Pruned` (a tuner's
-            pruner: the gate passed, the steps are unchecked and never a result).
+            pruner: the gate passed, the steps ran are checked too, never a result).
 
     Raises:
         ValueError: the backend cannot run the workload (the message lists why).
@@ -231,6 +231,8 @@ def measure_decode(
         key=key,
         report=report,
     )
+    if run.check is not None and not run.check.passed:
+        raise CheckFailed(run.check)
     if run.pruned:
         phases = {"gate": gate_s} | run.phases | {"cache": made + run.phases.get("cache", 0.0)}
         raise Pruned(run.step, result, phases)

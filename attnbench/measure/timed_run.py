@@ -147,7 +147,7 @@ class TimedRun:
     check_s: float
     #: wall seconds by phase (see :attr:`DecodeMeasurement.phases`), the gate's excepted
     phases: dict[str, float] = field(default_factory=dict)
-    #: ``report`` stopped the timed steps early (a tuner's pruner): unchecked, not a result
+    #: ``report`` stopped the timed steps early (a tuner's pruner): checked all the same, not a result
     pruned: bool = False
 
 
@@ -168,7 +168,7 @@ def timed_run(
     random (``multiple=None``: unchecked). The model is released on every path, but handed to
     ``keep(key, model)`` after a run that completed without a graph and passed its check (or was
     pruned). ``report(samples)``: called after each timed step where the eager steps are the
-    objective; ``True`` stops the run there, unchecked, as ``pruned``."""
+    objective; ``True`` stops the run there, as ``pruned`` (its steps still checked)."""
     device = model.workload.device
     on_cuda = torch.device(device).type == "cuda"
     spot = random.Random(os.urandom(8))
@@ -214,7 +214,7 @@ def timed_run(
         materialised = model.layers_materialised
         check_start = time.perf_counter()
         checked = None
-        if multiple is not None and not pruned:
+        if multiple is not None:  # a pruned run's steps too: a wrong backend is "gate", never just slow
             checked = check_timed_step(model, first=eager.warmup, rng=spot, multiple=multiple)
         check_s = time.perf_counter() - check_start
         phases["check"] = check_s
