@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--combine", nargs="+", type=Path, metavar="FILE", help="pool the points of earlier runs")
     args = p.parse_args(argv)
+    if args.trials < 0:
+        p.error(f"--trials {args.trials}: expected 0 (tune's own default) or a positive number of trials")
     argv_used = list(argv if argv is not None else sys.argv[1:])
     if args.combine:
         return combine(args.combine, out=args.out, argv=argv_used)

@@ -38,6 +38,10 @@ def _label(c: CandidateResult) -> str:
 
 
 def _winners(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise SystemExit(
+            f"tune_agreement: {path}: no such file (a tuning-<device>.yaml that attnbench tune wrote)"
+        )
     try:
         return ResultsTable.load(path).typed()
     except (OSError, TableError) as err:
@@ -63,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
             a, b = full[key], fast[key]
             if a.winner is None or b.winner is None:
                 continue
+            missing = sorted({a.winner.backend, b.winner.backend} - set(refs))
+            if missing:
+                raise SystemExit(
+                    f"tune_agreement: {key}: winner backend {missing[0]!r} is not registered here; "
+                    f"registered: {', '.join(sorted(refs))} (plugins off? unset ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD)"
+                )
             w = Workload.uniform(a.model, batch=a.batch_bucket, context=a.context_bucket, dtype=a.dtype)
             picks = {_label(a.winner): a.winner, _label(b.winner): b.winner}
             fins = [Finalist(lbl, c.backend, refs[c.backend], dict(c.config)) for lbl, c in picks.items()]

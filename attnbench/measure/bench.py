@@ -232,24 +232,13 @@ def measure_decode(
         report=report,
     )
     flops = decode_cost(workload, form=backend.kv_form, num_layers=layers).flops if peak_flops else 0.0
-    if run.pruned:  # checked as every timed run, and held against the bandwidth, before it is "pruned"
-        if run.check is not None and not run.check.passed:
-            raise CheckFailed(run.check)
-        why = plausibility(
-            kv_bytes=run.kv_bytes,
-            seconds=run.step.median_s,
-            profile=profile,
-            flops=flops,
-            peak_flops=peak_flops,
-        )
-        if why:
-            raise Implausible(f"backend {base['backend']!r} {base['config']} on {base['workload']}: {why}")
-        phases = {"gate": gate_s} | run.phases | {"cache": made + run.phases.get("cache", 0.0)}
-        raise Pruned(run.step, result, phases)
+    phases = {"gate": gate_s} | run.phases | {"cache": made + run.phases.get("cache", 0.0)}
     m = _measurement(
         run, base, check=result, gate_s=gate_s, profile=profile, flops=flops, peak_flops=peak_flops
     )
-    m.phases = {"gate": gate_s} | run.phases | {"cache": made + run.phases.get("cache", 0.0)}
+    if run.pruned:  # checked and held against the bandwidth as every timed run, then not a result
+        raise Pruned(run.step, result, phases)
+    m.phases = phases
     return m
 
 
