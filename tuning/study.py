@@ -18,7 +18,7 @@ them, so every tuner of a fleet ends with the complete study.
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import os
 import random
 import socket
@@ -53,7 +53,7 @@ __all__ = [
     "KeyResult",
     "StudyPlan",
     "TuneOptions",
-    "corpus_plans",
+    "converged",
     "corpus_verdict",
     "open_storage",
     "plan_studies",
@@ -94,6 +94,10 @@ class TuneOptions:
     #: start each key from the shipped corpus's finalists where it has this device's kind (and
     #: ATTNBENCH_CORPUS is not off); stop there where this machine agrees (attnbench.tables.corpus)
     corpus: bool = True
+    #: start a costlier key from the finalists of this run's cheaper keys of its dispatch map and stop
+    #: its search after ``patience`` candidates in a row bring nothing better (attnbench.tuning.seeding)
+    transfer: bool = True
+    patience: int = 8
 
 
 def _trial_result(t: FrozenTrial) -> CandidateResult:
@@ -115,6 +119,11 @@ class StudyPlan:
     #: measured first: where this machine agrees the study stops there, else it is searched in full
     corpus_first: tuple[Candidate, ...] = ()
     corpus_label: str = ""  # the corpus's device in words
+    #: this run's finalists of cheaper keys of the same dispatch map (attnbench.tuning.seeding), measured
+    #: first; the search then stops after ``patience`` candidates in a row bring nothing better
+    seeds: tuple[Candidate, ...] = ()
+    seeded_from: str = ""  # those keys in words
+    patience: int = 0
 
     def load(self, storage: Any, *, seed: int) -> optuna.Study:
         sampler: optuna.samplers.BaseSampler
@@ -147,6 +156,8 @@ class KeyResult:
     #: "agreed" (this machine's fastest of the corpus's finalists is the corpus's winner, within the
     #: switch margin: the study stopped there), "disagreed" (searched in full), or "" (no corpus entry)
     corpus: str = ""
+    #: a seeded study stopped: ``plan.patience`` candidates in a row brought nothing better
+    converged: bool = False
 
     @property
     def key(self) -> TuningKey:
@@ -156,7 +167,7 @@ class KeyResult:
     def complete(self) -> bool:
         if self.interrupted:
             return False
-        if self.corpus == "agreed":
+        if self.corpus == "agreed" or self.converged:
             return True
         return len({r.candidate.ident() for r in self.records}) >= min(
             self.plan.target, self.plan.space.size()
@@ -232,6 +243,12 @@ def run_study(
     def finished(t: FrozenTrial) -> bool:
         return _finished(t, retry_failed=options.retry_failed, since=since)
 
+    # a seeded study's patience counts the candidates its sampler chose, after the seeds and the defaults
+    firsts = {c.ident() for c in (*plan.seeds, *candidates[: len(plan.space.backends)])}
+
+    def explored(t: FrozenTrial) -> bool:
+        return _trial_result(t).candidate.ident() not in firsts
+
     enqueued_defaults = False
     duplicates = stalls = 0
     result.corpus = str(study.user_attrs.get("corpus", "")) if plan.corpus_first else ""
@@ -253,6 +270,11 @@ def run_study(
                 study.set_user_attr("corpus", result.corpus)
                 continue
             todo = [c for c in plan.corpus_first if c in todo] or todo
+        elif plan.seeds and any(c in todo for c in plan.seeds):  # this run's cheaper keys' finalists first
+            confirming, todo = True, [c for c in plan.seeds if c in todo]
+        elif plan.seeds and converged(list(done.values()), plan.patience, counted=explored):
+            result.converged = True
+            break
         if not todo:
             if not busy:
                 break
@@ -339,58 +361,28 @@ def corpus_verdict(firsts: Sequence[Candidate], done: dict[str, FrozenTrial]) ->
     return "agreed" if winner <= min(times.values()) * (1 + SWITCH_MARGIN) else "disagreed"
 
 
-def corpus_plans(
-    plans: Sequence[StudyPlan], table: Any, label: str, *, finalists: int = 3
-) -> list[StudyPlan]:
-    """``plans`` with :attr:`StudyPlan.corpus_first` set where the corpus ``table`` (a
-    :class:`~attnbench.tables.ResultsTable` of this device's hardware id) tuned the same key: its winner,
-    then the next fastest up to ``finalists`` in all, then the default, then the corpus's finalists of
-    the other keys of its dispatch map (same model and dtype), each where this plan's space holds it —
-    so that each point's study has measured every candidate the map's points are re-timed with, and
-    the map needs no second interleaved run of a point."""
-    by_key = {
-        (e.model, e.shape_hash, e.dtype, e.batch_bucket, e.context_bucket): e for e in table.typed().values()
-    }
-    out = [_corpus_plan(plan, by_key, label, finalists) for plan in plans]
-    groups: dict[tuple[str, str, str], list[str]] = {}
-    for plan in out:
-        for c in plan.corpus_first[:finalists]:
-            group = groups.setdefault((plan.key.model, plan.key.shape_hash, plan.key.dtype), [])
-            if c.ident() not in group:
-                group.append(c.ident())
-    for i, plan in enumerate(out):
-        if not plan.corpus_first:
+def converged(
+    trials: Sequence[FrozenTrial],
+    patience: int,
+    *,
+    counted: Callable[[FrozenTrial], bool] = lambda t: True,
+    margin: float = SWITCH_MARGIN,
+) -> bool:
+    """Whether the last ``patience`` measured candidates that are ``counted`` (timed in full or pruned,
+    in trial order) all failed to beat the best before them by more than ``margin``; those not counted
+    (a seeded study's seeds and defaults) still set the best."""
+    since, best = 0, math.inf
+    for t in sorted(trials, key=lambda t: t.number):
+        if t.state == TrialState.COMPLETE and t.value is not None:
+            v = float(t.value)
+        elif t.state == TrialState.PRUNED and t.last_step is not None:
+            v = float(t.intermediate_values[t.last_step])
+        else:
             continue
-        space = {c.ident(): c for c in plan.space.candidates()}
-        mine = {c.ident() for c in plan.corpus_first}
-        others = groups[(plan.key.model, plan.key.shape_hash, plan.key.dtype)]
-        extra = tuple(space[x] for x in others if x in space and x not in mine)
-        out[i] = dataclasses.replace(plan, corpus_first=plan.corpus_first + extra)
-    return out
-
-
-def _corpus_plan(
-    plan: StudyPlan, by_key: dict[tuple[Any, ...], Any], label: str, finalists: int
-) -> StudyPlan:
-    """``plan`` with the corpus's winner, its next fastest and the default first (see :func:`corpus_plans`)."""
-    k = plan.key
-    entry = by_key.get((k.model, k.shape_hash, k.dtype, k.batch_bucket, k.context_bucket))
-    if entry is None or entry.winner is None:
-        return plan
-    space = {c.ident(): c for c in plan.space.candidates()}
-    measured = [c for c in entry.candidates if c.step_ms is not None and not c.failed]
-    ranked = [entry.winner, *sorted(measured, key=lambda c: c.step_ms or 0)]
-    firsts: list[Candidate] = []
-    for c in ranked:
-        ident = Candidate(c.backend, c.config).ident()
-        if ident in space and space[ident] not in firsts and len(firsts) < finalists:
-            firsts.append(space[ident])
-    if not firsts or firsts[0].ident() != Candidate(entry.winner.backend, entry.winner.config).ident():
-        return plan  # the corpus's winner is not in this space: nothing to confirm
-    default = plan.space.candidates()[0]
-    if default not in firsts:
-        firsts.append(default)
-    return dataclasses.replace(plan, corpus_first=tuple(firsts), corpus_label=label)
+        if counted(t):
+            since = 0 if v < best * (1 - margin) else since + 1
+        best = min(best, v)
+    return patience > 0 and since >= patience
 
 
 def _unique(trials: list[FrozenTrial]) -> list[CandidateResult]:

@@ -168,13 +168,21 @@ def summarize(
 
 
 def _search(result: KeyResult) -> str:
-    """How the key was searched: ``grid`` or ``tpe``, or from the shipped corpus's finalists."""
+    """How the key was searched: ``grid`` or ``tpe``, from the shipped corpus's finalists, or from this
+    run's cheaper keys' finalists (:mod:`attnbench.tuning.seeding`)."""
     plan = result.plan
     how = "grid" if plan.exhaustive else "tpe"
     if result.corpus == "agreed":
         return f"corpus finalists ({len(plan.corpus_first)}): agreed with {plan.corpus_label}"
     if result.corpus == "disagreed":
         return f"{how} (the corpus's winner, from {plan.corpus_label}, lost here: searched in full)"
+    if plan.seeds:
+        stop = (
+            f"stopped after {plan.patience} in a row brought nothing better"
+            if result.converged
+            else "searched to the end"
+        )
+        return f"tpe from the finalists of {plan.seeded_from} ({len(plan.seeds)}): {stop}"
     return how
 
 

@@ -27,6 +27,7 @@ from attnbench.tables.margin import SWITCH_MARGIN, finalists
 from attnbench.tables.table import CandidateResult, ResultsTable, TableError, hardware_id, table_path
 from attnbench.tuning.interleave import Finalist, retime
 from attnbench.tuning.refine import RESOLUTION, PointMeasurement, grid_point, refine_map
+from attnbench.tuning.seeding import by_cost, corpus_plans, seeded_plan
 from attnbench.tuning.space import BackendRef, backend_refs
 from attnbench.tuning.storage import redact
 from attnbench.tuning.study import (
@@ -34,7 +35,6 @@ from attnbench.tuning.study import (
     KeyResult,
     StudyPlan,
     TuneOptions,
-    corpus_plans,
     open_storage,
     plan_studies,
     run_study,
@@ -42,7 +42,10 @@ from attnbench.tuning.study import (
 from attnbench.tuning.summary import candidate_label, summarize
 from attnbench.tuning.worker import Worker
 
-__all__ = ["TuneReport", "time_split", "tune"]
+__all__ = ["DEFAULT_RETIMED_WITHIN", "TuneReport", "time_split", "tune"]
+
+#: the default is re-timed beside the finalists where its study time is within this multiple of the best's
+DEFAULT_RETIMED_WITHIN = 2.0
 
 
 @dataclass
@@ -124,6 +127,8 @@ def tune(
     everyone = {r.name: r for r in backend_refs(registry, extra=extra_backends)}
     hashes = {name: code_hash([r.cls]) for name, r in everyone.items()}
     plans = plan_studies(workloads, refs, profile=profile, options=options)
+    if options.transfer:  # each map's cheapest key first: the costlier ones start from its finalists
+        plans = by_cost(plans)
     known = corpus_entry(hardware_id(profile.fingerprint)) if options.corpus and corpus_enabled() else None
     if known is not None:  # a known kind of device: its measured finalists first (attnbench.tables.corpus)
         plans = corpus_plans(plans, ResultsTable.load(known.table), known.label)
@@ -169,6 +174,8 @@ def tune(
         retimer = _Retimer(worker, options, task_profile, samples)
         studied: list[tuple[StudyPlan, KeyResult]] = []
         for plan in plans:
+            if options.transfer:
+                plan = seeded_plan(plan, studied, patience=options.patience)
             try:
                 with _section(sections, "studies (trials through the worker)"):
                     result = run_study(
@@ -275,12 +282,18 @@ def _finalists(
     old: dict[str, Any] | None,
     everyone: dict[str, BackendRef],
 ) -> dict[str, Finalist]:
-    """The candidates to re-time for one key: near the best, at least three, the default, the incumbent,
-    and — when lossy caches compete — the fastest exact one, so that the dispatch map has a measured
-    choice for ``select()`` without ``allow_lossy`` (else only the default would be left to it)."""
+    """The candidates to re-time for one key: near the best, at least three, the default where its study
+    time is within :data:`DEFAULT_RETIMED_WITHIN` × the best's, the incumbent, and — when lossy caches
+    compete — the fastest exact one, so that the dispatch map has a measured choice for ``select()``
+    without ``allow_lossy`` (else only the default would be left to it). A default further behind has
+    no tie to decide and keeps its study time; re-timing it would cost the most (the default at batch
+    8 × 32k tokens on a 2-core EPYC: 32 s a step, 36× the winner's)."""
     ok = {r.candidate.label(): r for r in records if r.ok and r.value}
     times = {k: r.search_interval() for k, r in ok.items()}
-    keep = [plan.space.default_candidate().label()] if plan.space.default_backend else []
+    default = plan.space.default_candidate().label() if plan.space.default_backend else None
+    best = min((t.median_ms for t in times.values()), default=0.0)
+    near = default in times and times[default].median_ms <= DEFAULT_RETIMED_WITHIN * best
+    keep = [default] if default is not None and near else []
     exact = [k for k, r in ok.items() if not _lossy(plan.space.backends[r.backend])]
     if exact and len(exact) < len(ok):
         keep.append(min(exact, key=lambda k: times[k].median_ms))

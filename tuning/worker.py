@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from attnbench.core.child import Child, die_with_parent
 from attnbench.core.workload import workload_from_dict
+from attnbench.correctness.timed import CaseShelf
 from attnbench.tables.table_schema import CandidateResult
 from attnbench.tuning.interleave import run_interleaved
 from attnbench.tuning.summary import gate_summary, study_interval
@@ -150,7 +151,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         report = _reporter(int(task.get("repeats") or 0)) if task.get("report") else None
         m = measure_decode(
             backend, workload, config=config, resolution=resolution, profile=profile, check=True,
-            gate=passed[1] if passed else None, shelf=_SHELF, report=report, **settings,
+            gate=passed[1] if passed else None, shelf=_SHELF, report=report, cases=_CASES, **settings,
         )  # fmt: skip
         if passed is None and m.check is not None and m.check.passed:
             _PASSED[key] = (_label(name, config), m.check)
@@ -194,6 +195,10 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
 #: the filled model of the last candidate whose backend declares ``cache_neutral`` tunables: the next
 #: candidate that differs from it only in those is timed on it (attnbench.measure.timed_run.ModelShelf)
 _SHELF: Any = None
+
+#: the gate's inputs and float64 references of the last workload gated: a study's candidates share one
+#: draw, each gated in full against it (attnbench.correctness.timed.CaseShelf)
+_CASES = CaseShelf()
 
 #: the worker's way to ask the parent a question mid-task (set by main: a line out, a line back)
 _ASK: Any = None
@@ -273,6 +278,7 @@ def main() -> None:
         if task.get("op") == "interleave":  # its finalists' models need the memory the shelf holds
             if _SHELF is not None:
                 _SHELF.clear()
+            _CASES.clear()
             verdict = run_interleaved(task)
         else:
             verdict = evaluate(task)

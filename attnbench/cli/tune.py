@@ -23,6 +23,7 @@ from attnbench.cli.common import (
     console,
     emit_json,
     ms_text,
+    positive_int,
     print_table,
     progress_bar,
     run_options,
@@ -128,6 +129,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pruner stops a candidate's timed steps where it is slower than the study's others (it was "
         "gated first; the finalists are re-timed in full either way; see docs/tuning.md)",
     )
+    p.add_argument(
+        "--no-transfer",
+        dest="transfer",
+        action="store_false",
+        help="search every key as planned; by default a grid's keys run cheapest first (batch x "
+        "context) and a costlier key starts from the finalists of the cheaper keys of its dispatch map, "
+        "then its defaults, then TPE, stopping after --patience candidates in a row bring nothing "
+        "better (see docs/tuning.md#costlier-keys-start-from-cheaper-ones)",
+    )
+    p.add_argument(
+        "--patience",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="with transfer: candidates in a row that must fail to beat a costlier key's best by more "
+        "than the switch margin before its search stops (default 8)",
+    )
     p.add_argument("--seed", type=int, default=0, help="TPE sampler seed (default 0)")
     p.add_argument(
         "--storage",
@@ -227,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
         retry_failed=args.retry_failed,
         corpus=args.corpus,
         prune=args.prune,
+        transfer=args.transfer,
+        patience=args.patience,
         num_layers=args.layers,
         heartbeat_s=args.heartbeat,
         **fleet,
@@ -443,7 +463,8 @@ def _versus_default(entry: TableEntry) -> str:
         return "default not timed"
     if _candidate_text(w) == _candidate_text(d):
         return "is the default"
-    return f"{d.step_ms / w.step_ms:.2f}× faster"
+    # a default far behind keeps its study time (not re-timed beside the finalists): said so
+    return f"{d.step_ms / w.step_ms:.2f}× faster" + (" (study)" if w.retimed and not d.retimed else "")
 
 
 def _candidate_text(c: CandidateResult) -> str:

@@ -65,11 +65,15 @@ def measure(
     max_seconds: float | None = None,
     before: Callable[[int], object] | None = None,
     after: Callable[[list[float]], bool] | None = None,
+    warm_seconds: float | None = None,
 ) -> Timing:
     """Time ``fn(i)`` where ``i`` cycles over ``range(rotate)``.
 
-    ``warmup`` untimed calls run first (one per input set at least). ``max_seconds`` caps the timed
-    phase: sampling stops early once it is exceeded, keeping at least 3 samples. ``before(i)``, if
+    ``warmup`` untimed calls run first (one per input set at least); with ``warm_seconds``, no more once
+    those ran for that long (a step that takes seconds has touched all it touches in its first call).
+    ``max_seconds`` caps the timed phase: sampling stops early once it is exceeded, keeping at least 3
+    samples — or one, where that one step alone took longer than ``max_seconds`` (a step of many
+    seconds, timed once: it only ranks far behind). ``before(i)``, if
     given, runs before every timed call, outside the timer (then a device sync): e.g. evicting the
     last-level cache when the data is too small to do so itself. ``after(samples)``, if given, is
     called with the samples so far after each timed call, outside the timer; ``True`` stops sampling
@@ -78,8 +82,14 @@ def measure(
     if repeats < 1:
         raise ValueError(f"repeats = {repeats} must be ≥ 1")
     dev = torch.device(device)
+    warmed, warm_start = 0, time.perf_counter()
     for i in range(max(warmup, rotate)):
         fn(i % rotate)
+        warmed += 1
+        if warm_seconds is not None and warmed >= rotate:
+            synchronize(dev)
+            if time.perf_counter() - warm_start >= warm_seconds:
+                break
     synchronize(dev)
     samples: list[float] = []
     start_all = time.perf_counter()
@@ -98,7 +108,8 @@ def measure(
             t0 = time.perf_counter()
             fn(i % rotate)
             samples.append(time.perf_counter() - t0)
-        if max_seconds is not None and len(samples) >= 3 and time.perf_counter() - start_all > max_seconds:
+        over = max_seconds is not None and time.perf_counter() - start_all > max_seconds
+        if over and (len(samples) >= 3 or samples[0] > (max_seconds or 0.0)):
             break
         if after is not None and after(samples):
             break
@@ -108,7 +119,7 @@ def measure(
         p10_s=_quantile(samples, 0.10),
         p90_s=_quantile(samples, 0.90),
         repeats=len(samples),
-        warmup=max(warmup, rotate),
+        warmup=warmed,
     )
 
 

@@ -25,6 +25,7 @@ from attnbench.correctness.gate import (
 from attnbench.correctness.reference import compare, reference_decode, reference_pair, reference_prefill
 from attnbench.correctness.timed import (
     CHECK_BUDGET_BYTES,
+    CaseShelf,
     CheckFailed,
     Implausible,
     check_workload,
@@ -35,6 +36,7 @@ from attnbench.correctness.timed import (
 __all__ = [
     "CHECK_BUDGET_BYTES",
     "TL_DTYPE",
+    "CaseShelf",
     "CheckFailed",
     "CheckResult",
     "Implausible",

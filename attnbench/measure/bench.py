@@ -60,6 +60,7 @@ from attnbench.correctness.gate import CheckResult
 from attnbench.correctness.gate import check as gate_check
 from attnbench.correctness.timed import (
     CHECK_BUDGET_BYTES,
+    CaseShelf,
     CheckFailed,
     Implausible,
     check_workload,
@@ -160,6 +161,7 @@ def measure_decode(
     gate: CheckResult | None = None,
     shelf: ModelShelf | None = None,
     report: Callable[[list[float]], bool] | None = None,
+    cases: CaseShelf | None = None,
 ) -> DecodeMeasurement:
     """Check ``backend`` on ``workload``, then time its decode step through the synthetic model.
 
@@ -187,6 +189,8 @@ def measure_decode(
         report: called with the step times so far after each timed step (eager timing only); ``True``
             stops the run there and raises :class:`~attnbench.measure.timed_run.Pruned` (a tuner's
             pruner: the gate passed, the steps ran are checked too, never a result).
+        cases: the gate's inputs and float64 references kept for the next candidate of the same
+            workload (:class:`~attnbench.correctness.timed.CaseShelf`; default: drawn for this call).
 
     Raises:
         ValueError: the backend cannot run the workload (the message lists why).
@@ -204,7 +208,13 @@ def measure_decode(
     result, gate_s = gate, 0.0  # a verdict reused: the gate passed a config that computes the same bits
     if check and gate is None:
         result, gate_s = _gate_first(
-            backend, workload, resolution, multiple, budget=check_budget_bytes, accuracy=accuracy_budget
+            backend,
+            workload,
+            resolution,
+            multiple,
+            budget=check_budget_bytes,
+            accuracy=accuracy_budget,
+            cases=cases,
         )
     if resolution.interpreted:  # checked, never timed
         return _untimed(base, workload.kv_bytes_per_step(backend.kv_form), check=result, gate_s=gate_s)
@@ -283,6 +293,7 @@ def _gate_first(
     *,
     budget: int,
     accuracy: float | None,
+    cases: CaseShelf | None = None,
 ) -> tuple[CheckResult, float]:
     """The correctness gate before anything is timed (step 2 of the module doc): its result and the
     seconds it took; raises :class:`CheckFailed` when it fails (a lossy cache also against
@@ -290,7 +301,14 @@ def _gate_first(
     checked = check_workload(workload, form=backend.kv_form, budget_bytes=budget)
     cfg = dict(resolution.config)
     start = time.perf_counter()
-    result = gate_check(backend, checked, config=cfg, num_layers=2, multiple=multiple, resolution=resolution)
+    case = cases.get(checked, form=backend.kv_form, num_layers=2) if cases is not None else None
+    try:
+        result = gate_check(
+            backend, checked, config=cfg, num_layers=2, multiple=multiple, resolution=resolution, case=case
+        )
+    finally:
+        if cases is not None:
+            cases.verify()
     gc.collect()
     seconds = time.perf_counter() - start
     lossy = resolution.lossy

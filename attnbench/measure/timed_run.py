@@ -202,6 +202,8 @@ def timed_run(
                 max_seconds=max_seconds,
                 before=evict,
                 after=stop if reported else None,
+                # warmed up once the warm-up took a timed step's share of the budget
+                warm_seconds=max_seconds / repeats if max_seconds else None,
             )
 
         t0 = time.perf_counter()

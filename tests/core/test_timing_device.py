@@ -43,8 +43,30 @@ def test_measure_median_of_known_durations() -> None:
 
 
 def test_measure_max_seconds_keeps_at_least_three_samples() -> None:
-    t = measure(lambda i: time.sleep(0.01), warmup=0, repeats=100, max_seconds=0.001)
-    assert t.repeats == 3
+    t = measure(lambda i: time.sleep(0.01), warmup=0, repeats=100, max_seconds=0.015)
+    assert t.repeats == 3  # over the budget after two steps: a third all the same
+
+
+def test_measure_a_step_longer_than_the_whole_budget_is_timed_once() -> None:
+    t = measure(lambda i: time.sleep(0.01), warmup=0, repeats=100, max_seconds=0.005)
+    assert t.repeats == 1
+
+
+def test_measure_warm_seconds_stops_the_warm_up_after_a_long_call() -> None:
+    calls: list[int] = []
+
+    def step(i: int) -> None:
+        calls.append(i)
+        time.sleep(0.01)
+
+    long = measure(step, warmup=3, repeats=3, warm_seconds=0.005)
+    assert long.warmup == 1 and len(calls) == 1 + 3  # one warm-up call took longer than warm_seconds
+    calls.clear()
+    short = measure(step, warmup=3, repeats=3, warm_seconds=1.0)
+    assert short.warmup == 3 and len(calls) == 3 + 3
+    calls.clear()
+    rotated = measure(step, warmup=1, repeats=3, rotate=2, warm_seconds=0.001)
+    assert rotated.warmup == 2  # one warm-up call per input set all the same
 
 
 def test_measure_bad_repeats() -> None:

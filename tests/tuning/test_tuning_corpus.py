@@ -13,7 +13,8 @@ from attnbench.backends.naive import NaiveBackend
 from attnbench.core.workload import Workload
 from attnbench.tables import CandidateResult, ResultsTable, corpus
 from attnbench.tuning import TuneOptions, backend_refs, plan_studies, summarize, tune
-from attnbench.tuning.study import KeyResult, corpus_plans
+from attnbench.tuning.seeding import corpus_plans
+from attnbench.tuning.study import KeyResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,0 +1,86 @@
+"""A costlier key starts from this run's cheaper keys' finalists: the grid's keys run cheapest first, the
+second key of a dispatch map measures the first's finalists, then its default, then TPE, and stops once
+``patience`` candidates in a row bring nothing better — with the same winner as a search in full, in
+fewer trials. ``transfer=False`` searches every key in full."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+import optuna
+import pytest
+from helpers.tuning_helpers import planted_registry
+from optuna.trial import TrialState
+
+from attnbench.backends.naive import NaiveBackend
+from attnbench.core.resolution import Tunable
+from attnbench.core.workload import Workload
+from attnbench.tuning import TuneOptions, tune
+from attnbench.tuning.study import converged
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CHEAP = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32")
+COSTLY = Workload.uniform("tiny-gqa", batch=4, context=64, dtype="fp32")
+OPTIONS = TuneOptions(timeout_s=60.0, warmup=1, repeats=3, num_layers=2, patience=3, prune=False)
+
+
+class Dial(NaiveBackend):
+    """Correct at every ``dial``; 3 ms a layer call slower per step away from dial 7 (the default: 0)."""
+
+    name = "seed_dial"
+    tunables: ClassVar[tuple[Tunable, ...]] = (Tunable("dial", tuple(range(12)), 0, "only the speed"),)
+
+    def decode(self, cache: Any, plan: Any, *, layer: int, q: Any, k: Any, v: Any) -> Any:
+        time.sleep(0.003 * abs(cache.config["dial"] - 7))
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+def _tune(tmp_path, profile, options=OPTIONS):  # type: ignore[no-untyped-def]
+    report = tune(
+        [COSTLY, CHEAP],  # listed costliest first: studied cheapest first all the same
+        registry=planted_registry(Dial),
+        results_dir=tmp_path,
+        options=options,
+        profile=profile,
+        samples=5,
+    )
+    return report, {e["batch_bucket"]: e for e in report.entries.values()}
+
+
+def test_the_costlier_key_starts_from_the_cheaper_ones_finalists(tmp_path, profile) -> None:  # type: ignore[no-untyped-def]
+    report, by_batch = _tune(tmp_path, profile)
+    assert [r.plan.workload.batch for r in report.results] == [1, 4]
+    cheap, costly = by_batch[1], by_batch[4]
+    assert cheap["trials"] == 12 and cheap["search"] == "grid"  # the map's first key: searched as planned
+    seeded = report.results[1]
+    assert seeded.converged and costly["complete"]
+    assert costly["search"].startswith("tpe from the finalists of b=1 ctx=64 (3)"), costly["search"]
+    # its three seeds, its default, then three candidates in a row that brought nothing better
+    assert costly["trials"] == 3 + 1 + 3 < 12
+    assert [r.candidate.config["dial"] for r in seeded.records[:3]] == [
+        c.candidate.config["dial"]
+        for c in sorted((r for r in report.results[0].records if r.ok), key=lambda r: r.value or 0)[:3]
+    ]
+    assert cheap["winner"]["config"] == costly["winner"]["config"] == {"dial": 7}
+
+
+def test_without_transfer_every_key_is_searched_in_full(tmp_path, profile) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    _, by_batch = _tune(tmp_path, profile, replace(OPTIONS, transfer=False))
+    assert by_batch[1]["trials"] == by_batch[4]["trials"] == 12
+    assert by_batch[4]["search"] == "grid" and by_batch[4]["winner"]["config"] == {"dial": 7}
+
+
+def test_converged_counts_only_the_candidates_chosen_after_the_seeds() -> None:
+    study = optuna.create_study(direction="minimize")
+    for value in (10.0, 10.2, 30.0, 9.8, 10.1, 9.0):  # a seed, a seed, then what the sampler chose
+        study.add_trial(optuna.trial.create_trial(value=value, state=TrialState.COMPLETE))
+    trials = study.get_trials(deepcopy=False)
+    after_seeds = lambda t: t.number >= 2
+    assert converged(trials[:5], 3, counted=after_seeds)  # 30, 9.8, 10.1: none > 5 % better than 10
+    assert not converged(trials[:5], 4, counted=after_seeds)  # the seeds are not counted
+    assert not converged(trials, 3, counted=after_seeds)  # 9.0: > 5 % better than 9.8, the count starts again
+    assert not converged(trials[:2], 1, counted=after_seeds)  # seeds alone never converge
