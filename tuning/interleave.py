@@ -153,7 +153,13 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
 
         synchronize(workload.device)
         times = (
-            sample_rounds(one_round, samples=samples, max_samples=task.get("max_samples"), seed=seed)
+            sample_rounds(
+                one_round,
+                samples=samples,
+                max_samples=task.get("max_samples"),
+                seed=seed,
+                max_seconds=task.get("max_seconds"),
+            )
             if order
             else {}
         )
@@ -201,11 +207,14 @@ def retime(
     seed: int = 0,
     clock: str | None = None,
     timing: str | None = None,
+    max_seconds: float | None = None,
 ) -> PointMeasurement:
     """Time ``finalists`` interleaved in ``worker``; fall back to one at a time if it dies.
 
     ``clock``: import path of a zero-argument clock in seconds to time with instead of
     ``time.perf_counter`` (tests plant a virtual one, so that planted timings ignore the load).
+    ``max_seconds``: no new block of rounds once the rounds took that long (the first block always runs;
+    :func:`attnbench.tables.margin.sample_rounds`).
     """
 
     base = {
@@ -222,6 +231,7 @@ def retime(
         "seed": seed,
         "clock": clock,
         "timing": timing,
+        "max_seconds": max_seconds,
     }
 
     def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[float]], dict[str, str]]:

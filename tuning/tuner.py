@@ -360,9 +360,11 @@ class _Retimer:
         names: tuple[str, ...] = ("warmup", "num_layers", "materialise_bytes", "error_multiple")
         names += ("accuracy_budget", "timeout_s", "seed", "clock", "timing")
         settings = {k: getattr(self.options, k) for k in names}
+        # no new block of rounds after 3 × a candidate's timing budget (30 s with tune's default 10)
+        budget = 3 * self.options.max_seconds if self.options.max_seconds else None
         return retime(
             self.worker, list(fins.values()), workload=workload, samples=self.samples, check=check,
-            profile=self.profile, **settings,
+            profile=self.profile, max_seconds=budget, **settings,
         )  # fmt: skip
 
     def measurer(

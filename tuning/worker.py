@@ -161,6 +161,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         check = err.check.as_dict() if err.check is not None else None
         verdict = failed("pruned", f"{err}: the tuner's pruner found it slower than others there", check)
         verdict["result"]["implementation"] = resolution.implementation or None
+        verdict["result"]["study_ms"] = round(err.step.median_s * 1e3, 4)  # its running median there
         return verdict | {"value": err.step.median_s, "phases": err.phases}
     except CheckFailed as err:
         return failed("nan" if err.check.error.nonfinite else "gate", str(err), err.check.as_dict())

@@ -457,6 +457,8 @@ def _versus_default(entry: TableEntry) -> str:
         return "default kept (tie)"
     if not d:
         return "no default"
+    if d.failed == "pruned" and d.study_ms:  # stopped early by the pruner: its running median then
+        return f"{d.study_ms / w.step_ms:.2f}× faster (default pruned)"
     if d.failed:
         return "default failed"
     if d.step_ms is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -196,6 +197,7 @@ def sample_rounds(
     max_samples: int | None = None,
     seed: int = 0,
     first: int | None = None,
+    max_seconds: float | None = None,
 ) -> dict[str, list[float]]:
     """Interleaved samples: ``run_round(r, labels)`` times one step of each of ``labels`` (``None``:
     every candidate), in an order of its choosing, and returns ``{label: ms}``.
@@ -208,8 +210,11 @@ def sample_rounds(
     candidate in doubt has ``samples`` samples and none of their intervals is too wide to decide
     (:func:`too_wide`), up to ``max_samples`` (default ``4 × samples``): a candidate whose steps are
     often slowed by the load then gets enough samples for its median to be known, instead of a tie
-    by noise, and a clearly slower one (the default, often several times slower) costs a few steps."""
+    by noise, and a clearly slower one (the default, often several times slower) costs a few steps.
+    ``max_seconds``: no block starts once the blocks so far took that long (the first always runs): at
+    long context a round of ten finalists takes ten seconds, and their intervals are narrow by then."""
     cap = max_samples if max_samples is not None else 4 * samples
+    start = time.perf_counter()
     block = max(3, samples // 3) if first is None else max(1, first)
     out: dict[str, list[float]] = {}
     labels: list[str] | None = None
@@ -225,4 +230,6 @@ def sample_rounds(
         short = any(len(out[k]) < samples for k in labels)
         wide = too_wide({k: times[k] for k in labels})
         if not (short or wide) or most + block > cap:
+            return out
+        if max_seconds is not None and time.perf_counter() - start >= max_seconds:
             return out

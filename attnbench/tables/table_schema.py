@@ -128,7 +128,7 @@ class CandidateResult:
     lossy: str | None = None  # what a lossy cache loses, e.g. "fp8 e4m3 K/V"
     #: the finalists' interleaved time: {median_ms, lo_ms, hi_ms, samples} (bootstrap interval of the median)
     interval: dict[str, Any] | None = None
-    study_ms: float | None = None  # a re-timed finalist's time in the study
+    study_ms: float | None = None  # a re-timed finalist's time in the study; a pruned one's running median
     study_interval: dict[str, Any] | None = None  # the study's approximate interval, same form
     retimed: bool = False
     retime_failed: str | None = None

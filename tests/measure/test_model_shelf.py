@@ -11,9 +11,11 @@ import pytest
 import torch
 from helpers.tuning_helpers import planted_registry
 
+from attnbench.backends.mla import MLABackend
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.backend import KVCache
 from attnbench.core.resolution import Tunable
+from attnbench.core.shapes import load_shape
 from attnbench.core.workload import Workload
 from attnbench.measure.bench import CheckFailed, measure_decode
 from attnbench.measure.synthetic import SyntheticModel
@@ -145,3 +147,27 @@ def test_tune_fills_one_cache_per_layout(tmp_path, profile) -> None:  # type: ig
     (entry,) = report.entries.values()
     assert entry["trials"] == 6 and all(c.get("step_ms") for c in entry["candidates"])
     assert entry["winner"]["config"]["walk"] == 1
+
+
+@pytest.mark.parametrize(
+    ("model_name", "context_lens"),
+    [("tiny-gqa", (48, 48)), ("tiny-gqa", (33, 60)), ("tiny-mla", (40, 17))],
+    ids=["uniform", "ragged", "latent"],
+)
+def test_the_fills_kept_history_is_the_one_generated_again(model_name, context_lens) -> None:  # type: ignore[no-untyped-def]
+    """The timed step's check reads the recorded layer's history as the fill generated it (kept, copied
+    before the backend saw it) instead of generating it again: the same tensors, bit for bit."""
+    workload = Workload(load_shape(model_name), context_lens, "fp32")
+    backend = MLABackend() if model_name == "tiny-mla" else NaiveBackend()
+    model = SyntheticModel(backend, workload, num_layers=3, materialise_bytes=1)  # one cache slot or few
+    model.record_layer = 2
+    model.fill(extra_tokens=4)
+    for _ in range(3):
+        model.decode_step()
+    assert model._filled is not None
+    kept = model.history_for(2, 1)
+    model._filled = None  # the other way: generated again from the fill's generator
+    again = model.history_for(2, 1)
+    for a, b in zip(kept[:3], again[:3], strict=True):
+        assert torch.equal(a, b)
+    assert kept[3] == again[3]

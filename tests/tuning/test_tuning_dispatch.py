@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 
 import pytest
 from helpers.tuning_helpers import build_map
@@ -86,6 +87,24 @@ def test_a_clearly_slower_candidate_stops_after_the_first_block():
     assert all(t == ["fast", "close", "slow"] for t in timed[:5]) and all("slow" not in t for t in timed[5:])
     times = {k: bootstrap_median(v) for k, v in raw.items()}
     assert times["slow"].median_ms == pytest.approx(30.0, rel=0.03)  # its interval is still reported
+
+
+def test_no_block_starts_once_the_rounds_took_max_seconds():
+    """Rounds of ~10 ms steps (slept) with a 20-ms budget: the first block (5 rounds) runs in full and
+    is the last one; without the budget the rounds go on to 15 samples."""
+    base = {"fast": 0.004, "close": 0.0041}
+
+    def sleep_round(r, labels):
+        out = {}
+        for k in labels or base:
+            t0 = time.perf_counter()
+            time.sleep(base[k])
+            out[k] = (time.perf_counter() - t0) * 1e3
+        return out
+
+    capped = sample_rounds(sleep_round, samples=15, seed=0, max_seconds=0.02)
+    assert len(capped["fast"]) == len(capped["close"]) == 5
+    assert len(sample_rounds(sleep_round, samples=15, seed=0)["fast"]) >= 15
 
 
 def test_a_candidate_dropped_early_is_timed_again_when_the_best_slows_down():

@@ -66,6 +66,7 @@ def test_a_clearly_slower_candidate_is_pruned_after_its_third_step(tmp_path, pro
     assert entry["complete"] and entry["trials"] == 3
     assert by["prune_slow"]["failed"] == "pruned" and "after 3 timed steps" in by["prune_slow"]["reason"]
     assert by["prune_slow"]["gate"]  # gated before it was timed, as every candidate
+    assert by["prune_slow"]["study_ms"] > 2 * by["prune_quick"]["study_ms"]  # its running median when stopped
     assert by["prune_near_tie"].get("step_ms") and by["prune_quick"].get("step_ms")  # near-ties run in full
     assert entry["winner"]["backend"] in ("prune_quick", "prune_near_tie")
     again, entry2, _ = _tune(tmp_path, profile)  # resumed: the pruned trial is a verdict, not re-run
