@@ -72,7 +72,7 @@ class Lookup:
             where += f" (at the tuned point batch {self.point[0]}, context {self.point[1]})"
         lines = [f"dispatch map: {where}; {self.reason}"]
         said = {
-            "measured": "measured here",
+            "measured": "measured at this point",
             "interpolated": "interpolated",
             "extrapolated": "extrapolated (predicted)",
         }
