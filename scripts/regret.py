@@ -299,10 +299,11 @@ def _point(w, m, refs, worker, args, task_profile, tmp, batches, contexts, best=
     best = min(times, key=lambda k: times[k].median_ms) if times else None
     default = space.default_candidate().label() if space.default_backend else None
     regret = math.inf
+    same = label is not None and best is not None and _same_run(space, label, best, fins)
     if label in times and best is not None:
         regret = (
             times[label].median_ms / times[best].median_ms
-            if beats(times[best], times[label], margin=0.0)
+            if beats(times[best], times[label], margin=0.0) and not same
             else 1.0
         )
     speedup = None
@@ -328,9 +329,21 @@ def _point(w, m, refs, worker, args, task_profile, tmp, batches, contexts, best=
         "select_error": error,
         "default": default,
         "regret": regret,
+        "same_computation_as_best": same,  # counted 1.0: the two instances' times differ, not the choice
         "speedup_vs_default": speedup,
         "load_avg": list(got.load_avg),
     }
+
+
+def _same_run(space, label: str, best: str, fins: dict[str, Finalist]) -> bool:
+    """Whether select()'s choice and the best are one computation here (configs equal through the
+    backend's ``canonical_config``, e.g. ``cpu_decode``'s ``kv_splits=1`` and ``auto`` where ``auto`` runs
+    one split): then a difference between their times is the two model instances', not the choice's."""
+    a, b = fins.get(label), fins.get(best)
+    if a is None or b is None or a.backend != b.backend:
+        return False
+    one = space.canonical(Candidate(a.backend, a.config))
+    return one.ident() == space.canonical(Candidate(b.backend, b.config)).ident()
 
 
 def _dense(report, batches: list[int], contexts: list[int]) -> int:

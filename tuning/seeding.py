@@ -61,7 +61,7 @@ def seeded_plan(
     for _, result in mine:
         ok = sorted((r for r in result.records if r.ok and r.value), key=lambda r: r.value or 0)
         for r in ok[:finalists]:
-            c = space.get(r.candidate.ident())
+            c = space.get(plan.space.canonical(r.candidate).ident())
             if c is not None and c not in seeds:
                 seeds.append(c)
     if not seeds:
@@ -125,11 +125,12 @@ def _corpus_plan(
     measured = [c for c in entry.candidates if c.step_ms is not None and not c.failed]
     ranked = [entry.winner, *sorted(measured, key=lambda c: c.step_ms or 0)]
     firsts: list[Candidate] = []
-    for c in ranked:
-        ident = Candidate(c.backend, c.config).ident()
+    for c in ranked:  # each as this space holds it (a config that runs the same here: the same candidate)
+        ident = plan.space.canonical(Candidate(c.backend, c.config)).ident()
         if ident in space and space[ident] not in firsts and len(firsts) < finalists:
             firsts.append(space[ident])
-    if not firsts or firsts[0].ident() != Candidate(entry.winner.backend, entry.winner.config).ident():
+    winner = plan.space.canonical(Candidate(entry.winner.backend, entry.winner.config))
+    if not firsts or firsts[0].ident() != winner.ident():
         return plan  # the corpus's winner is not in this space: nothing to confirm
     default = plan.space.candidates()[0]
     if default not in firsts:

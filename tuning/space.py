@@ -107,6 +107,19 @@ class SearchSpace:
             ordered.setdefault(c.ident(), c)
         return list(ordered.values())
 
+    def canonical(self, candidate: Candidate) -> Candidate:
+        """``candidate`` as this space holds it: its config through its backend's ``canonical_config``
+        for this workload (``cpu_decode``'s ``kv_splits=1`` is ``auto`` where ``auto`` runs one split),
+        so that a table's or another key's config finds its equal here; as it is where the backend is
+        not in this space or its hook fails."""
+        ref = self.backends.get(candidate.backend)
+        if ref is None:
+            return candidate
+        try:
+            return Candidate(candidate.backend, ref.cls().canonical_config(self.workload, candidate.config))
+        except Exception:  # a plugin's hook that fails: the config as given (it is then simply not found)
+            return candidate
+
     def size(self) -> int:
         return sum(math.prod(len(t.choices) for t in self.tunables[name]) for name in self.backends)
 

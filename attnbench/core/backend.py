@@ -5,19 +5,15 @@ split into host-side planning and per-layer work (the FlashInfer ``plan()``/``ru
 
     cache = backend.create_cache(workload, config=config, num_layers=L, max_seq_len=S)
     plan = backend.plan(cache, num_new=[T] * B)             # host work, once per step; may allocate
-    for layer in range(L):
-        out = backend.prefill(cache, plan, layer=layer, q=q, k=k, v=v)   # q: [B, T, Hq, Dk]
+    for layer in range(L): out = backend.prefill(cache, plan, layer=layer, q=q, k=k, v=v)  # [B, T, Hq, Dk]
     cache.commit(plan)
     plan = backend.plan(cache, num_new=[1] * B)             # every decode step
-    for layer in range(L):
-        out = backend.decode(cache, plan, layer=layer, q=q, k=k, v=v)    # q: [B, Hq, Dk] -> [B, Hq, Dv]
+    for layer in range(L): out = backend.decode(cache, plan, layer=layer, q=q, k=k, v=v)  # -> [B, Hq, Dv]
     cache.commit(plan)
 
 ``plan()`` builds everything a step needs that is shared by all layers (lengths, block tables, split
 plans) and may allocate; ``decode()`` and ``append()`` do no host-side planning, so on CUDA a decode
-step (all layers) can be captured in a graph once its plan exists.
-
-Tensor conventions (``B`` batch, ``T`` new tokens, ``S`` cached tokens):
+step (all layers) can be captured in a graph once its plan exists. Tensor conventions (``B`` batch, ``T`` new tokens, ``S`` cached tokens):
 
 - ``q``: ``[B, Hq, Dk]`` in decode, ``[B, T, Hq, Dk]`` in prefill (right-padded to ``max(num_new)``)
 - ``k``: ``[B, Hkv, Dk]`` / ``[B, T, Hkv, Dk]``; ``v``: ``[B, Hkv, Dv]`` / ``[B, T, Hkv, Dv]``
@@ -342,6 +338,11 @@ class Backend(ABC):
     def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
         """The tunables that matter for ``workload`` (default: all); the tuner searches only these."""
         return self.tunables
+
+    def canonical_config(self, workload: Workload, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The config of :meth:`tunables_for`'s space that runs ``workload`` as ``config`` does, where a
+        value there means another one (default: ``config`` itself, its defaults filled in)."""
+        return self.resolve_config(config)
 
     # -- configs ---------------------------------------------------------------------------------
     @classmethod

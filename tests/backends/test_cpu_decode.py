@@ -309,3 +309,36 @@ def test_only_the_backends_tested_for_it_declare_cache_neutral_tunables() -> Non
     the one above."""
     declared = {e.name: e.cls.cache_neutral for e in load_registry() if e.cls.cache_neutral}
     assert declared == {"cpu_decode": ("kv_splits", "prefetch"), "cpu_decode_fp8": ("kv_splits", "prefetch")}
+
+
+@pytest.fixture
+def two_threads():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_forced_kv_split_that_auto_runs_anyway_is_auto_and_searched_once() -> None:
+    """At batch × KV heads ≥ the threads ``auto`` runs one split: ``kv_splits=1`` is the same computation,
+    so the tuner's space holds ``auto`` and 4 (not 1), and a table's ``kv_splits=1`` maps to ``auto``; where
+    ``auto`` splits (one sequence, one KV head, two threads), 1 is a computation of its own."""
+    from attnbench.core.shapes import load_shape
+    from attnbench.tuning import backend_refs, build_space
+    from attnbench.tuning.space import Candidate
+
+    backend = CpuDecodeBackend()
+    llama = Workload.uniform("llama-3.1-8b", batch=1, context=4096, dtype="bf16")  # 1 × 8 KV heads ≥ 2
+    (splits,) = (t for t in backend.tunables_for(llama) if t.name == "kv_splits")
+    assert splits.choices == ("auto", 4)
+    assert backend.canonical_config(llama, {"kv_splits": 1, "page_size": 512})["kv_splits"] == "auto"
+    assert backend.canonical_config(llama, {"kv_splits": 4})["kv_splits"] == 4
+    space = build_space(llama, backend_refs(only=["cpu_decode"]))
+    one = Candidate("cpu_decode", {"kv_splits": 1, "page_size": 512, "prefetch": 4})
+    assert space.canonical(one) in space.candidates()
+    assert one not in space.candidates()
+    shape = dataclasses.replace(load_shape("tiny-gqa"), num_kv_heads=1, num_heads=4)
+    lone = Workload(shape, (4096,), "bf16")  # one sequence, one KV head: auto splits it
+    (splits,) = (t for t in backend.tunables_for(lone) if t.name == "kv_splits")
+    assert 1 in splits.choices and backend.canonical_config(lone, {"kv_splits": 1})["kv_splits"] == 1

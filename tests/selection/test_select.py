@@ -436,7 +436,9 @@ def test_explain_says_whether_a_time_was_measured_interpolated_or_predicted(tmp_
     assert at.step_basis == "measured" and at.step_ms == pytest.approx(4.096)
     text = at.explain()
     assert "measured step: 4.096 ms (at the tuned point batch 4, context 1024)" in text
-    assert "interpolated" not in text and "naive: measured 8.192 ms" in text and "measured at this point" in text
+    assert (
+        "interpolated" not in text and "naive: measured 8.192 ms" in text and "measured at this point" in text
+    )
 
     beyond = _from_map(tmp_path, 16, 1024)  # outside the grid: the trend extended, a prediction
     assert beyond.step_basis == "extrapolated" and beyond.extrapolated
