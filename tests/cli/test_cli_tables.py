@@ -461,3 +461,26 @@ def test_the_commands_print_no_ellipsis_at_80_columns(
     out = capsys.readouterr().out
     table = [line for line in out.splitlines() if line.startswith(("┃", "│", "┏", "└"))]
     assert table and all(len(line) <= 80 for line in table) and "…" not in out
+
+
+def test_vs_default_says_where_the_defaults_time_comes_from() -> None:
+    """A default far behind keeps its study time (not re-timed: ``(study)``); a pruned default its
+    running median when the pruner stopped it (``(default pruned)``), never "default failed"."""
+    from types import SimpleNamespace
+
+    from attnbench.cli.tune import _versus_default
+    from attnbench.tables.table_schema import CandidateResult
+
+    winner = CandidateResult("cpu_decode", {"page_size": 128}, step_ms=5.0, retimed=True)
+    studied = CandidateResult("flash", {"num_splits": 0}, step_ms=150.0)
+    pruned = CandidateResult("flash", {"num_splits": 0}, failed="pruned", study_ms=100.0)
+    gated = CandidateResult("flash", {"num_splits": 0}, failed="gate")
+    retimed = CandidateResult("flash", {"num_splits": 0}, step_ms=6.0, retimed=True)
+
+    def vs(default: CandidateResult) -> str:
+        return _versus_default(SimpleNamespace(winner=winner, default=default, tie=False))  # type: ignore[arg-type]
+
+    assert vs(studied) == "30.00× faster (study)"
+    assert vs(pruned) == "20.00× faster (default pruned)"
+    assert vs(gated) == "default failed"
+    assert vs(retimed) == "1.20× faster"
