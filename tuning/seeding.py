@@ -35,8 +35,8 @@ def by_cost(plans: Sequence[StudyPlan]) -> list[StudyPlan]:
     """``plans`` with each dispatch map's keys cheapest first (batch × context), the maps in their order."""
     groups: dict[tuple[str, str, str], int] = {}
     for p in plans:
-        groups.setdefault(_group(p), len(groups))
-    return sorted(plans, key=lambda p: (groups[_group(p)], p.workload.batch * p.workload.context))
+        groups.setdefault(p.group, len(groups))
+    return sorted(plans, key=lambda p: (groups[p.group], p.workload.batch * p.workload.context))
 
 
 def seeded_plan(
@@ -52,7 +52,7 @@ def seeded_plan(
     where the corpus already starts it."""
     if plan.corpus_first or patience <= 0:
         return plan
-    mine = [(p, r) for p, r in studied if _group(p) == _group(plan) and p.key.row != plan.key.row]
+    mine = [(p, r) for p, r in studied if p.group == plan.group and p.key.row != plan.key.row]
     if not mine:
         return plan
     space = {c.ident(): c for c in plan.space.candidates()}
@@ -70,10 +70,6 @@ def seeded_plan(
     return dataclasses.replace(
         plan, exhaustive=False, seeds=tuple(seeds), seeded_from=where, patience=patience
     )
-
-
-def _group(plan: StudyPlan) -> tuple[str, str, str]:
-    return (plan.key.model, plan.key.shape_hash, plan.key.dtype)
 
 
 def _distance(a: StudyPlan, b: StudyPlan) -> float:
@@ -99,7 +95,7 @@ def corpus_plans(
     groups: dict[tuple[str, str, str], list[str]] = {}
     for plan in out:
         for c in plan.corpus_first[:finalists]:
-            group = groups.setdefault(_group(plan), [])
+            group = groups.setdefault(plan.group, [])
             if c.ident() not in group:
                 group.append(c.ident())
     for i, plan in enumerate(out):
@@ -107,7 +103,7 @@ def corpus_plans(
             continue
         space = {c.ident(): c for c in plan.space.candidates()}
         mine = {c.ident() for c in plan.corpus_first}
-        others = groups[_group(plan)]
+        others = groups[plan.group]
         extra = tuple(space[x] for x in others if x in space and x not in mine)
         out[i] = dataclasses.replace(plan, corpus_first=plan.corpus_first + extra)
     return out

@@ -125,6 +125,11 @@ class StudyPlan:
     seeded_from: str = ""  # those keys in words
     patience: int = 0
 
+    @property
+    def group(self) -> tuple[str, str, str]:
+        """The dispatch map the key belongs to: its model, shape and dtype."""
+        return (self.key.model, self.key.shape_hash, self.key.dtype)
+
     def load(self, storage: Any, *, seed: int) -> optuna.Study:
         sampler: optuna.samplers.BaseSampler
         if self.exhaustive:

@@ -310,11 +310,6 @@ def _finalists(
     return out
 
 
-def _group(plan: StudyPlan) -> tuple[str, str, str]:
-    """The dispatch map a key belongs to: its model, shape and dtype."""
-    return (plan.key.model, plan.key.shape_hash, plan.key.dtype)
-
-
 def _with_group(
     plan: StudyPlan,
     result: KeyResult,
@@ -329,7 +324,7 @@ def _with_group(
     records = {r.candidate.label(): r for r in result.records}
     failed: dict[str, str] = {}
     for other, _ in studied:
-        if other is plan or _group(other) != _group(plan):
+        if other is plan or other.group != plan.group:
             continue
         for label, fin in finals[other.key.row].items():
             r = records.get(label)
@@ -391,7 +386,7 @@ def _maps(
     """One dispatch map per (model, dtype) whose tuned points form a full rectilinear grid."""
     groups: dict[tuple[str, str, str], list[tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]]] = {}
     for plan, got, fins in measured.values():
-        groups.setdefault(_group(plan), []).append((plan, got, fins))
+        groups.setdefault(plan.group, []).append((plan, got, fins))
     for (model, shape_hash, dtype), items in groups.items():
         batches = sorted({p.key.batch_bucket for p, _, _ in items})
         contexts = sorted({p.key.context_bucket for p, _, _ in items})
