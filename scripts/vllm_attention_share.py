@@ -13,7 +13,8 @@ STEPS, and so is the attention's time within it. The share is attention / step.
 With ``--side-by-side JSON`` (the JSON ``attnbench bench --save`` writes for ``cpu_decode`` and ``vllm_cpu`` at the same
 geometry, batch, context and dtype) it also prints what the kernels' side-by-side ratio ``r`` and vLLM's
 share ``s`` predict for the step through attnbench, ``step_vllm · (1 − s + s / r)``, beside what the
-engine measured: the integration loses nothing where the two agree.
+engine measured: the integration loses nothing where the two agree. A second table splits each path's
+step into the attention, the metadata builder, Python's garbage collector and the rest.
 
     python scripts/vllm_attention_share.py --points 1x1024,1x8192,4x8192 --out results/engines/vllm-attention-share-epyc-avx512
 
@@ -75,26 +76,23 @@ def child(args: argparse.Namespace) -> None:
         for _ in range(args.batch)
     ]
 
-    def run(tokens: int) -> tuple[float, float]:
+    sums = ("attention_s", "build_s", "gc_s")
+
+    def run(tokens: int) -> dict[str, float]:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        before, t0 = spent()["attention_s"], time.perf_counter()
+        before, t0 = spent(), time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t0, spent()["attention_s"] - before
+        wall, after = time.perf_counter() - t0, spent()
+        return {"step_s": wall} | {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sums}
 
     run(1)  # the one full prefill: the prompts are cached from here on
-    steps, attention = [], []
+    per_step: dict[str, list[float]] = {k: [] for k in ("step_s", *sums)}
     for _ in range(args.iters):
-        one, one_attn = run(1)
-        many, many_attn = run(1 + args.steps)
-        steps.append((many - one) / args.steps)
-        attention.append((many_attn - one_attn) / args.steps)
+        one, many = run(1), run(1 + args.steps)
+        for k, values in per_step.items():
+            values.append((many[k] - one[k]) / args.steps)
     worker = spent()
-    result = {
-        "step_s": steps,
-        "attention_s": attention,
-        "threads": worker.get("threads"),
-        "affinity": worker.get("affinity"),
-    }
+    result = per_step | {"threads": worker.get("threads"), "affinity": worker.get("affinity")}
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -118,8 +116,8 @@ def _run(model: Path, *, served: bool, batch: int, input_len: int, args: argpars
             + (proc.stdout + proc.stderr)[-3000:]
         )
     r = json.loads(lines[-1].removeprefix("RESULT "))
-    r["step_ms"] = 1000 * statistics.median(r["step_s"])
-    r["attention_ms"] = 1000 * statistics.median(r["attention_s"])
+    for part in ("step", "attention", "build", "gc"):
+        r[f"{part}_ms"] = 1000 * statistics.median(r[f"{part}_s"])
     r["share"] = r["attention_ms"] / r["step_ms"]
     r["wall_s"] = time.monotonic() - started
     return r
@@ -231,6 +229,23 @@ def render(report: dict) -> str:
             f"| {a['step_ms']:.1f} | {a['attention_ms']:.1f} ({100 * a['share']:.0f} %) | {a['step_ms'] / v['step_ms']:.3f} "
             f"| {a['attention_ms'] / v['attention_ms']:.3f} | {pred} |"
         )
+    if all("build_ms" in run for r in report["rows"] for run in r["runs"].values()):
+        lines += [
+            "",
+            "Where each path's decode step goes (ms a step; builder = the attention metadata builder's "
+            "`build`, vLLM's per-step metadata and on attnbench's path its plan; collector = Python's "
+            "garbage collector; rest = the step less the three: the weights' GEMMs, sampling, scheduling):",
+            "",
+            "| batch | input | path | step | attention | builder | collector | rest |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in report["rows"]:
+            for name, run in r["runs"].items():
+                rest = run["step_ms"] - run["attention_ms"] - run["build_ms"] - run["gc_ms"]
+                lines.append(
+                    f"| {r['batch']} | {r['input_len']} | {name} | {run['step_ms']:.1f} | {run['attention_ms']:.1f} "
+                    f"| {run['build_ms']:.2f} | {run['gc_ms']:.2f} | {rest:.1f} |"
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -5,11 +5,14 @@ plugin's entry point in every vLLM process, the model's worker included) puts a 
 attention layers' ``forward`` and KV-cache write — attnbench's implementation where ``ATTNBENCH_VLLM=1``,
 vLLM's ``CPU_ATTN`` otherwise — and after the model's last attention layer of each step writes to FILE,
 as one JSON object: the cumulative seconds (``attention_s``), the calls, the worker's torch threads and
-CPU affinity. Unset, nothing is installed.
+CPU affinity. Two more sums tell where the rest of a step goes: the attention metadata builder's
+``build`` (``build_s``: vLLM's per-step metadata, and on attnbench's path its plan) and Python's garbage
+collector (``gc_s``, from ``gc.callbacks``). Unset, nothing is installed.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -29,15 +32,18 @@ def install(served: bool) -> None:
     if not path:
         return
     impl: type
+    builder: type
     if served:
-        from attnbench_vllm.cpu_attn import AttnbenchCPUImpl
+        from attnbench_vllm.cpu_attn import AttnbenchCPUImpl, AttnbenchCPUMetadataBuilder
 
-        impl = AttnbenchCPUImpl
+        impl, builder = AttnbenchCPUImpl, AttnbenchCPUMetadataBuilder
     else:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
 
-        impl = CPUAttentionBackendImpl
-    state: dict[str, Any] = {"attention_s": 0.0, "calls": 0, "last": -1, "failed": False}
+        impl, builder = CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
+    state: dict[str, Any] = {
+        "attention_s": 0.0, "build_s": 0.0, "gc_s": 0.0, "calls": 0, "last": -1, "failed": False, "gc_t0": 0.0,
+    }  # fmt: skip
     target = Path(path)
 
     def dump() -> None:
@@ -45,6 +51,8 @@ def install(served: bool) -> None:
 
         record = {
             "attention_s": state["attention_s"],
+            "build_s": state["build_s"],
+            "gc_s": state["gc_s"],
             "calls": state["calls"],
             "threads": torch.get_num_threads(),
             "affinity": sorted(os.sched_getaffinity(0)),
@@ -85,3 +93,22 @@ def install(served: bool) -> None:
                             dump()
 
         setattr(impl, name, timed)
+
+    inner_build = builder.build
+
+    def timed_build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner_build(self, *args, **kwargs)
+        finally:
+            state["build_s"] += time.perf_counter() - t0
+
+    builder.build = timed_build  # type: ignore[method-assign]
+
+    def collected(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            state["gc_t0"] = time.perf_counter()
+        else:
+            state["gc_s"] += time.perf_counter() - state["gc_t0"]
+
+    gc.callbacks.append(collected)
