@@ -7,8 +7,8 @@
 **This run's cheaper keys** (:func:`by_cost`, :func:`seeded_plan`): a grid's keys run cheapest first
 (batch × context: a step at batch 8 × 32k tokens reads 256 times what one at batch 1 × 1k reads), the
 first key of each dispatch map (same model, shape and dtype) searched as planned. A costlier key of
-the same map then starts from the finalists of the keys already studied (the nearest in batch and
-context first), then its default and each backend's default, then Optuna's TPE sampler, which has
+the same map then starts from the finalists of the two nearest keys already studied (in octaves of
+batch and context, the nearest first), then its default and each backend's default, then Optuna's TPE sampler, which has
 all of them in its history; it stops once ``patience`` candidates in a row have not beaten its best
 by more than the switch margin (:func:`attnbench.tuning.study.converged`), or when the space is exhausted. The timed steps
 are a study's as everywhere (gate first, pruned when clearly slower), and the finalists are re-timed
@@ -45,11 +45,13 @@ def seeded_plan(
     *,
     patience: int,
     finalists: int = 3,
+    keys: int = 2,
 ) -> StudyPlan:
-    """``plan`` started from the finalists of ``studied`` keys of its dispatch map (the fastest
-    ``finalists`` of each by its study, the nearest key first), then searched until ``patience``
-    candidates in a row bring nothing better; ``plan`` itself where no key of its map was studied, or
-    where the corpus already starts it."""
+    """``plan`` started from the finalists of the ``keys`` nearest ``studied`` keys of its dispatch map
+    (the fastest ``finalists`` of each by its study, the nearest key first), then searched until
+    ``patience`` candidates in a row bring nothing better; ``plan`` itself where no key of its map was
+    studied, or where the corpus already starts it. Farther keys' finalists are left to the search:
+    at batch 8 × 32k each seed costs seconds, and the nearest keys are the ones that predict it."""
     if plan.corpus_first or patience <= 0:
         return plan
     mine = [(p, r) for p, r in studied if p.group == plan.group and p.key.row != plan.key.row]
@@ -57,6 +59,7 @@ def seeded_plan(
         return plan
     space = {c.ident(): c for c in plan.space.candidates()}
     mine.sort(key=lambda pr: _distance(pr[0], plan))
+    mine = mine[:keys]
     seeds: list[Candidate] = []
     for _, result in mine:
         ok = sorted((r for r in result.records if r.ok and r.value), key=lambda r: r.value or 0)

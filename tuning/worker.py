@@ -151,7 +151,8 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         report = _reporter(int(task.get("repeats") or 0)) if task.get("report") else None
         m = measure_decode(
             backend, workload, config=config, resolution=resolution, profile=profile, check=True,
-            gate=passed[1] if passed else None, shelf=_SHELF, report=report, cases=_CASES, **settings,
+            gate=passed[1] if passed else None, shelf=_SHELF, report=report, cases=_CASES,
+            seed=_seed_for(task["workload"]), **settings,
         )  # fmt: skip
         if passed is None and m.check is not None and m.check.passed:
             _PASSED[key] = (_label(name, config), m.check)
@@ -200,6 +201,15 @@ _SHELF: Any = None
 #: the gate's inputs and float64 references of the last workload gated: a study's candidates share one
 #: draw, each gated in full against it (attnbench.correctness.timed.CaseShelf)
 _CASES = CaseShelf()
+
+#: a seed per workload for the models this worker times: a study's candidates share inputs and history,
+#: so the timed check's float64 references are computed once (attnbench.measure.timed_run)
+_SEEDS: dict[str, int] = {}
+
+
+def _seed_for(workload: dict[str, Any]) -> int:
+    return _SEEDS.setdefault(json.dumps(workload, sort_keys=True), int.from_bytes(os.urandom(4), "little"))
+
 
 #: the worker's way to ask the parent a question mid-task (set by main: a line out, a line back)
 _ASK: Any = None

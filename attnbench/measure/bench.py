@@ -162,6 +162,7 @@ def measure_decode(
     shelf: ModelShelf | None = None,
     report: Callable[[list[float]], bool] | None = None,
     cases: CaseShelf | None = None,
+    seed: int | None = None,
 ) -> DecodeMeasurement:
     """Check ``backend`` on ``workload``, then time its decode step through the synthetic model.
 
@@ -191,6 +192,8 @@ def measure_decode(
             pruner: the gate passed, the steps ran are checked too, never a result).
         cases: the gate's inputs and float64 references kept for the next candidate of the same
             workload (:class:`~attnbench.correctness.timed.CaseShelf`; default: drawn for this call).
+        seed: the synthetic model's seed (its inputs, history and checked call; default: drawn from
+            ``os.urandom``). Measurements that share one share the timed check's float64 references.
 
     Raises:
         ValueError: the backend cannot run the workload (the message lists why).
@@ -228,6 +231,7 @@ def measure_decode(
             num_layers=layers,
             materialise_bytes=materialise_bytes,
             resolution=resolution,
+            seed=seed,
         )
     made = time.perf_counter() - made
     run = timed_run(

@@ -267,8 +267,32 @@ class SyntheticModel:
                 hk[i, n + j] = k[i]
                 if self.form != "latent":
                     hv[i, n + j] = v[i]
+        q, after = self.call_query(layer, step)
+        return q, hk, hv, after
+
+    def call_query(self, layer: int, step: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Decode call ``layer`` of step ``step``'s query ``[B, Hq, Dk]`` and each sequence's length after it."""
         q = self._decode_inputs[step % self.input_sets][layer][0]
-        return q, hk, hv, tuple(n + step + 1 for n in lens)
+        return q, tuple(n + step + 1 for n in self.workload.context_lens)
+
+    def history_key(self, layer: int, step: int) -> tuple[Any, ...]:
+        """What decode call ``layer`` of step ``step``'s inputs (:meth:`history_for`) are a function of:
+        two models, of any backend or config, with equal keys saw the same query and history there.
+
+        Besides the seed and sizes it holds the float64 sums of the decode inputs the call's query and
+        history take (the fill is regenerated or copied before a backend sees it): a backend that wrote
+        into the inputs it was handed changes the key instead of sharing a stale one."""
+        w, m = self.workload, self.layers_materialised
+        last = max(x for x in range(layer % m, self.num_layers, m))
+        used = [self._decode_inputs[step % self.input_sets][layer][0]]
+        for j in range(step + 1):
+            _, k, v = self._decode_inputs[j % self.input_sets][layer if j == step else last]
+            used += [k, v]
+        sums = tuple(float(t.sum(dtype=torch.float64)) for t in used)
+        return (
+            self.seed, w.describe(), tuple(w.context_lens), w.dtype_name, self.form,
+            self.num_layers, m, self.input_sets, layer, step, sums,
+        )  # fmt: skip
 
     def _history_buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed ``[B, tokens, Hkv, D]`` K and V histories (V a view of K's first columns for the latent form)."""

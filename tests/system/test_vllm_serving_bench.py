@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.script_module import load_script
+from helpers.script_module import load_script, refusal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,3 +109,42 @@ def test_the_serve_report_states_the_ratio_and_the_prediction() -> None:
     text = serve.render(report)
     assert "**2.000**" in text and "measured / predicted 1.010" in text
     assert "| vllm | decode 2 | 25.6 | 40.00 |" in text
+
+
+def test_the_itl_plot_reads_both_scripts_reports(tmp_path: Path) -> None:
+    plot = load_script("plot_vllm_itl")
+    latency = {"command": "python scripts/vllm_serving_bench.py --points 1x1024", "rows": [{"batch": 1, "input_len": 1024, "steps": 32, "runs": {
+        "vllm": {"itl1": {"median_s": 0.5}, "itlN": {"median_s": 2.74}},
+        "attnbench": {"itl1": {"median_s": 0.5}, "itlN": {"median_s": 2.58}},
+    }}]}  # fmt: skip
+    share = {"command": "python scripts/vllm_attention_share.py --points 1x32640,4x8192", "rows": [
+        {"batch": 1, "input_len": 32640, "runs": {"vllm": {"step_ms": 139.6}, "attnbench": {"step_ms": 110.0}}},
+        {"batch": 4, "input_len": 8192, "runs": {"vllm": {"step_ms": 123.0}, "attnbench": {"step_ms": 84.4}}},
+    ]}  # fmt: skip
+    files = []
+    for name, report in (("latency", latency), ("share", share)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(report))
+    found = sorted(pt for f in files for pt in plot.points(f, 1))
+    assert found == [
+        ("latency", 1024, "attnbench", pytest.approx(65.0)),
+        ("latency", 1024, "vllm", pytest.approx(70.0)),
+        ("share", 32640, "attnbench", 110.0),
+        ("share", 32640, "vllm", 139.6),
+    ]
+    assert "no row at batch 8" in refusal(
+        "plot_vllm_itl", [*map(str, files), "--batch", "8", "--out", "x.png"]
+    )
+    assert "no such report" in refusal("plot_vllm_itl", [str(tmp_path / "none.json"), "--out", "x.png"])
+
+
+def test_the_itl_plot_is_drawn(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (pip install -e '.[plot]')")
+    plot = load_script("plot_vllm_itl")
+    share = {"command": "python scripts/vllm_attention_share.py", "rows": [
+        {"batch": 1, "input_len": c, "runs": {"vllm": {"step_ms": 80.0 + c / 500}, "attnbench": {"step_ms": 70.0 + c / 1000}}}
+        for c in (1024, 8192, 32640)
+    ]}  # fmt: skip
+    (tmp_path / "share.json").write_text(json.dumps(share))
+    assert plot.main([str(tmp_path / "share.json"), "--out", str(tmp_path / "itl.png")]) == 0
+    assert (tmp_path / "itl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

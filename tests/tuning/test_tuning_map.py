@@ -325,6 +325,47 @@ def test_every_candidate_runs_in_every_position_and_after_every_other_equally_of
     assert [round_order(6, r, seed=1) for r in range(6)] != [round_order(6, r, seed=1) for r in range(6, 12)]
 
 
+_INSTANCES = [0]  # caches this worker process created of the instance-bound backend
+
+
+class InstanceBound(_Costed):
+    """1 ms a call on the first cache it makes and 5 ms on the second: one config whose speed is its
+    model instance's (as measured on this CPU at sub-millisecond steps, in milder form)."""
+
+    name = "planted_instance_bound"
+
+    def create_cache(self, workload, *, config, num_layers, max_seq_len):
+        cache = super().create_cache(workload, config=config, num_layers=num_layers, max_seq_len=max_seq_len)
+        cache.instance = _INSTANCES[0]
+        _INSTANCES[0] += 1
+        return cache
+
+    def decode(self, cache, plan, *, layer, q, k, v):
+        _ELAPSED[0] += 0.001 if cache.instance % 2 == 0 else 0.005
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+
+
+def test_a_small_finalist_is_timed_on_two_instances_in_turn(profile):
+    """The instance-bound candidate would beat the steady 2-ms one on its first instance alone (1 ms
+    every step); its two instances, stepped in turn and pooled, give it an interval that reaches the
+    second's 5 ms, and it no longer beats the steady one."""
+    from attnbench.tables.margin import beats
+    from attnbench.tuning import Worker
+    from attnbench.tuning.interleave import Finalist, retime
+
+    fins = [
+        Finalist("bound", "bound", "test_tuning_map:InstanceBound", {}),
+        Finalist("steady", "steady", "test_tuning_map:Steady", {}),
+    ]
+    (w,) = _workloads([1])
+    with Worker() as worker:
+        got = retime(worker, fins, workload=w, samples=15, num_layers=1, clock=CLOCK, timeout_s=60)
+    assert not got.failed
+    bound, steady = got.times["bound"], got.times["steady"]
+    assert bound.samples >= 15 and bound.hi_ms > 2.5  # on its first instance alone: 1 ms, every sample
+    assert not beats(bound, steady, margin=0.0)
+
+
 class _Sleeper(_Costed):
     """A planted cost, and ``sleep_s`` of real time per call: the studies (real time) rank it behind
     the ones that do not sleep, while the re-timing (the virtual clock) sees its planted cost."""

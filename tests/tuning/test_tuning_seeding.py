@@ -84,3 +84,24 @@ def test_converged_counts_only_the_candidates_chosen_after_the_seeds() -> None:
     assert not converged(trials[:5], 4, counted=after_seeds)  # the seeds are not counted
     assert not converged(trials, 3, counted=after_seeds)  # 9.0: > 5 % better than 9.8, the count starts again
     assert not converged(trials[:2], 1, counted=after_seeds)  # seeds alone never converge
+
+
+def test_a_key_is_seeded_from_its_two_nearest_studied_keys_only(profile) -> None:  # type: ignore[no-untyped-def]
+    from attnbench.tables.table_schema import CandidateResult
+    from attnbench.tuning import seeding
+    from attnbench.tuning.space import BackendRef
+    from attnbench.tuning.study import KeyResult, plan_studies
+
+    loads = [Workload.uniform("tiny-gqa", batch=b, context=64, dtype="fp32") for b in (1, 2, 4, 8)]
+    plans = plan_studies(loads, [BackendRef.of(Dial)], profile=profile, options=OPTIONS)
+    target = next(p for p in plans if p.workload.batch == 8)
+    # each studied key's three fastest dials: batch 1 → 0, 1, 2; batch 2 → 3, 4, 5; batch 4 → 6, 7, 8
+    studied = [
+        (p, KeyResult(p, [CandidateResult("seed_dial", {"dial": d}, step_ms=1.0 + d % 3) for d in dials]))
+        for p, dials in zip(plans[:3], ((0, 1, 2), (3, 4, 5), (6, 7, 8)), strict=True)
+    ]
+    seeded = seeding.seeded_plan(target, studied, patience=3)
+    assert [c.config["dial"] for c in seeded.seeds] == [6, 7, 8, 3, 4, 5]  # batch 4 first, then 2; not 1
+    assert seeded.seeded_from == "b=4 ctx=64, b=2 ctx=64"
+    everything = seeding.seeded_plan(target, studied, patience=3, keys=3)
+    assert [c.config["dial"] for c in everything.seeds] == [6, 7, 8, 3, 4, 5, 0, 1, 2]

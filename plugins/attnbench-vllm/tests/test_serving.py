@@ -19,17 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_required import require_vllm
 
-_REQUIRED = os.environ.get("ATTNBENCH_REQUIRE_VLLM") == "1"
-try:
-    from attnbench_vllm import isa as isa_mod
-    from attnbench_vllm import serving
-except ImportError as err:
-    if _REQUIRED:
-        raise
-    pytest.skip(f"attnbench-vllm is not installed ({err})", allow_module_level=True)
-if isa_mod.vllm_error() and not _REQUIRED:
-    pytest.skip(f"vLLM's CPU kernels unavailable: {isa_mod.vllm_error()}", allow_module_level=True)
+require_vllm()
+
+from attnbench_vllm import serving  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 #: a ragged batch around 1k tokens; 512-token steps split the long prompts into chunks after a cached

@@ -1,7 +1,7 @@
 """``ATTNBENCH_VLLM_TIMING``: the worker's record of where a step's time goes (attention, the metadata
 builder, the garbage collector), which ``scripts/vllm_attention_share.py`` reads.
 
-Needs vLLM's CPU build, as ``test_vllm.py`` does (skipped without it unless ``ATTNBENCH_REQUIRE_VLLM=1``).
+Needs vLLM's CPU build (`vllm_required.py` beside it).
 """
 
 from __future__ import annotations
@@ -14,18 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_required import require_vllm
 
-_REQUIRED = os.environ.get("ATTNBENCH_REQUIRE_VLLM") == "1"
-try:
-    from attnbench_vllm import isa as isa_mod
-    from attnbench_vllm import timing
-except ImportError as err:
-    if _REQUIRED:
-        raise
-    pytest.skip(f"attnbench-vllm is not installed ({err})", allow_module_level=True)
-if isa_mod.vllm_error() and not _REQUIRED:
-    pytest.skip(f"vLLM's CPU kernels unavailable: {isa_mod.vllm_error()}", allow_module_level=True)
+require_vllm()
 
+from attnbench_vllm import timing  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,

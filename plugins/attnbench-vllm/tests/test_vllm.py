@@ -15,24 +15,15 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from vllm_required import require_vllm
 
 from attnbench import Workload, check
 from attnbench.core.backend import Tunable
 from attnbench.testing import CASES, BackendConformance
 
-_REQUIRED = os.environ.get("ATTNBENCH_REQUIRE_VLLM") == "1"
-try:
-    from attnbench_vllm import isa as isa_mod
-except ImportError as err:  # the plugin itself is not installed in this environment
-    if _REQUIRED:
-        raise
-    pytest.skip(
-        f"attnbench-vllm is not installed ({err}); bash scripts/install-vllm.sh", allow_module_level=True
-    )
-_MISSING = isa_mod.vllm_error()
-if _MISSING and not _REQUIRED:
-    pytest.skip(f"vLLM's CPU kernels unavailable: {_MISSING}", allow_module_level=True)
+_MISSING = require_vllm()
 
+from attnbench_vllm import isa as isa_mod  # noqa: E402
 from attnbench_vllm.backend import VllmCpuBackend, VllmCpuFP8Backend  # noqa: E402
 from attnbench_vllm.quant import stored_fp8  # noqa: E402
 
