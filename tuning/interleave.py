@@ -36,6 +36,7 @@ from attnbench.core.device import DeviceProfile
 from attnbench.core.registry import load_backend_class
 from attnbench.core.timing import synchronize, timing_mode
 from attnbench.core.workload import workload_from_dict, workload_to_dict
+from attnbench.correctness.timed import CaseShelf
 from attnbench.measure.bench import CheckFailed, Implausible, measure_decode, plausibility
 from attnbench.measure.graph_step import GraphedDecodeStep
 from attnbench.measure.synthetic import SyntheticModel
@@ -55,6 +56,8 @@ class Finalist:
     backend_ref: str
     config: dict[str, Any]
     lossy: str = ""
+    #: gate it at this point first (a finalist of another key that this point's study never measured)
+    check: bool = False
 
 
 def round_order(n: int, r: int, *, seed: int = 0) -> list[int]:
@@ -83,8 +86,12 @@ def round_order(n: int, r: int, *, seed: int = 0) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 # child side (in the worker)
 # --------------------------------------------------------------------------------------------------
-def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
-    """Gate (if asked) and time ``task["candidates"]`` round-robin; returns samples per label."""
+def run_interleaved(
+    task: dict[str, Any], *, cases: CaseShelf | None = None, seed: int | None = None
+) -> dict[str, Any]:
+    """Gate (where asked: the task's ``check``, or a candidate's) and time ``task["candidates"]``
+    round-robin; returns samples per label. ``cases`` and ``seed``: the worker's gate draw and model
+    seed for this workload, which a gate here shares with the studies' (see the worker)."""
 
     workload = workload_from_dict(task["workload"])
     clock = _clock(task.get("clock"))
@@ -103,7 +110,7 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
                 if reasons:
                     failed[label] = "unsupported: " + "; ".join(reasons)
                     continue
-                if task.get("check"):  # a point no study measured: the gate first, as in a trial
+                if task.get("check") or cand.get("check"):  # not measured here: the gate first, as in a trial
                     measure_decode(
                         backend,
                         workload,
@@ -116,6 +123,8 @@ def run_interleaved(task: dict[str, Any]) -> dict[str, Any]:
                         materialise_bytes=task.get("materialise_bytes"),
                         error_multiple=task.get("error_multiple"),
                         accuracy_budget=task.get("accuracy_budget"),
+                        cases=cases,
+                        seed=seed,
                     )
                 made: list[SyntheticModel] = []
                 calls: list[Any] = []
@@ -270,7 +279,8 @@ def retime(
     def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[float]], dict[str, str]]:
         message = base | {
             "candidates": [
-                {"label": f.label, "backend_ref": f.backend_ref, "config": f.config} for f in group
+                {"label": f.label, "backend_ref": f.backend_ref, "config": f.config, "check": f.check}
+                for f in group
             ]
         }
         outcome = worker.request(message, timeout=timeout_s * max(1, len(group)) * 2)

@@ -10,6 +10,7 @@ coarse grid of a dispatch map, refined where neighbouring winners differ.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -316,10 +317,10 @@ def _with_group(
     finals: Mapping[str, dict[str, Finalist]],
     studied: Sequence[tuple[StudyPlan, KeyResult]],
 ) -> tuple[dict[str, Finalist], dict[str, str]]:
-    """``plan``'s finalists and those of the other keys of its dispatch map that ``plan``'s study measured
-    (so gated at this point: no gate again), and the reasons of those its study saw fail here. One not
-    measured here (a TPE search, a key that stopped at the corpus's finalists) is left out: the map
-    re-times that point whole, gate first."""
+    """``plan``'s finalists and those of the other keys of its dispatch map, and the reasons of those its
+    study saw fail here. One its study measured was gated at this point already; one it did not (a
+    seeded or TPE search, a key that stopped at the corpus's finalists) is gated here first, in the same
+    interleaved run (``Finalist.check``), so the map needs no second run of the point."""
     fins = dict(finals[plan.key.row])
     records = {r.candidate.label(): r for r in result.records}
     failed: dict[str, str] = {}
@@ -328,9 +329,11 @@ def _with_group(
             continue
         for label, fin in finals[other.key.row].items():
             r = records.get(label)
-            if label in fins or r is None:
+            if label in fins:
                 continue
-            if r.ok and r.value:
+            if r is None:
+                fins[label] = dataclasses.replace(fin, check=True)
+            elif r.ok and r.value:
                 fins[label] = fin
             elif r.failed:
                 failed[label] = f"{r.failed}: {r.reason}" if r.reason else r.failed

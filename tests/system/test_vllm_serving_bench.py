@@ -148,3 +148,16 @@ def test_the_itl_plot_is_drawn(tmp_path: Path) -> None:
     (tmp_path / "share.json").write_text(json.dumps(share))
     assert plot.main([str(tmp_path / "share.json"), "--out", str(tmp_path / "itl.png")]) == 0
     assert (tmp_path / "itl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_gemv_mix_report_shows_what_the_kernel_adds_to_the_gemvs() -> None:
+    mix = load_script("attention_gemv_mix")
+    runs = {
+        "gemv only": {"gemv_ms": 100.0, "attention_ms": 0.0},
+        "plain:seq:2": {"gemv_ms": 103.5, "attention_ms": 31.0},
+    }
+    report = {"command": "c", "machine": "m", "cpus": 2, "date": "d", "load_before": [0, 0, 0], "load_after": [0, 0, 0], "model": "q", "steps": 8,
+              "rows": [{"batch": 1, "context": 32640, "runs": runs}]}  # fmt: skip
+    text = mix.render(report)
+    assert "| 1 × 32640 | plain:seq:2 | 103.5 | +3.5 | 31.0 |" in text
+    assert "| 1 × 32640 | gemv only | 100.0 | — | — |" in text

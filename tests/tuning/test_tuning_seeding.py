@@ -105,3 +105,34 @@ def test_a_key_is_seeded_from_its_two_nearest_studied_keys_only(profile) -> None
     assert seeded.seeded_from == "b=4 ctx=64, b=2 ctx=64"
     everything = seeding.seeded_plan(target, studied, patience=3, keys=3)
     assert [c.config["dial"] for c in everything.seeds] == [6, 7, 8, 3, 4, 5, 0, 1, 2]
+
+
+def test_a_keys_retiming_takes_every_finalist_of_its_map_gating_those_its_study_did_not_measure(
+    profile,
+) -> None:  # type: ignore[no-untyped-def]
+    from attnbench.tables.table_schema import CandidateResult
+    from attnbench.tuning.interleave import Finalist
+    from attnbench.tuning.space import BackendRef
+    from attnbench.tuning.study import KeyResult, plan_studies
+    from attnbench.tuning.tuner import _with_group
+
+    loads = [Workload.uniform("tiny-gqa", batch=b, context=64, dtype="fp32") for b in (1, 8)]
+    far, here = plan_studies(loads, [BackendRef.of(Dial)], profile=profile, options=OPTIONS)
+    ref = f"{Dial.__module__}:Dial"
+
+    def fin(d: int) -> Finalist:
+        return Finalist(f"seed_dial[dial={d}]", "seed_dial", ref, {"dial": d})
+
+    finals = {
+        far.key.row: {f.label: f for f in (fin(1), fin(2), fin(3))},
+        here.key.row: {fin(7).label: fin(7)},
+    }
+    measured = [  # this key's study: dial 1 measured, dial 2 failed its gate, dial 3 never tried
+        CandidateResult("seed_dial", {"dial": 7}, step_ms=1.0),
+        CandidateResult("seed_dial", {"dial": 1}, step_ms=2.0),
+        CandidateResult("seed_dial", {"dial": 2}, failed="gate", reason="rel_l2 too high"),
+    ]
+    studied = [(far, KeyResult(far, [])), (here, KeyResult(here, measured))]
+    fins, failed = _with_group(here, KeyResult(here, measured), finals, studied)
+    assert {f.config["dial"]: f.check for f in fins.values()} == {7: False, 1: False, 3: True}
+    assert failed == {fin(2).label: "gate: rel_l2 too high"}
