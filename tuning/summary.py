@@ -82,6 +82,14 @@ def summarize(
             merged.append(label)
     if retimed is not None:
         times = dict(retimed.times)
+        for label in [*times, *retimed.failed]:  # another key's finalist, gated here in the re-timing
+            mc = retimed.candidates.get(label)
+            if label not in cands and mc is not None:
+                why = retimed.failed.get(label)
+                kind = why.split(":")[0] if why else None
+                cands[label] = CandidateResult(
+                    mc.backend, dict(mc.config), lossy=mc.lossy or None, failed=kind, reason=why
+                )
         for label, interval in times.items():
             if label in cands:
                 c = cands[label]

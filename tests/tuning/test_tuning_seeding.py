@@ -136,3 +136,30 @@ def test_a_keys_retiming_takes_every_finalist_of_its_map_gating_those_its_study_
     fins, failed = _with_group(here, KeyResult(here, measured), finals, studied)
     assert {f.config["dial"]: f.check for f in fins.values()} == {7: False, 1: False, 3: True}
     assert failed == {fin(2).label: "gate: rel_l2 too high"}
+
+
+def test_the_entry_keeps_a_finalist_only_the_retiming_measured(profile) -> None:  # type: ignore[no-untyped-def]
+    """Another key's finalist that this key's study never measured, gated and timed in its re-timing,
+    is a candidate of the entry (and can win); one whose gate failed there is recorded failed."""
+    from attnbench.tables.dispatch import MapCandidate
+    from attnbench.tables.margin import Interval
+    from attnbench.tables.table_schema import CandidateResult
+    from attnbench.tuning.refine import PointMeasurement
+    from attnbench.tuning.space import BackendRef
+    from attnbench.tuning.study import KeyResult, plan_studies
+    from attnbench.tuning.summary import summarize
+
+    (plan,) = plan_studies([COSTLY], [BackendRef.of(Dial)], profile=profile, options=OPTIONS)
+    result = KeyResult(plan, [CandidateResult("seed_dial", {"dial": d}, step_ms=2.0 + d) for d in (0, 1)])
+    label = {d: f"seed_dial[dial={d}]" for d in (0, 1, 3, 7)}
+    retimed = PointMeasurement(
+        times={label[0]: Interval(2.0, 1.9, 2.1, 15), label[1]: Interval(3.0, 2.9, 3.1, 15), label[7]: Interval(1.0, 0.95, 1.05, 15)},
+        failed={label[3]: "gate: rel_l2 0.3 > 0.01"},
+        candidates={label[d]: MapCandidate("seed_dial", {"dial": d}) for d in (0, 1, 3, 7)},
+    )  # fmt: skip
+    entry = summarize(result, profile=profile, retimed=retimed)
+    assert entry["winner"]["config"] == {"dial": 7} and entry["winner"]["retimed"]
+    by_dial = {c["config"]["dial"]: c for c in entry["candidates"]}
+    assert by_dial[3]["failed"] == "gate" and "rel_l2" in by_dial[3]["reason"]
+    assert entry["trials"] == 4  # the candidates listed: the study's two and the re-timing's two
+    assert entry["runner_up"]["config"] == {"dial": 0}
