@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from attnbench.cli.common import positive_int
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from vllm_serving_bench import _points, report_header, write_report  # noqa: E402
@@ -50,13 +52,11 @@ def _model(batch: int, context: int, layout: str) -> Any:
         wl = Workload.uniform("qwen2.5-0.5b", batch=batch, context=context, dtype="bf16")
         config = {"page_size": 128, "kv_splits": "auto", "prefetch": int(prefetch)}
         m = SyntheticModel(cd.CpuDecodeBackend(), wl, config=config, num_layers=24, materialise_bytes=1 << 40)
-        m._allocate(context + 64)
-        if order == "seq":
+        m.fill(extra_tokens=64)
+        if order == "seq":  # every page is filled alike: which sequence reads which is only the layout
             c = m.cache
             assert c is not None
             c.block_table.copy_(torch.arange(c.num_pages, dtype=torch.int32).view(c.batch, c.pages_per_seq))
-        m._allocate = lambda n: None  # type: ignore[method-assign]  # fill the cache laid out above
-        m.fill(extra_tokens=64)
         return m
     finally:
         cd.empty_huge = keep
@@ -86,7 +86,7 @@ def measure(batch: int, context: int, steps: int) -> dict[str, dict[str, float]]
             gemvs(layer)
             t1 = time.perf_counter()
             if model is not None:
-                q, k, v = model._decode_inputs[0][layer]
+                q, k, v = model.step_inputs(0)[layer]
                 model.backend.decode(model.cache, plan, layer=layer, q=q, k=k, v=v)
             tg, ta = tg + t1 - t0, ta + time.perf_counter() - t1
         t0 = time.perf_counter()
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--points", type=_points, default=_points("1x32640,4x8192"), help="BATCHxCONTEXT points")
-    p.add_argument("--steps", type=int, default=8, help="interleaved steps per layout (default 8)")
+    p.add_argument("--steps", type=positive_int, default=8, help="interleaved steps per layout (default 8)")
     p.add_argument("--out", required=True, help="output prefix: OUT.json and OUT.md")
     args = p.parse_args(argv)
     args.kv_cache_dtype = "auto"

@@ -85,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(r) for r in args.reports if not r.is_file()]
     if missing:
         p.error(f"no such report: {', '.join(missing)}")
-    found = [pt for r in args.reports for pt in points(r, args.batch)]
+    found = []
+    for r in args.reports:
+        try:
+            found += points(r, args.batch)
+        except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not a serving script's report
+            p.error(f"{r}: not a report of vllm_serving_bench.py or vllm_attention_share.py ({exc!r})")
     if not found:
         p.error(f"no row at batch {args.batch} in {', '.join(map(str, args.reports))}")
     plot(found, args.out, args.batch)

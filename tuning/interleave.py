@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import itertools
 import os
 import random
 import time
@@ -87,11 +88,11 @@ def round_order(n: int, r: int, *, seed: int = 0) -> list[int]:
 # child side (in the worker)
 # --------------------------------------------------------------------------------------------------
 def run_interleaved(
-    task: dict[str, Any], *, cases: CaseShelf | None = None, seed: int | None = None
+    task: dict[str, Any], *, cases: CaseShelf | None = None, model_seed: int | None = None
 ) -> dict[str, Any]:
     """Gate (where asked: the task's ``check``, or a candidate's) and time ``task["candidates"]``
-    round-robin; returns samples per label. ``cases`` and ``seed``: the worker's gate draw and model
-    seed for this workload, which a gate here shares with the studies' (see the worker)."""
+    round-robin; returns samples per label. ``cases`` and ``model_seed``: the worker's gate draw and
+    synthetic-model seed for this workload, which a gate here shares with the studies' (see the worker)."""
 
     workload = workload_from_dict(task["workload"])
     clock = _clock(task.get("clock"))
@@ -124,29 +125,11 @@ def run_interleaved(
                         error_multiple=task.get("error_multiple"),
                         accuracy_budget=task.get("accuracy_budget"),
                         cases=cases,
-                        seed=seed,
+                        seed=model_seed,
                     )
-                made: list[SyntheticModel] = []
-                calls: list[Any] = []
-                while len(made) < (1 if not made or not _small(made[0]) or graph else INSTANCES):
-                    model = SyntheticModel(
-                        backend,
-                        workload,
-                        config=cand["config"],
-                        num_layers=task.get("num_layers"),
-                        materialise_bytes=task.get("materialise_bytes"),
-                    )
-                    made.append(model)
-                    model.fill(extra_tokens=warmup + 4 * samples + 1)
-                    step = (
-                        GraphedDecodeStep(model)
-                        if graph and getattr(model.cache, "capturable", False)
-                        else model.decode_step
-                    )
-                    for _ in range(max(warmup, 1 if graph else 0)):  # a graph is captured in its first step
-                        step()
-                    calls.append(step)
-                models[label], steps[label] = made, _alternating(calls)
+                models[label], steps[label] = _instances(
+                    backend, workload, cand["config"], task, graph=graph, extra=warmup + 4 * samples + 1
+                )
             except CheckFailed as err:
                 failed[label] = f"gate: {err}"
             except Implausible as err:
@@ -208,16 +191,38 @@ def _small(model: SyntheticModel) -> bool:
     return model.cache is not None and model.cache.nbytes() <= SMALL_MODEL_BYTES
 
 
-def _alternating(calls: list[Any]) -> Any:
-    """One candidate's step: its instances' steps in turn."""
+def _instances(
+    backend: Any, workload: Any, config: dict[str, Any], task: dict[str, Any], *, graph: bool, extra: int
+) -> tuple[list[SyntheticModel], Any]:
+    """One candidate's filled, warmed-up models (two where the first is small: :data:`INSTANCES`) and
+    its step, which runs them in turn; the models are released if making any of them fails."""
+    made: list[SyntheticModel] = []
+    calls: list[Any] = []
+    warmup = int(task.get("warmup", 1))
+    try:
+        while not made or (len(made) < INSTANCES and not graph and _small(made[0])):
+            model = SyntheticModel(
+                backend,
+                workload,
+                config=config,
+                num_layers=task.get("num_layers"),
+                materialise_bytes=task.get("materialise_bytes"),
+            )
+            made.append(model)
+            model.fill(extra_tokens=extra)
+            capturable = graph and getattr(model.cache, "capturable", False)
+            step = GraphedDecodeStep(model) if capturable else model.decode_step
+            for _ in range(max(warmup, 1 if graph else 0)):  # a graph is captured in its first step
+                step()
+            calls.append(step)
+    except BaseException:
+        for model in made:
+            model.release()
+        raise
     if len(calls) == 1:
-        return calls[0]
-    turn = iter(range(2**62))
-
-    def step() -> Any:
-        return calls[next(turn) % len(calls)]()
-
-    return step
+        return made, calls[0]
+    turn = itertools.count()
+    return made, lambda: calls[next(turn) % len(calls)]()
 
 
 def _clock(ref: str | None) -> Any:

@@ -290,7 +290,7 @@ def main() -> None:
             if _SHELF is not None:
                 _SHELF.clear()
             _CASES.clear()
-            verdict = run_interleaved(task, cases=_CASES, seed=_seed_for(task["workload"]))
+            verdict = run_interleaved(task, cases=_CASES, model_seed=_seed_for(task["workload"]))
         else:
             verdict = evaluate(task)
         proto.write(json.dumps(verdict, default=str) + "\n")

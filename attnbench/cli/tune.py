@@ -88,10 +88,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=15,
         help="after the search, the finalists (every candidate within two confidence intervals of the "
-        "best, at least three, the default, the table's incumbent and, with lossy caches allowed, the "
-        "fastest exact one) are re-timed interleaved, one "
-        "step of each in turn, N rounds (up to 4N while an interval is too wide; default 15; 0: no "
-        "re-timing and no dispatch map)",
+        "best, at least three, the default where its study time is within 2x the best's, the table's "
+        "incumbent, with lossy caches allowed the fastest exact one, and the other keys' finalists of "
+        "the dispatch map, gated first where this key's study did not measure them) are re-timed "
+        "interleaved, one step of each in turn (a short context's on two model instances in turn), N "
+        "rounds (up to 4N while an interval is too wide; default 15; 0: no re-timing and no dispatch map)",
     )
     p.add_argument(
         "--switch-margin",
@@ -134,7 +135,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         dest="transfer",
         action="store_false",
         help="search every key as planned; by default a grid's keys run cheapest first (batch x "
-        "context) and a costlier key starts from the finalists of the cheaper keys of its dispatch map, "
+        "context) and a costlier key starts from the finalists of the two nearest cheaper keys of its "
+        "dispatch map, "
         "then its defaults, then TPE, stopping after --patience candidates in a row bring nothing "
         "better (see docs/tuning.md#costlier-keys-start-from-cheaper-ones)",
     )

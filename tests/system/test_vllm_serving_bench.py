@@ -136,6 +136,8 @@ def test_the_itl_plot_reads_both_scripts_reports(tmp_path: Path) -> None:
         "plot_vllm_itl", [*map(str, files), "--batch", "8", "--out", "x.png"]
     )
     assert "no such report" in refusal("plot_vllm_itl", [str(tmp_path / "none.json"), "--out", "x.png"])
+    (tmp_path / "other.json").write_text(json.dumps({"results": []}))
+    assert "not a report of" in refusal("plot_vllm_itl", [str(tmp_path / "other.json"), "--out", "x.png"])
 
 
 def test_the_itl_plot_is_drawn(tmp_path: Path) -> None:
