@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from attnbench.core.backend import (
+from attnbench.core import (
     PLUGIN_API_VERSION,
     Backend,
     ConfigError,
     KVCache,
+    ModelShape,
+    Registry,
+    RegistryError,
+    ShapeError,
     StepPlan,
     Tolerance,
     Tunable,
+    Workload,
+    __version__,
+    load_registry,
+    load_shape,
 )
-from attnbench.core.registry import Registry, RegistryError, load_registry
-from attnbench.core.shapes import ModelShape, ShapeError, load_shape
-from attnbench.core.version import __version__
-from attnbench.core.workload import Workload
 from attnbench.correctness.gate import CheckResult, check
 from attnbench.hookspecs import hookimpl
 from attnbench.selection.select import Choice, select

@@ -16,16 +16,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from attnbench.backends.cpu_decode import CpuDecodeBackend
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
-from attnbench.backends.cpu_kernel import load_kernel
-from attnbench.cli.common import command_line, positive_int, run_line, run_record, write_report
+from attnbench.cli.common import positive_int, run_line
 from attnbench.core.workload import Workload, parse_int_list
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from microbench import kernel_or_refuse, median_call_s, print_and_save_report, script_run_record  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 
@@ -40,12 +45,8 @@ def _ready(backend: CpuDecodeBackend, batch: int) -> tuple[Any, Any, torch.Tenso
 
 
 def _block(backend: CpuDecodeBackend, cache: Any, plan: Any, new: torch.Tensor, calls: int) -> float:
-    times = []
-    for _ in range(calls + 2):
-        t = time.perf_counter()
-        backend.append(cache, plan, layer=0, k=new, v=new)  # for this cache, decode()'s write
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[2:])
+    """The median seconds of ``calls`` writes of ``new`` as decode() writes into this cache."""
+    return median_call_s(lambda: backend.append(cache, plan, layer=0, k=new, v=new), calls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if len(set(batches)) < 2:
         ap.error(f"--batch {args.batch!r}: at least two different batches (the slope needs two)")
-    kernel = load_kernel()
-    if isinstance(kernel, str):
-        ap.error(f"the cpu_decode kernel is unavailable here: {kernel}")
+    kernel = kernel_or_refuse(ap)
     torch.set_num_threads(1)
     start, load_start = time.time(), os.getloadavg()
     backends: dict[str, CpuDecodeBackend] = {"cpu_decode (bf16)": CpuDecodeBackend()}
@@ -93,10 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 "block_medians_s": {str(b): got[label, b] for b in batches},
             }
         )
-    report = run_record(
-        command=command_line(args, parser=ap, prog="python scripts/cpu_writer_cost.py"),
-        load_start=load_start,
-        started=start,
+    report = script_run_record(
+        args, parser=ap, prog="python scripts/cpu_writer_cost.py", load_start=load_start, started=start
     ) | {
         "threads": 1,
         "model": MODEL,
@@ -118,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         per_call = " | ".join(f"{row['us_per_call'][str(b)]:.1f}" for b in batches)
         lines.append(f"| {row['cache']} | {per_call} | {row['us_per_token']:.2f} |")
-    print("\n".join(lines))
-    write_report(args.out, report, "\n".join(lines) + "\n")
-    return 0
+    return print_and_save_report(args.out, report, lines)
 
 
 if __name__ == "__main__":

@@ -21,19 +21,24 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from attnbench.backends.cpu_decode import CpuDecodeBackend
 from attnbench.backends.cpu_decode_fp8 import CpuDecodeFp8Backend
-from attnbench.backends.cpu_kernel import load_kernel
-from attnbench.cli.common import command_line, positive_int, run_line, run_record, write_report
+from attnbench.cli.common import positive_int, run_line
 from attnbench.core.backend import Backend
 from attnbench.core.device import ReadMeter
 from attnbench.core.workload import Workload, parse_tokens
 from attnbench.cost.gpuspec import matmul_peak
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from microbench import kernel_or_refuse, median_call_s, print_and_save_report, script_run_record  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 
@@ -55,12 +60,7 @@ def _ready(backend: Backend, context: int) -> tuple[Any, Any, torch.Tensor, torc
 
 def _block(backend: Backend, cache: Any, plan: Any, q: torch.Tensor, new: torch.Tensor, calls: int) -> float:
     """The median seconds of ``calls`` calls of the layer (the first two, which warm the cache, dropped)."""
-    times = []
-    for _ in range(calls + 2):
-        t = time.perf_counter()
-        backend.decode(cache, plan, layer=0, q=q, k=new, v=new)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[2:])
+    return median_call_s(lambda: backend.decode(cache, plan, layer=0, q=q, k=new, v=new), calls)
 
 
 def main() -> int:
@@ -80,9 +80,7 @@ def main() -> int:
         ap.error(f"--contexts {args.contexts!r}: two lengths, such as 256,768 ({exc})")
     if not 16 <= lo < hi:
         ap.error(f"--contexts {args.contexts!r}: the first must be ≥ 16 and below the second")
-    kernel = load_kernel()
-    if isinstance(kernel, str):
-        ap.error(f"the cpu_decode kernel is unavailable here: {kernel}")
+    kernel_or_refuse(ap)  # before anything is measured
     torch.set_num_threads(1)
     start, load_start = time.time(), os.getloadavg()
     backends = {"cpu_decode (bf16)": CpuDecodeBackend(), "cpu_decode_fp8": CpuDecodeFp8Backend()}
@@ -123,10 +121,8 @@ def main() -> int:
                 "block_medians_s": {str(c): got[label, c] for c in (lo, hi)},
             }
         )
-    report = run_record(
-        command=command_line(args, parser=ap, prog="python scripts/fp8_arithmetic_ceiling.py"),
-        load_start=load_start,
-        started=start,
+    report = script_run_record(
+        args, parser=ap, prog="python scripts/fp8_arithmetic_ceiling.py", load_start=load_start, started=start
     ) | {
         "threads": 1,
         "model": MODEL,
@@ -155,9 +151,7 @@ def main() -> int:
             f"({row['warm_best_ns_per_token']:.1f}) | "
             f"{row['read_floor_ns']:.1f} | {row['at_70pct_ns']:.1f} | {row['matmul_floor_ns']:.1f} |"
         )
-    print("\n".join(lines))
-    write_report(args.out, report, "\n".join(lines) + "\n")
-    return 0
+    return print_and_save_report(args.out, report, lines)
 
 
 if __name__ == "__main__":

@@ -21,22 +21,19 @@ import argparse
 import math
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from attnbench.backends.cpu_kernel import find_compiler
-from attnbench.cli.common import (
-    command_line,
-    positive_int,
-    positive_int_list,
-    run_line,
-    run_record,
-    write_report,
-)
+from attnbench.cli.common import positive_int, positive_int_list, run_line
 from attnbench.correctness.reference import compare, reference_pair
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from microbench import compile_c, print_and_save_report, script_run_record  # noqa: E402
 
 HKV, G, D = 8, 4, 128
 
@@ -116,13 +113,10 @@ def throughput() -> dict[str, float] | str:
     flags = set(info.read_text().split()) if info.exists() else set()
     if not {"avx512_vnni", "avx512_bf16"} <= flags:
         return "the CPU lacks AVX-512 VNNI or AVX-512 BF16"
-    cc = find_compiler()
-    if cc is None:
-        return "no C compiler"
     with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "dot.c", Path(tmp) / "dot"
-        src.write_text(ASM)
-        subprocess.run([cc, "-O2", "-o", str(exe), str(src)], check=True, capture_output=True, timeout=120)
+        exe = compile_c(ASM, Path(tmp) / "dot", ["-O2"])
+        if exe is None:
+            return "no C compiler"
         lines = subprocess.run(
             [str(exe)], check=True, capture_output=True, text=True, timeout=300
         ).stdout.split("\n")
@@ -150,10 +144,8 @@ def main() -> int:
     start, load_start = time.time(), os.getloadavg()
     errors = {c: accuracy(c, args.seeds) for c in contexts}
     tp = throughput()
-    report = run_record(
-        command=command_line(args, parser=ap, prog="python scripts/int8_choice.py"),
-        load_start=load_start,
-        started=start,
+    report = script_run_record(
+        args, parser=ap, prog="python scripts/int8_choice.py", load_start=load_start, started=start
     ) | {"error_over_calibration": errors, "ns_per_instruction": tp}
     lines = [
         "# int8 with VNNI or fp8 into bf16 dot products: the two facts",
@@ -179,9 +171,7 @@ def main() -> int:
             f"| vpdpbusd (u8 × s8 → s32) | 64 | {tp['vpdpbusd']:.3f} | {64 / tp['vpdpbusd']:.0f} |",
             f"| vdpbf16ps (bf16 × bf16 → fp32) | 32 | {tp['vdpbf16ps']:.3f} | {32 / tp['vdpbf16ps']:.0f} |",
         ]
-    print("\n".join(lines))
-    write_report(args.out, report, "\n".join(lines) + "\n")
-    return 0
+    return print_and_save_report(args.out, report, lines)
 
 
 if __name__ == "__main__":

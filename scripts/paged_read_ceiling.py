@@ -19,22 +19,19 @@ import argparse
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from attnbench.backends.cpu_kernel import find_compiler
-from attnbench.cli.common import (
-    command_line,
-    positive_int,
-    positive_int_list,
-    run_line,
-    run_record,
-    write_report,
-)
+from attnbench.cli.common import positive_int, positive_int_list, run_line
 from attnbench.core.device import ReadMeter
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from microbench import compile_c, print_and_save_report, script_run_record  # noqa: E402
 
 PREFETCH = (0, 64, 256)
 
@@ -93,17 +90,9 @@ int main(int argc, char **argv) {
 
 
 def _build(tmp: Path) -> Path:
-    cc = find_compiler()
-    if cc is None:
+    exe = compile_c(SOURCE, tmp / "paged_read", ["-O3", "-funroll-loops", "-mavx512f"])
+    if exe is None:
         raise SystemExit("paged_read_ceiling: no C compiler (set CC, or install gcc or clang)")
-    src, exe = tmp / "paged_read.c", tmp / "paged_read"
-    src.write_text(SOURCE)
-    subprocess.run(
-        [cc, "-O3", "-funroll-loops", "-mavx512f", "-o", str(exe), str(src)],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
     return exe
 
 
@@ -143,10 +132,8 @@ def main() -> int:
         rows.append(
             {"run_kib": r, "in_order_gbps": med[0], "random_gbps": dict(zip(PREFETCH, med[1:], strict=True))}
         )
-    report = run_record(
-        command=command_line(args, parser=ap, prog="python scripts/paged_read_ceiling.py"),
-        load_start=load_start,
-        started=start,
+    report = script_run_record(
+        args, parser=ap, prog="python scripts/paged_read_ceiling.py", load_start=load_start, started=start
     ) | {"threads": 1, "read_bar_gbps": bars, "rows": rows}
     lines = [
         "# Reading a paged cache at one thread: contiguous runs in a random order, no arithmetic",
@@ -167,9 +154,7 @@ def main() -> int:
             f"| {row['run_kib']} KiB | {row['in_order_gbps']:.1f} GB/s | {rnd[0]:.1f} | {rnd[64]:.1f} | "
             f"{rnd[256]:.1f} | {100 * best / bar:.0f} % |"
         )
-    print("\n".join(lines))
-    write_report(args.out, report, "\n".join(lines) + "\n")
-    return 0
+    return print_and_save_report(args.out, report, lines)
 
 
 if __name__ == "__main__":

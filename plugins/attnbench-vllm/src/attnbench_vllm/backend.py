@@ -65,6 +65,15 @@ class VllmKVCache(KVCache):
         g = self.geometry
         self.isa = isa  # the variant that runs (never "auto")
         self.kv_cache_dtype = kv_cache_dtype  # vLLM's name: "auto" (= compute dtype) or "fp8_e4m3"
+        #: what every step's scheduler plan is made for
+        self.kernel_shape = isa_mod.KernelShape(
+            num_heads=g.num_q_heads,
+            num_kv_heads=g.num_kv_heads,
+            head_dim=g.qk_head_dim,
+            dtype=self.dtype,
+            isa=isa,
+            kv_cache_dtype=kv_cache_dtype,
+        )
         self.block_size = int(self.config["block_size"])
         self.blocks_per_seq = math.ceil(max(self.max_seq_len, 1) / self.block_size)
         num_blocks = self.batch * self.blocks_per_seq
@@ -225,7 +234,7 @@ class VllmCpuBackend(Backend):
     def plan(self, cache: KVCache, *, num_new: Sequence[int]) -> VllmStepPlan:
         assert isinstance(cache, VllmKVCache)
         base = base_plan(cache, num_new)
-        g, bs, t = cache.geometry, cache.block_size, base.max_new
+        bs, t = cache.block_size, base.max_new
         new = torch.tensor(base.num_new, dtype=torch.int32)
         query_start_loc = torch.zeros(cache.batch + 1, dtype=torch.int32)
         torch.cumsum(new, 0, out=query_start_loc[1:])
@@ -238,15 +247,10 @@ class VllmCpuBackend(Backend):
         slot_mapping = cache.block_table[seq, positions // bs].long() * bs + positions % bs
         seq_lens = base.device_lens.to(torch.int32)
         metadata = isa_mod.scheduler_plan(
-            num_heads=g.num_q_heads,
-            num_kv_heads=g.num_kv_heads,
-            head_dim=g.qk_head_dim,
+            cache.kernel_shape,
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            dtype=cache.dtype,
-            isa=cache.isa,
             kv_split=bool(cache.config["kv_split"]),
-            kv_cache_dtype=cache.kv_cache_dtype,
         )
         return base.extend(
             VllmStepPlan,

@@ -43,7 +43,7 @@ from attnbench.backends.cpu_kernel import (
 from attnbench.core.registry import load_registry
 from attnbench.core.shapes import ModelShape
 from attnbench.core.workload import bucket
-from attnbench_vllm.isa import causal_attention, scheduler_plan
+from attnbench_vllm.isa import KernelShape, causal_attention, scheduler_plan
 
 #: under vLLM's logger, so the lines appear in vLLM's log with its format and level
 log = logging.getLogger("vllm.plugins.attnbench")
@@ -111,17 +111,14 @@ class ServingPlan:
     workspace: torch.Tensor = field(repr=False)
 
 
-@dataclass(frozen=True)
-class GroupShape:
-    """What every step of a KV-cache group shares: its attention geometry, vLLM's block size, the model's
-    dtype and vLLM's instruction-set name for its own kernel (the prefill's and its scratch layout)."""
+@dataclass(frozen=True, kw_only=True)
+class GroupShape(KernelShape):
+    """What every step of a KV-cache group shares: its attention geometry, the model's dtype, vLLM's
+    instruction-set name for its own kernel (the prefill's and its scratch layout) and vLLM's block
+    size. As a :class:`KernelShape` it is the prefill's: vLLM's kernel over the scratch cache, which
+    holds the model's dtype (``kv_cache_dtype`` ``"auto"`` whatever vLLM's cache holds)."""
 
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
     block_size: int
-    dtype: torch.dtype
-    isa: str
 
 
 def build_plan(
@@ -163,7 +160,7 @@ def build_plan(
         prefetch=prefetch,
         writes=SlotWrites.of(slot_mapping, g.block_size) if slot_mapping is not None else None,
         threads=threads,
-        workspace=torch.empty(max(1, n_dec) * g.num_kv_heads * MAX_SPLITS * group * (g.head_size + 2)),
+        workspace=torch.empty(max(1, n_dec) * g.num_kv_heads * MAX_SPLITS * group * (g.head_dim + 2)),
     )
 
 
@@ -209,16 +206,12 @@ def _prefill_plan(
         isa=shape.isa,
         # zeros: vLLM's kernel masks the slots past a sequence's end but multiplies them (0 · NaN = NaN)
         scratch=torch.zeros(
-            first_block, shape.num_kv_heads, block_size, 2 * shape.head_size, dtype=shape.dtype
+            first_block, shape.num_kv_heads, block_size, 2 * shape.head_dim, dtype=shape.dtype
         ),
         scheduler_metadata=scheduler_plan(
-            num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_size,
+            shape,
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            dtype=shape.dtype,
-            isa=shape.isa,
             kv_split=vllm_envs.VLLM_CPU_ATTN_SPLIT_KV,
         ),
     )
@@ -352,7 +345,12 @@ class AttnbenchCPUMetadataBuilder(vllm_cpu_attn.CPUAttentionMetadataBuilder):
                 decision.page_size,
             )
         self.group_shape = GroupShape(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, dtype, self.isa
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            isa=self.isa,
+            block_size=self.block_size,
         )
         self.step_params = StepParams(
             _shape(self.num_heads, self.num_kv_heads, self.head_dim, len(layers)), dtype

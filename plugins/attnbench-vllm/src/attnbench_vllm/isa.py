@@ -18,13 +18,14 @@ imported because importing that module loads vLLM's model executor (and torchvis
 
 :func:`scheduler_plan` and :func:`causal_attention` are the two kernel calls every attention here
 makes (the backend's steps, the serving plugin's prefill): causal, with no sliding window, ALiBi,
-softcap or sinks.
+softcap or sinks; a :class:`KernelShape` says what the plan is made for.
 """
 
 from __future__ import annotations
 
 import functools
 import platform
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,33 +43,39 @@ def vllm_ops() -> Any:
     return _custom_ops
 
 
+@dataclass(frozen=True, kw_only=True)
+class KernelShape:
+    """What vLLM's CPU attention kernels are called for: the attention geometry (query heads, KV heads
+    and their size), the compute dtype, the ISA variant that runs (never ``"auto"``) and vLLM's name for
+    the KV cache's dtype (``"auto"``: the compute dtype; or ``"fp8_e4m3"``)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    isa: str
+    kv_cache_dtype: str = "auto"
+
+
 def scheduler_plan(
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    dtype: torch.dtype,
-    isa: str,
-    kv_split: bool,
-    kv_cache_dtype: str = "auto",
+    shape: KernelShape, *, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kv_split: bool
 ) -> torch.Tensor:
     """vLLM's split of one causal step's work over threads (``cpu_attn_get_scheduler_metadata``), for
-    one request per entry of ``seq_lens``; ``kv_split`` also splits long sequences over threads."""
+    one request per entry of ``seq_lens`` (``[R]`` int32, with ``query_start_loc`` ``[R + 1]`` int32);
+    ``kv_split`` also splits long sequences over threads. Host work, once per step."""
     return vllm_ops().cpu_attn_get_scheduler_metadata(
         num_reqs=len(seq_lens),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
         seq_lens=seq_lens,
-        dtype=dtype,
+        dtype=shape.dtype,
         query_start_loc=query_start_loc,
         causal=True,
         sliding_window_size=-1,
-        isa=isa,
+        isa=shape.isa,
         enable_kv_split=kv_split,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=shape.kv_cache_dtype,
     )
 
 
@@ -166,15 +173,17 @@ def fp8_kernel_error(isa: str, head_dim: int, dtype: torch.dtype) -> str | None:
     """
     try:
         scheduler_plan(
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=head_dim,
+            KernelShape(
+                num_heads=2,
+                num_kv_heads=1,
+                head_dim=head_dim,
+                dtype=dtype,
+                isa=isa,
+                kv_cache_dtype="fp8_e4m3",
+            ),
             seq_lens=torch.tensor([16], dtype=torch.int32),
             query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-            dtype=dtype,
-            isa=isa,
             kv_split=False,
-            kv_cache_dtype="fp8_e4m3",
         )
     except RuntimeError as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
