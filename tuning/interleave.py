@@ -12,9 +12,9 @@ seeded bootstrap interval (:func:`attnbench.tables.margin.bootstrap_median`). Ro
 (:func:`attnbench.tables.margin.sample_rounds`): after the first, a candidate whose interval lies
 wholly above the best's, by more than the switch margin, stops being timed (the default is often
 several times slower than the winner) and the rounds go to those still in doubt. A candidate whose
-model is small (short contexts) gets two instances, stepped in turn, its samples pooled: one config
-on two instances has measured up to 25 % apart at sub-millisecond steps. If the interleaved run
-kills its worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails
+model is small (short contexts) gets two or four instances (:func:`instances_for`), stepped in turn,
+its samples pooled: one config on two instances has measured up to 25 % apart at sub-millisecond
+steps. If the interleaved run kills its worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails
 with the reason.
 
 The child side (:func:`run_interleaved`) runs in the tuner's worker process (``op: interleave``);
@@ -99,7 +99,7 @@ def run_interleaved(
     profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
     samples, warmup = int(task.get("samples", 15)), int(task.get("warmup", 1))
     failed: dict[str, str] = {}
-    models: dict[str, list[SyntheticModel]] = {}  # label -> its instances (:data:`INSTANCES`)
+    models: dict[str, list[SyntheticModel]] = {}  # label -> its instances (:func:`instances_for`)
     steps: dict[str, Any] = {}  # label -> the step as timed: a CUDA graph replay where capturable
     graph = timing_mode(task.get("timing"), workload.device) == "graph"
     try:
@@ -178,29 +178,34 @@ def run_interleaved(
     return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}}
 
 
-#: models per candidate where one is small (:func:`_small`): two instances of one config have measured up
-#: to 25 % apart at sub-millisecond steps (the same computation on other memory), more than the margins
-#: the re-timing decides by; a candidate's steps alternate over its instances and pool their samples
-INSTANCES = 2
-#: a model is small when its caches take at most this many bytes (short contexts: the floor of the
-#: materialised layers' budget); a large one steps for long enough that one instance suffices
-SMALL_MODEL_BYTES = 512 * 2**20
+#: models per candidate by the size of its caches (:func:`instances_for`): two instances of one config have
+#: measured up to 25 % apart at sub-millisecond steps (the same computation on other memory: its pages'
+#: placement), more than the margins the re-timing decides by; a candidate's steps alternate over its
+#: instances and pool their samples, so its median is over placements, not one placement's luck. The
+#: smaller the caches, the cheaper an instance and the larger that spread (steps of a few hundred µs).
+INSTANCES = ((128 * 2**20, 4), (512 * 2**20, 2))
 
 
-def _small(model: SyntheticModel) -> bool:
-    return model.cache is not None and model.cache.nbytes() <= SMALL_MODEL_BYTES
+def instances_for(nbytes: int) -> int:
+    """How many model instances a candidate whose caches take ``nbytes`` is timed on (:data:`INSTANCES`):
+    one above 512 MiB (long contexts: a step long enough that one placement's luck is small beside it)."""
+    return next((n for limit, n in INSTANCES if nbytes <= limit), 1)
+
+
+def _wanted(model: SyntheticModel) -> int:
+    return instances_for(model.cache.nbytes()) if model.cache is not None else 1
 
 
 def _instances(
     backend: Any, workload: Any, config: dict[str, Any], task: dict[str, Any], *, graph: bool, extra: int
 ) -> tuple[list[SyntheticModel], Any]:
-    """One candidate's filled, warmed-up models (two where the first is small: :data:`INSTANCES`) and
+    """One candidate's filled, warmed-up models (more than one where the first is small: :func:`instances_for`) and
     its step, which runs them in turn; the models are released if making any of them fails."""
     made: list[SyntheticModel] = []
     calls: list[Any] = []
     warmup = int(task.get("warmup", 1))
     try:
-        while not made or (len(made) < INSTANCES and not graph and _small(made[0])):
+        while not made or (not graph and len(made) < _wanted(made[0])):
             model = SyntheticModel(
                 backend,
                 workload,

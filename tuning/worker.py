@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 __all__ = ["Outcome", "Worker", "WorkerTask", "evaluate"]
 
 _ERROR_KEYS = ("max_abs", "rel_l2", "cosine", "nonfinite")  # a failed candidate's error, in its record
+#: a running study's answer to each timed step's running median (seconds): prune the candidate?
+OnReport = Callable[[int, float], bool] | None
 _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "outofmemoryerror")
 
 
@@ -406,32 +408,19 @@ class Worker:
         return reply
 
     # -- one candidate ----------------------------------------------------------------------------
-    def run(
-        self, task: WorkerTask, *, timeout: float, on_report: Callable[[int, float], bool] | None = None
-    ) -> Outcome:
+    def run(self, task: WorkerTask, *, timeout: float, on_report: OnReport = None) -> Outcome:
         """Evaluate ``task``; with ``task.report``, ``on_report(step, running median seconds)`` answers
         after each timed step whether to prune it."""
         return self.request(task.as_dict(), timeout=timeout, on_report=on_report)
 
-    def request(
-        self,
-        message: dict[str, Any],
-        *,
-        timeout: float,
-        on_report: Callable[[int, float], bool] | None = None,
-    ) -> Outcome:
+    def request(self, message: dict[str, Any], *, timeout: float, on_report: OnReport = None) -> Outcome:
         """Send one task (a :class:`WorkerTask`'s dict, or another ``op``) and wait for its verdict."""
-        outcome = self._request(message, timeout=timeout, on_report=on_report)
+        outcome = self._exchange(message, timeout, on_report)
         self._account(message, outcome)
         return outcome
 
-    def _request(
-        self,
-        message: dict[str, Any],
-        *,
-        timeout: float,
-        on_report: Callable[[int, float], bool] | None = None,
-    ) -> Outcome:
+    def _exchange(self, message: dict[str, Any], timeout: float, on_report: OnReport) -> Outcome:
+        """:meth:`request`'s exchange with the child: its answer, or the crash or hang as an outcome."""
         if self.child is None or self.child.poll() is not None:
             self.start()
         t0 = time.monotonic()

@@ -345,10 +345,10 @@ class InstanceBound(_Costed):
         return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
 
 
-def test_a_small_finalist_is_timed_on_two_instances_in_turn(profile):
+def test_a_small_finalist_is_timed_on_several_instances_in_turn(profile):
     """The instance-bound candidate would beat the steady 2-ms one on its first instance alone (1 ms
-    every step); its two instances, stepped in turn and pooled, give it an interval that reaches the
-    second's 5 ms, and it no longer beats the steady one."""
+    every step); its instances (four: its caches are small), stepped in turn and pooled, give it an
+    interval that reaches the second's 5 ms, and it no longer beats the steady one."""
     from attnbench.tables.margin import beats
     from attnbench.tuning import Worker
     from attnbench.tuning.interleave import Finalist, retime
@@ -364,6 +364,13 @@ def test_a_small_finalist_is_timed_on_two_instances_in_turn(profile):
     bound, steady = got.times["bound"], got.times["steady"]
     assert bound.samples >= 15 and bound.hi_ms > 2.5  # on its first instance alone: 1 ms, every sample
     assert not beats(bound, steady, margin=0.0)
+
+
+def test_the_smaller_a_finalists_caches_the_more_instances_it_is_timed_on():
+    from attnbench.tuning.interleave import instances_for
+
+    mib = 2**20
+    assert [instances_for(n * mib) for n in (1, 128, 129, 512, 513, 40_000)] == [4, 4, 2, 2, 1, 1]
 
 
 class _Sleeper(_Costed):
