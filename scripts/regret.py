@@ -7,7 +7,8 @@ checked against float64 and timed **interleaved** in one worker (the tuner's re-
 :func:`attnbench.tuning.interleave.retime`). select()'s choice is compared with the fastest:
 regret = median(choice) / median(best), counted as 1.0 when the best does not beat the choice
 beyond both intervals (:func:`attnbench.tables.margin.beats` with no margin: the one margin
-policy). Lossy caches (fp8) compete only with ``--allow-lossy``.
+policy). Beside it, the medians alone (``median_ratio``: median(choice) / median(best), no interval rule):
+what the regret counts as a tie is there in figures. Lossy caches (fp8) compete only with ``--allow-lossy``.
 
 Printed and written (results/cpu/select/regret-<model>-<dtypes>-<device>.json and .md, with the command, machine, date
 and load average): regret median, p90 and max (targets ≤ 1.01, ≤ 1.05, ≤ 1.15), the geometric-mean
@@ -119,12 +120,20 @@ def main(argv: list[str] | None = None) -> int:
         help="JSON output (default results/cpu/select/regret-<model>-<dtypes>-<device>.json)",
     )
     p.add_argument("--combine", nargs="+", type=Path, metavar="FILE", help="pool the points of earlier runs")
+    p.add_argument(
+        "--render",
+        type=Path,
+        metavar="FILE",
+        help="write a saved run's summary and Markdown again from its measured times (no measuring)",
+    )
     args = p.parse_args(argv)
     if args.trials < 0:
         p.error(f"--trials {args.trials}: expected 0 (tune's own default) or a positive number of trials")
     argv_used = list(argv if argv is not None else sys.argv[1:])
     if args.combine:
         return combine(args.combine, out=args.out, argv=argv_used)
+    if args.render:
+        return render(args.render)
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
@@ -329,6 +338,9 @@ def _point(w, m, refs, worker, args, task_profile, tmp, batches, contexts, best=
         "select_error": error,
         "default": default,
         "regret": regret,
+        "median_ratio": times[label].median_ms / times[best].median_ms
+        if label in times and best
+        else math.inf,
         "same_computation_as_best": same,  # counted 1.0: the two instances' times differ, not the choice
         "speedup_vs_default": speedup,
         "load_avg": list(got.load_avg),
@@ -373,6 +385,7 @@ def summarize(
     rows: list[dict[str, Any]], *, used: int, dense: int, targets: dict[str, float] = TARGETS
 ) -> dict[str, Any]:
     regrets = sorted(r["regret"] for r in rows)
+    ratios = sorted(_median_ratio(r) for r in rows)
     speedups = [r["speedup_vs_default"] for r in rows if r["speedup_vs_default"]]
     s = {
         "points": len(rows),
@@ -383,6 +396,9 @@ def summarize(
         "regret_median": statistics.median(regrets) if regrets else None,
         "regret_p90": _p90(regrets) if regrets else None,
         "regret_max": max(regrets) if regrets else None,
+        "median_ratio_median": statistics.median(ratios) if ratios else None,
+        "median_ratio_p90": _p90(ratios) if ratios else None,
+        "median_ratio_max": max(ratios) if ratios else None,
         "geomean_speedup_vs_default": math.exp(statistics.fmean(math.log(x) for x in speedups))
         if speedups
         else None,
@@ -401,6 +417,29 @@ def summarize(
     return s
 
 
+def _median_ratio(row: dict[str, Any]) -> float:
+    """median(choice) / median(best) at a point, whatever the intervals say (a run saved before the
+    field existed: from its times)."""
+    if "median_ratio" in row:
+        return row["median_ratio"]
+    t, sel, best = row["times"], row["selected"], row["best"]
+    return t[sel]["median_ms"] / t[best]["median_ms"] if sel in t and best in t else math.inf
+
+
+def render(path: Path) -> int:
+    """A saved run's summary and Markdown again, from its points (the measured times are not touched)."""
+    result = json.loads(path.read_text())
+    s = result["summary"]
+    result["summary"] = summarize(
+        result["points"],
+        used=s["evaluations"],
+        dense=s["dense_quarter_octave_evaluations"],
+        targets=s["targets"],
+    )
+    write(result, path)
+    return 0
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -415,6 +454,8 @@ def write(result: dict[str, Any], path: Path) -> None:
         f"{s['dense_quarter_octave_evaluations']} for a dense quarter-octave grid ({_fmt(s['evaluations_vs_dense'])}, "
         f"target ≤ {t['evaluations_vs_dense']}); {s['points']} points ({s['points_between']} between, "
         f"{s['points_beyond']} beyond, {s.get('points_tuned', 0)} tuned); targets {'met' if s['meets_targets'] else 'NOT met'}"
+        f"; by the medians alone (no interval rule): median {_fmt(s.get('median_ratio_median'))}, p90 "
+        f"{_fmt(s.get('median_ratio_p90'))}, max {_fmt(s.get('median_ratio_max'))}"
     )
     print(line)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -425,13 +466,13 @@ def write(result: dict[str, Any], path: Path) -> None:
         f"device {result['device']['fingerprint'].get('name', '?') if 'device' in result else '?'}; "
         f"load average {result['load_avg_start']} at the start, {result['load_avg_end']} at the end.\n",
         line + "\n",
-        "| point | where | selected (source) | map lookup | best | regret | × vs default | candidates timed |",
-        "| --- | --- | --- | --- | --- | ---: | ---: | ---: |",
+        "| point | where | selected (source) | map lookup | best | regret | medians | × vs default | candidates timed |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in result["points"]:
         md.append(
             f"| {r['workload']} | {r['where']} | {r['selected']} ({r['source']}) | {r['map_lookup']} | {r['best']} | "
-            f"{_fmt(r['regret'])} | {_fmt(r['speedup_vs_default'])} | {r['timed_candidates']} |"
+            f"{_fmt(r['regret'])} | {_fmt(_median_ratio(r))} | {_fmt(r['speedup_vs_default'])} | {r['timed_candidates']} |"
         )
     path.with_suffix(".md").write_text("\n".join(md) + "\n")
     print(f"wrote {path} and {path.with_suffix('.md')}")

@@ -12,9 +12,9 @@ seeded bootstrap interval (:func:`attnbench.tables.margin.bootstrap_median`). Ro
 (:func:`attnbench.tables.margin.sample_rounds`): after the first, a candidate whose interval lies
 wholly above the best's, by more than the switch margin, stops being timed (the default is often
 several times slower than the winner) and the rounds go to those still in doubt. A candidate whose
-model is small (short contexts) gets two or four instances (:func:`instances_for`), stepped in turn,
-its samples pooled: one config on two instances has measured up to 25 % apart at sub-millisecond
-steps. If the interleaved run kills its worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails
+model is small (short contexts) gets two or four instances (:func:`instances_for`), and each of its
+samples is the median of one step of every instance (over the placements): one config on two
+instances has measured up to 25 % apart at sub-millisecond steps. If the interleaved run kills its worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails
 with the reason.
 
 The child side (:func:`run_interleaved`) runs in the tuner's worker process (``op: interleave``);
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import gc
 import importlib
-import itertools
 import os
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,7 +100,9 @@ def run_interleaved(
     samples, warmup = int(task.get("samples", 15)), int(task.get("warmup", 1))
     failed: dict[str, str] = {}
     models: dict[str, list[SyntheticModel]] = {}  # label -> its instances (:func:`instances_for`)
-    steps: dict[str, Any] = {}  # label -> the step as timed: a CUDA graph replay where capturable
+    steps: dict[
+        str, list[Any]
+    ] = {}  # label -> its instances' steps as timed (CUDA graph replays where capturable)
     graph = timing_mode(task.get("timing"), workload.device) == "graph"
     try:
         for cand in task["candidates"]:
@@ -144,10 +146,13 @@ def run_interleaved(
             timed = list(labels) if labels is not None else order  # those still in doubt
             for i in round_order(len(timed), r, seed=seed):  # balanced for position and for predecessor
                 label = timed[i]
-                t0 = clock()
-                steps[label]()
-                synchronize(workload.device)
-                got[label] = (clock() - t0) * 1e3
+                ms = []
+                for step in steps[label]:  # each of its instances once: the sample is their median
+                    t0 = clock()
+                    step()
+                    synchronize(workload.device)
+                    ms.append((clock() - t0) * 1e3)
+                got[label] = statistics.median(ms)
             return got
 
         synchronize(workload.device)
@@ -180,8 +185,8 @@ def run_interleaved(
 
 #: models per candidate by the size of its caches (:func:`instances_for`): two instances of one config have
 #: measured up to 25 % apart at sub-millisecond steps (the same computation on other memory: its pages'
-#: placement), more than the margins the re-timing decides by; a candidate's steps alternate over its
-#: instances and pool their samples, so its median is over placements, not one placement's luck. The
+#: placement), more than the margins the re-timing decides by; each sample of a candidate is the median
+#: of one step of every instance, so its median is over placements, not one placement's luck. The
 #: smaller the caches, the cheaper an instance and the larger that spread (steps of a few hundred µs).
 INSTANCES = ((128 * 2**20, 4), (512 * 2**20, 2))
 
@@ -198,14 +203,17 @@ def _wanted(model: SyntheticModel) -> int:
 
 def _instances(
     backend: Any, workload: Any, config: dict[str, Any], task: dict[str, Any], *, graph: bool, extra: int
-) -> tuple[list[SyntheticModel], Any]:
+) -> tuple[list[SyntheticModel], list[Any]]:
     """One candidate's filled, warmed-up models (more than one where the first is small: :func:`instances_for`) and
-    its step, which runs them in turn; the models are released if making any of them fails."""
+    their steps; the models are released if making any of them fails. A round steps each instance once
+    and samples the median of their times: over the placements, and not moved by one step's load spike
+    (pooling the instances' steps as separate samples gives a mixture of their speeds, whose median
+    jumps between them)."""
     made: list[SyntheticModel] = []
     calls: list[Any] = []
     warmup = int(task.get("warmup", 1))
     try:
-        while not made or (not graph and len(made) < _wanted(made[0])):
+        while not made or (not graph and len(made) < (task.get("instances") or _wanted(made[0]))):
             model = SyntheticModel(
                 backend,
                 workload,
@@ -224,10 +232,7 @@ def _instances(
         for model in made:
             model.release()
         raise
-    if len(calls) == 1:
-        return made, calls[0]
-    turn = itertools.count()
-    return made, lambda: calls[next(turn) % len(calls)]()
+    return made, calls
 
 
 def _clock(ref: str | None) -> Any:
@@ -260,13 +265,15 @@ def retime(
     clock: str | None = None,
     timing: str | None = None,
     max_seconds: float | None = None,
+    instances: int | None = None,
 ) -> PointMeasurement:
     """Time ``finalists`` interleaved in ``worker``; fall back to one at a time if it dies.
 
     ``clock``: import path of a zero-argument clock in seconds to time with instead of
     ``time.perf_counter`` (tests plant a virtual one, so that planted timings ignore the load).
     ``max_seconds``: no new block of rounds once the rounds took that long (the first block always runs;
-    :func:`attnbench.tables.margin.sample_rounds`).
+    :func:`attnbench.tables.margin.sample_rounds`). ``instances``: model instances per finalist
+    (default: by the size of its caches, :func:`instances_for`).
     """
 
     base = {
@@ -284,6 +291,7 @@ def retime(
         "clock": clock,
         "timing": timing,
         "max_seconds": max_seconds,
+        "instances": instances,
     }
 
     def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[float]], dict[str, str]]:
