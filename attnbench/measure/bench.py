@@ -56,17 +56,17 @@ from attnbench.core.device import DeviceProfile
 from attnbench.core.timing import Timing, timing_mode
 from attnbench.core.traffic import decode_cost
 from attnbench.core.workload import Workload
-from attnbench.correctness.gate import CheckResult
-from attnbench.correctness.gate import check as gate_check
-from attnbench.correctness.timed import (
+from attnbench.correctness import (  # the gate's public names (attnbench.correctness re-exports them)
     CHECK_BUDGET_BYTES,
     CaseShelf,
     CheckFailed,
+    CheckResult,
     Implausible,
     check_workload,
     error_multiple_for,
     plausibility,
 )
+from attnbench.correctness import check as gate_check
 from attnbench.measure.decode import SyntheticModel
 from attnbench.measure.timed_run import ModelShelf, Pruned, TimedRun, timed_run
 

@@ -337,7 +337,7 @@ class Selector:
             where = self._env(_LOCATION_ENV)
         key = (where, hw, self._env(_CORPUS_ENV))
         hit = self._paths.get(key)
-        if hit is not None and hit.local is not None and hit.local.exists():
+        if hit is not None and hit.local is not None and os.access(hit.local, os.F_OK):  # raises nothing
             hit = None  # this device has tuned since the corpus stood in: its own table now
         if hit is None:
             if table is not None:

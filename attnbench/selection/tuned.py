@@ -299,8 +299,10 @@ class Location:
                 files.checked_at = now
                 return files
         table_file, map_file, cal_file = self.table, self.map, self.calibration
-        # the folders first: a change after this is seen by the next call
-        folders = tuple(dict.fromkeys(str(p.parent) for p in (table_file, map_file, cal_file)))
+        # the folders first: a change after this is seen by the next call; the shipped corpus's files
+        # are part of the installed package, so only the calibration's folder (the results location) is
+        watched = (cal_file,) if self.corpus is not None else (table_file, map_file, cal_file)
+        folders = tuple(dict.fromkeys(str(p.parent) for p in watched))
         ids = tuple(_folder_id(f) for f in folders)
         wall = time.time_ns()
         settled = ids if all(i is not None and wall - i[1] > _SETTLED_NS for i in ids) else None

@@ -46,9 +46,10 @@ class CorpusEntry:
     fingerprint: dict[str, Any]
     updated: str
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
-        """The device in words, e.g. ``AMD EPYC, 2 threads, AVX512, measured 2026-12-02``."""
+        """The device in words, e.g. ``AMD EPYC, 2 threads, AVX512, measured 2026-12-02`` (made once:
+        ``select()`` names it in every answer from the corpus)."""
         fp = self.fingerprint
         parts = [str(fp.get("name", "?"))]
         if fp.get("threads"):
