@@ -14,8 +14,9 @@ wholly above the best's, by more than the switch margin, stops being timed (the 
 several times slower than the winner) and the rounds go to those still in doubt. A candidate whose
 model is small (short contexts) gets two or four instances (:func:`instances_for`), and each of its
 samples is the median of one step of every instance (over the placements): one config on two
-instances has measured up to 25 % apart at sub-millisecond steps. If the interleaved run kills its worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails
-with the reason.
+instances has measured up to 25 % apart at sub-millisecond steps. If the interleaved run kills its
+worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails with the
+reason.
 
 The child side (:func:`run_interleaved`) runs in the tuner's worker process (``op: interleave``);
 the parent side is :func:`retime`.
@@ -100,9 +101,8 @@ def run_interleaved(
     samples, warmup = int(task.get("samples", 15)), int(task.get("warmup", 1))
     failed: dict[str, str] = {}
     models: dict[str, list[SyntheticModel]] = {}  # label -> its instances (:func:`instances_for`)
-    steps: dict[
-        str, list[Any]
-    ] = {}  # label -> its instances' steps as timed (CUDA graph replays where capturable)
+    #: label -> its instances' steps as timed (CUDA graph replays where capturable)
+    steps: dict[str, list[Any]] = {}
     graph = timing_mode(task.get("timing"), workload.device) == "graph"
     try:
         for cand in task["candidates"]:
@@ -183,11 +183,11 @@ def run_interleaved(
     return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}}
 
 
-#: models per candidate by the size of its caches (:func:`instances_for`): two instances of one config have
-#: measured up to 25 % apart at sub-millisecond steps (the same computation on other memory: its pages'
-#: placement), more than the margins the re-timing decides by; each sample of a candidate is the median
-#: of one step of every instance, so its median is over placements, not one placement's luck. The
-#: smaller the caches, the cheaper an instance and the larger that spread (steps of a few hundred µs).
+#: models per candidate by the size of its caches (:func:`instances_for`): two instances of one
+#: config have measured up to 25 % apart at sub-millisecond steps (the same computation on other
+#: memory: its pages' placement), more than the margins the re-timing decides by; each sample of a
+#: candidate is the median of one step of every instance, so its median is over placements, not one
+#: placement's luck. The smaller the caches, the cheaper an instance and the larger that spread.
 INSTANCES = ((128 * 2**20, 4), (512 * 2**20, 2))
 
 
@@ -204,11 +204,11 @@ def _wanted(model: SyntheticModel) -> int:
 def _instances(
     backend: Any, workload: Any, config: dict[str, Any], task: dict[str, Any], *, graph: bool, extra: int
 ) -> tuple[list[SyntheticModel], list[Any]]:
-    """One candidate's filled, warmed-up models (more than one where the first is small: :func:`instances_for`) and
-    their steps; the models are released if making any of them fails. A round steps each instance once
-    and samples the median of their times: over the placements, and not moved by one step's load spike
-    (pooling the instances' steps as separate samples gives a mixture of their speeds, whose median
-    jumps between them)."""
+    """One candidate's filled, warmed-up models (more than one where the first is small:
+    :func:`instances_for`; ``task["instances"]`` where given) and their steps; the models are released
+    if making any of them fails. A round steps each instance once and samples the median of their
+    times: over the placements, and not moved by one step's load spike (pooling the instances' steps as
+    separate samples gives a mixture of their speeds, whose median jumps between them)."""
     made: list[SyntheticModel] = []
     calls: list[Any] = []
     warmup = int(task.get("warmup", 1))
