@@ -434,7 +434,7 @@ def render(path: Path) -> int:
         result["points"],
         used=s["evaluations"],
         dense=s["dense_quarter_octave_evaluations"],
-        targets=s["targets"],
+        targets=s.get("targets") or TARGETS,
     )
     write(result, path)
     return 0
