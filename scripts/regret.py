@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         return combine(args.combine, out=args.out, argv=argv_used)
     if args.render:
+        why = _unrenderable(args.render)
+        if why:
+            p.error(f"--render {args.render}: {why}; expected a JSON file this script wrote")
         return render(args.render)
     if args.quick:
         for k, v in QUICK.items():
@@ -424,6 +427,22 @@ def _median_ratio(row: dict[str, Any]) -> float:
         return row["median_ratio"]
     t, sel, best = row["times"], row["selected"], row["best"]
     return t[sel]["median_ms"] / t[best]["median_ms"] if sel in t and best in t else math.inf
+
+
+def _unrenderable(path: Path) -> str:
+    """Why ``path`` is not a saved run ``--render`` can write again ("" where it is one)."""
+    try:
+        saved = json.loads(path.read_text())
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    except ValueError as err:
+        return f"is not JSON ({err})"
+    if not isinstance(saved, dict):
+        return "holds no saved run"
+    missing = [k for k in ("points", "summary") if k not in saved]
+    if missing or not all(k in saved["summary"] for k in ("evaluations", "dense_quarter_octave_evaluations")):
+        return f"holds no saved run (no {', '.join(missing) or 'evaluations in its summary'})"
+    return ""
 
 
 def render(path: Path) -> int:

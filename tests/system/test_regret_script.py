@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers.script_module import load_script
+import pytest
+from helpers.script_module import load_script, refusal
 
 
 def _row(where: str, selected: float, best: float, regret: float) -> dict:
@@ -51,3 +52,19 @@ def test_a_saved_run_is_rendered_again_with_the_medians_alone(tmp_path: Path) ->
     md = path.with_suffix(".md").read_text()
     assert "by the medians alone (no interval rule): median 1.040, p90" in md and "max 1.080" in md
     assert "| 1.000 | 1.080 | 2.000 | 2 |" in md  # the row: regret, medians, × vs default, candidates
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (None, "cannot be read"),
+        ("{not json", "is not JSON"),
+        ('{"a": 1}', "holds no saved run (no points, summary)"),
+    ],
+)
+def test_render_refuses_what_is_not_a_saved_run_in_one_line(tmp_path: Path, content, why) -> None:
+    path = tmp_path / "run.json"
+    if content is not None:
+        path.write_text(content)
+    message = refusal("regret", ["--render", str(path)])
+    assert f"--render {path}: {why}" in message and "expected a JSON file this script wrote" in message
