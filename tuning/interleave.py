@@ -12,9 +12,10 @@ seeded bootstrap interval (:func:`attnbench.tables.margin.bootstrap_median`). Ro
 (:func:`attnbench.tables.margin.sample_rounds`): after the first, a candidate whose interval lies
 wholly above the best's, by more than the switch margin, stops being timed (the default is often
 several times slower than the winner) and the rounds go to those still in doubt. A candidate whose
-model is small (short contexts) gets two or four instances (:func:`instances_for`), and each of its
-samples is the median of one step of every instance (over the placements): one config on two
-instances has measured up to 25 % apart at sub-millisecond steps. If the interleaved run kills its
+model is small (short contexts) gets two or four instances (:func:`instances_for`): a round steps each
+of them once, and the candidate's time is the median over its instances of each one's median over
+the rounds (over the placements: one config on two instances has measured up to 25 % apart at
+sub-millisecond steps; and each instance's series as robust to a load spike as a single one's). If the interleaved run kills its
 worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails with the
 reason.
 
@@ -28,7 +29,6 @@ import gc
 import importlib
 import os
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,7 +43,7 @@ from attnbench.measure.bench import CheckFailed, Implausible, measure_decode, pl
 from attnbench.measure.graph_step import GraphedDecodeStep
 from attnbench.measure.synthetic import SyntheticModel
 from attnbench.tables.dispatch import MapCandidate
-from attnbench.tables.margin import bootstrap_median, sample_rounds
+from attnbench.tables.margin import bootstrap_median, median_of_instances, sample_rounds
 from attnbench.tuning.refine import PointMeasurement
 
 __all__ = ["Finalist", "retime", "round_order", "run_interleaved"]
@@ -99,6 +99,7 @@ def run_interleaved(
     clock = _clock(task.get("clock"))
     profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
     samples, warmup = int(task.get("samples", 15)), int(task.get("warmup", 1))
+    # a round's sample of a candidate: one step's time, or one per instance (bootstrap_median)
     failed: dict[str, str] = {}
     models: dict[str, list[SyntheticModel]] = {}  # label -> its instances (:func:`instances_for`)
     #: label -> its instances' steps as timed (CUDA graph replays where capturable)
@@ -141,18 +142,18 @@ def run_interleaved(
         order = list(models)
         seed = task.get("seed", 0)
 
-        def one_round(r: int, labels: Sequence[str] | None) -> dict[str, float]:
-            got: dict[str, float] = {}
+        def one_round(r: int, labels: Sequence[str] | None) -> dict[str, float | list[float]]:
+            got: dict[str, float | list[float]] = {}
             timed = list(labels) if labels is not None else order  # those still in doubt
             for i in round_order(len(timed), r, seed=seed):  # balanced for position and for predecessor
                 label = timed[i]
                 ms = []
-                for step in steps[label]:  # each of its instances once: the sample is their median
+                for step in steps[label]:  # each of its instances once, each its own series
                     t0 = clock()
                     step()
                     synchronize(workload.device)
                     ms.append((clock() - t0) * 1e3)
-                got[label] = statistics.median(ms)
+                got[label] = ms[0] if len(ms) == 1 else ms
             return got
 
         synchronize(workload.device)
@@ -168,7 +169,8 @@ def run_interleaved(
             else {}
         )
         for label, made in models.items():
-            med = sorted(times[label])[len(times[label]) // 2] / 1e3
+            rows = [[x] if isinstance(x, (int, float)) else x for x in times[label]]
+            med = median_of_instances(rows, range(len(rows))) / 1e3
             why = plausibility(kv_bytes=made[0].kv_bytes_per_step(), seconds=med, profile=profile)
             if why:
                 failed[label] = f"implausible: {why}"
@@ -185,8 +187,8 @@ def run_interleaved(
 
 #: models per candidate by the size of its caches (:func:`instances_for`): two instances of one
 #: config have measured up to 25 % apart at sub-millisecond steps (the same computation on other
-#: memory: its pages' placement), more than the margins the re-timing decides by; each sample of a
-#: candidate is the median of one step of every instance, so its median is over placements, not one
+#: memory: its pages' placement), more than the margins the re-timing decides by; a candidate's time
+#: is the median over its instances of each one's median, so it is over placements, not one
 #: placement's luck. The smaller the caches, the cheaper an instance and the larger that spread.
 INSTANCES = ((128 * 2**20, 4), (512 * 2**20, 2))
 
@@ -206,9 +208,10 @@ def _instances(
 ) -> tuple[list[SyntheticModel], list[Any]]:
     """One candidate's filled, warmed-up models (more than one where the first is small:
     :func:`instances_for`; ``task["instances"]`` where given) and their steps; the models are released
-    if making any of them fails. A round steps each instance once and samples the median of their
-    times: over the placements, and not moved by one step's load spike (pooling the instances' steps as
-    separate samples gives a mixture of their speeds, whose median jumps between them)."""
+    if making any of them fails. A round steps each instance once and keeps each one's time: the
+    candidate's time is the median over the instances of their medians (pooling the instances' steps
+    as one series gives a mixture of their speeds, whose median jumps between them; a round's median
+    over the instances is moved by one load spike in two instances, or two in four)."""
     made: list[SyntheticModel] = []
     calls: list[Any] = []
     warmup = int(task.get("warmup", 1))
@@ -294,7 +297,7 @@ def retime(
         "instances": instances,
     }
 
-    def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[float]], dict[str, str]]:
+    def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[Any]], dict[str, str]]:
         message = base | {
             "candidates": [
                 {"label": f.label, "backend_ref": f.backend_ref, "config": f.config, "check": f.check}

@@ -46,6 +46,7 @@ from attnbench.tables.margin import (
     decide,
     finalists,
     in_doubt,
+    median_of_instances,
     sample_rounds,
     too_wide,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "load_maps",
     "locked",
     "map_key",
+    "median_of_instances",
     "merge_maps",
     "sample_rounds",
     "save_maps",

@@ -32,6 +32,7 @@ __all__ = [
     "decide",
     "finalists",
     "in_doubt",
+    "median_of_instances",
     "sample_rounds",
     "too_wide",
 ]
@@ -83,22 +84,49 @@ class Interval(NamedTuple):
 
 
 def bootstrap_median(
-    samples_ms: Sequence[float], *, seed: int = 0, resamples: int = 1000, level: float = 0.95
+    samples_ms: Sequence[float | Sequence[float]],
+    *,
+    seed: int = 0,
+    resamples: int = 1000,
+    level: float = 0.95,
 ) -> Interval:
-    """The median of ``samples_ms`` with a percentile-bootstrap ``level`` interval (seeded)."""
-    xs = [float(x) for x in samples_ms if math.isfinite(x)]
-    if not xs:
+    """The median of ``samples_ms`` with a percentile-bootstrap ``level`` interval (seeded).
+
+    A sample may be a row: one time per model instance, all taken in one round. The time is then the
+    median over the instances of each instance's median over the rounds (:func:`median_of_instances`),
+    and the bootstrap draws whole rounds. So a candidate is timed over its placements (one placement's
+    luck does not decide it) and each instance's series is as robust to a load spike as one instance's
+    (a round's median over four instances is moved by two spikes, and over two instances by one).
+    A row with a non-finite time is dropped whole."""
+    rows = [r for r in (_row(s) for s in samples_ms) if r is not None]
+    if not rows:
         raise ValueError("bootstrap_median needs at least one finite sample")
-    med = statistics.median(xs)
-    if len(xs) == 1:
+    width = len(rows[0])
+    if any(len(r) != width for r in rows):
+        raise ValueError(f"bootstrap_median: every row needs {width} instances' times, one per instance")
+    everything = range(len(rows))
+    med = median_of_instances(rows, everything)
+    if len(rows) == 1:
         return Interval(med, med, med, 1)
     rng = random.Random(seed)
-    n = len(xs)
-    meds = sorted(statistics.median(rng.choices(xs, k=n)) for _ in range(resamples))
+    n = len(rows)
+    meds = sorted(median_of_instances(rows, rng.choices(everything, k=n)) for _ in range(resamples))
     tail = (1 - level) / 2
     lo = meds[int(tail * (resamples - 1))]
     hi = meds[math.ceil((1 - tail) * (resamples - 1))]
     return Interval(med, min(lo, med), max(hi, med), n)
+
+
+def median_of_instances(rows: Sequence[Sequence[float]], rounds: Sequence[int]) -> float:
+    """The median over the instances (columns of ``rows``) of each one's median over ``rounds``."""
+    if len(rows[0]) == 1:
+        return statistics.median([rows[i][0] for i in rounds])
+    return statistics.median([statistics.median([rows[i][c] for i in rounds]) for c in range(len(rows[0]))])
+
+
+def _row(sample: float | Sequence[float]) -> tuple[float, ...] | None:
+    row = (float(sample),) if isinstance(sample, (int, float)) else tuple(float(x) for x in sample)
+    return row if row and all(math.isfinite(x) for x in row) else None
 
 
 @dataclass(frozen=True)
@@ -191,16 +219,17 @@ def in_doubt(times: Mapping[str, Interval], *, margin: float = SWITCH_MARGIN) ->
 
 
 def sample_rounds(
-    run_round: Callable[[int, Sequence[str] | None], Mapping[str, float]],
+    run_round: Callable[[int, Sequence[str] | None], Mapping[str, float | Sequence[float]]],
     *,
     samples: int = 15,
     max_samples: int | None = None,
     seed: int = 0,
     first: int | None = None,
     max_seconds: float | None = None,
-) -> dict[str, list[float]]:
+) -> dict[str, list[float | Sequence[float]]]:
     """Interleaved samples: ``run_round(r, labels)`` times one step of each of ``labels`` (``None``:
-    every candidate), in an order of its choosing, and returns ``{label: ms}``.
+    every candidate), in an order of its choosing, and returns ``{label: ms}`` (or ``{label: [ms, …]}``,
+    one step of each of the candidate's model instances: :func:`bootstrap_median`).
 
     Rounds run in blocks of ``first`` (default a third of ``samples``, at least 3), every candidate
     in the first. Before each later block the candidates are sorted by their intervals: one whose
@@ -216,7 +245,7 @@ def sample_rounds(
     cap = max_samples if max_samples is not None else 4 * samples
     start = time.perf_counter()
     block = max(3, samples // 3) if first is None else max(1, first)
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[float | Sequence[float]]] = {}
     labels: list[str] | None = None
     r = 0
     while True:

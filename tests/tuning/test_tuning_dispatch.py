@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 import time
 
 import pytest
@@ -154,6 +155,38 @@ def test_intervals_are_seeded_and_contain_the_median():
     xs = _samples(5.0, random.Random(1), slowdowns=0.2)
     a, b = bootstrap_median(xs, seed=3), bootstrap_median(xs, seed=3)
     assert a == b and a.lo_ms <= a.median_ms <= a.hi_ms and a.samples == 15
+
+
+def test_a_candidate_on_several_instances_takes_the_median_of_their_medians():
+    """Rows of one time per instance: two fast placements and two slow ones give the middle of them,
+    not the fast placements' luck; a row with a non-finite time is dropped whole, and rows of
+    different widths are refused."""
+    rows = [[1.0 + 0.01 * (r % 3), 5.0, 1.0, 5.0 + 0.01 * r] for r in range(15)]
+    got = bootstrap_median(rows, seed=1)
+    assert got.median_ms == pytest.approx(3.0, abs=0.02) and got.samples == 15
+    assert got.lo_ms <= got.median_ms <= got.hi_ms < 3.1
+    assert bootstrap_median([*rows, [1.0, math.nan, 1.0, 1.0]], seed=1) == got
+    assert bootstrap_median([[2.0], [4.0], [3.0]]) == bootstrap_median([2.0, 4.0, 3.0])
+    with pytest.raises(ValueError, match="every row needs 4 instances"):
+        bootstrap_median([*rows, [1.0, 2.0]])
+
+
+def test_load_spikes_in_several_instances_widen_the_interval_less_than_a_rounds_median_would():
+    """Four instances, each step 3× slower in one of five (a load spike), 200 seeded draws: the median
+    of the instances' medians leaves an interval reaching 1.2× the time in a third as many draws as
+    one sample per round (the median over the round's four steps: two spikes in four move it) at 20
+    rounds, and in none at 30 (where a wide interval makes sample_rounds go on to)."""
+    wide: dict[tuple[int, str], int] = {}
+    for rounds in (20, 30):
+        for seed in range(200):
+            rng = random.Random(seed)
+            rows = [[2.8 * (3.0 if rng.random() < 0.2 else 1.0) for _ in range(4)] for _ in range(rounds)]
+            per_round = [statistics.median(r) for r in rows]
+            for how, samples in (("rows", rows), ("rounds", per_round)):
+                hi = bootstrap_median(samples, seed=seed, resamples=300).hi_ms
+                wide[rounds, how] = wide.get((rounds, how), 0) + (hi > 2.8 * 1.2)
+    assert 3 * wide[20, "rows"] <= wide[20, "rounds"] and wide[20, "rounds"] > 0, wide
+    assert wide[30, "rows"] == 0 < wide[30, "rounds"], wide
 
 
 def test_finalists_are_near_the_best_at_least_three_and_keep_the_default():

@@ -350,8 +350,8 @@ class InstanceBound(_Costed):
 
 def test_a_small_finalist_is_timed_on_several_instances_in_turn(profile):
     """The instance-bound candidate would beat the steady 2-ms one on its first instance alone (1 ms
-    every step); over its instances (four: its caches are small; each sample the median of one step of
-    each) it takes 3 ms, and it no longer beats the steady one."""
+    every step); over its instances (four: its caches are small; its time the median over them of each
+    one's median) it takes 3 ms, and it no longer beats the steady one."""
     from attnbench.tables.margin import beats
     from attnbench.tuning import Worker
     from attnbench.tuning.interleave import Finalist, retime
