@@ -12,12 +12,12 @@ seeded bootstrap interval (:func:`attnbench.tables.margin.bootstrap_median`). Ro
 (:func:`attnbench.tables.margin.sample_rounds`): after the first, a candidate whose interval lies
 wholly above the best's, by more than the switch margin, stops being timed (the default is often
 several times slower than the winner) and the rounds go to those still in doubt. A candidate whose
-model is small (short contexts) gets two or four instances (:func:`instances_for`): a round steps each
-of them once, and the candidate's time is the median over its instances of each one's median over
-the rounds (over the placements: one config on two instances has measured up to 25 % apart at
-sub-millisecond steps; and each instance's series as robust to a load spike as a single one's). If the interleaved run kills its
-worker, each candidate is timed alone (isolated) and a candidate that kills it alone fails with the
-reason.
+model is small (short contexts) gets two or four instances (:func:`instances_for`; one where timed as
+CUDA graphs): a round steps each of them once, and the candidate's time is the median over its
+instances of each one's median over the rounds — over the placements (one config on two instances
+has measured up to 25 % apart at sub-millisecond steps), and each instance's series as robust to a
+load spike as a single one's. If the interleaved run kills its worker, each candidate is timed alone
+(isolated) and a candidate that kills it alone fails with the reason.
 
 The child side (:func:`run_interleaved`) runs in the tuner's worker process (``op: interleave``);
 the parent side is :func:`retime`.
@@ -43,7 +43,7 @@ from attnbench.measure.bench import CheckFailed, Implausible, measure_decode, pl
 from attnbench.measure.graph_step import GraphedDecodeStep
 from attnbench.measure.synthetic import SyntheticModel
 from attnbench.tables.dispatch import MapCandidate
-from attnbench.tables.margin import bootstrap_median, median_of_instances, sample_rounds
+from attnbench.tables.margin import bootstrap_median, median_time, sample_rounds
 from attnbench.tuning.refine import PointMeasurement
 
 __all__ = ["Finalist", "retime", "round_order", "run_interleaved"]
@@ -99,7 +99,6 @@ def run_interleaved(
     clock = _clock(task.get("clock"))
     profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
     samples, warmup = int(task.get("samples", 15)), int(task.get("warmup", 1))
-    # a round's sample of a candidate: one step's time, or one per instance (bootstrap_median)
     failed: dict[str, str] = {}
     models: dict[str, list[SyntheticModel]] = {}  # label -> its instances (:func:`instances_for`)
     #: label -> its instances' steps as timed (CUDA graph replays where capturable)
@@ -143,6 +142,7 @@ def run_interleaved(
         seed = task.get("seed", 0)
 
         def one_round(r: int, labels: Sequence[str] | None) -> dict[str, float | list[float]]:
+            """One step of each of ``labels``: its time, or one per instance (:func:`bootstrap_median`)."""
             got: dict[str, float | list[float]] = {}
             timed = list(labels) if labels is not None else order  # those still in doubt
             for i in round_order(len(timed), r, seed=seed):  # balanced for position and for predecessor
@@ -169,8 +169,7 @@ def run_interleaved(
             else {}
         )
         for label, made in models.items():
-            rows = [[x] if isinstance(x, (int, float)) else x for x in times[label]]
-            med = median_of_instances(rows, range(len(rows))) / 1e3
+            med = median_time(times[label]) / 1e3
             why = plausibility(kv_bytes=made[0].kv_bytes_per_step(), seconds=med, profile=profile)
             if why:
                 failed[label] = f"implausible: {why}"
@@ -207,7 +206,8 @@ def _instances(
     backend: Any, workload: Any, config: dict[str, Any], task: dict[str, Any], *, graph: bool, extra: int
 ) -> tuple[list[SyntheticModel], list[Any]]:
     """One candidate's filled, warmed-up models (more than one where the first is small:
-    :func:`instances_for`; ``task["instances"]`` where given) and their steps; the models are released
+    :func:`instances_for`; ``task["instances"]`` where given; one where timed as CUDA graphs: the
+    spread between placements was measured on CPUs) and their steps; the models are released
     if making any of them fails. A round steps each instance once and keeps each one's time: the
     candidate's time is the median over the instances of their medians (pooling the instances' steps
     as one series gives a mixture of their speeds, whose median jumps between them; a round's median
@@ -275,9 +275,15 @@ def retime(
     ``clock``: import path of a zero-argument clock in seconds to time with instead of
     ``time.perf_counter`` (tests plant a virtual one, so that planted timings ignore the load).
     ``max_seconds``: no new block of rounds once the rounds took that long (the first block always runs;
-    :func:`attnbench.tables.margin.sample_rounds`). ``instances``: model instances per finalist
-    (default: by the size of its caches, :func:`instances_for`).
+    :func:`attnbench.tables.margin.sample_rounds`). ``instances``: model instances per finalist, at
+    least 1 (default: by the size of its caches, :func:`instances_for`).
     """
+    if instances is not None and (
+        isinstance(instances, bool) or not isinstance(instances, int) or instances < 1
+    ):
+        raise ValueError(
+            f"retime: instances={instances!r}; expected a whole number of model instances >= 1, or None"
+        )
 
     base = {
         "op": "interleave",

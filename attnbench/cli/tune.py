@@ -91,8 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "best, at least three, the default where its study time is within 2x the best's, the table's "
         "incumbent, with lossy caches allowed the fastest exact one, and the other keys' finalists of "
         "the dispatch map, gated first where this key's study did not measure them) are re-timed "
-        "interleaved, one step of each in turn (a short context's on two or four model instances: its time "
-        "the median over them of each one's median), N "
+        "interleaved, one step of each in turn (a short context's on two or four model instances, one as "
+        "CUDA graphs: its time the median over them of each one's median), N "
         "rounds (up to 4N while an interval is too wide; default 15; 0: no re-timing and no dispatch map)",
     )
     p.add_argument(

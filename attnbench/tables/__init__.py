@@ -46,7 +46,7 @@ from attnbench.tables.margin import (
     decide,
     finalists,
     in_doubt,
-    median_of_instances,
+    median_time,
     sample_rounds,
     too_wide,
 )
@@ -102,7 +102,7 @@ __all__ = [
     "load_maps",
     "locked",
     "map_key",
-    "median_of_instances",
+    "median_time",
     "merge_maps",
     "sample_rounds",
     "save_maps",

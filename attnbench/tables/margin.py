@@ -32,7 +32,7 @@ __all__ = [
     "decide",
     "finalists",
     "in_doubt",
-    "median_of_instances",
+    "median_time",
     "sample_rounds",
     "too_wide",
 ]
@@ -93,40 +93,57 @@ def bootstrap_median(
     """The median of ``samples_ms`` with a percentile-bootstrap ``level`` interval (seeded).
 
     A sample may be a row: one time per model instance, all taken in one round. The time is then the
-    median over the instances of each instance's median over the rounds (:func:`median_of_instances`),
-    and the bootstrap draws whole rounds. So a candidate is timed over its placements (one placement's
+    median over the instances of each instance's median over the rounds (:func:`median_time`), and the
+    bootstrap draws whole rounds. So a candidate is timed over its placements (one placement's
     luck does not decide it) and each instance's series is as robust to a load spike as one instance's
     (a round's median over four instances is moved by two spikes, and over two instances by one).
     A row with a non-finite time is dropped whole."""
-    rows = [r for r in (_row(s) for s in samples_ms) if r is not None]
-    if not rows:
-        raise ValueError("bootstrap_median needs at least one finite sample")
-    width = len(rows[0])
-    if any(len(r) != width for r in rows):
-        raise ValueError(f"bootstrap_median: every row needs {width} instances' times, one per instance")
+    rows = _rows(samples_ms)
     everything = range(len(rows))
-    med = median_of_instances(rows, everything)
+    med = _median_of_instances(rows, everything)
     if len(rows) == 1:
         return Interval(med, med, med, 1)
     rng = random.Random(seed)
     n = len(rows)
-    meds = sorted(median_of_instances(rows, rng.choices(everything, k=n)) for _ in range(resamples))
+    meds = sorted(_median_of_instances(rows, rng.choices(everything, k=n)) for _ in range(resamples))
     tail = (1 - level) / 2
     lo = meds[int(tail * (resamples - 1))]
     hi = meds[math.ceil((1 - tail) * (resamples - 1))]
     return Interval(med, min(lo, med), max(hi, med), n)
 
 
-def median_of_instances(rows: Sequence[Sequence[float]], rounds: Sequence[int]) -> float:
-    """The median over the instances (columns of ``rows``) of each one's median over ``rounds``."""
-    if len(rows[0]) == 1:
-        return statistics.median([rows[i][0] for i in rounds])
-    return statistics.median([statistics.median([rows[i][c] for i in rounds]) for c in range(len(rows[0]))])
+def median_time(samples_ms: Sequence[float | Sequence[float]]) -> float:
+    """The time :func:`bootstrap_median` gives ``samples_ms`` (its median, without the interval): of
+    rows, the median over the instances of each one's median."""
+    rows = _rows(samples_ms)
+    return _median_of_instances(rows, range(len(rows)))
+
+
+def _rows(samples_ms: Sequence[float | Sequence[float]]) -> list[tuple[float, ...]]:
+    """Every sample as a row of times (a single time: a row of one), those with a non-finite time left
+    out; all rows of one width."""
+    rows = [r for r in (_row(s) for s in samples_ms) if r is not None]
+    if not rows:
+        raise ValueError("bootstrap_median needs at least one finite sample")
+    widths = sorted({len(r) for r in rows})
+    if len(widths) > 1:
+        raise ValueError(
+            f"samples of {widths[0]} and of {widths[-1]} instances' times mixed: every round of one "
+            "candidate times each of its instances once (rows of one width)"
+        )
+    return rows
 
 
 def _row(sample: float | Sequence[float]) -> tuple[float, ...] | None:
     row = (float(sample),) if isinstance(sample, (int, float)) else tuple(float(x) for x in sample)
     return row if row and all(math.isfinite(x) for x in row) else None
+
+
+def _median_of_instances(rows: Sequence[Sequence[float]], rounds: Sequence[int]) -> float:
+    """The median over the instances (columns of ``rows``) of each one's median over ``rounds``."""
+    if len(rows[0]) == 1:
+        return statistics.median([rows[i][0] for i in rounds])
+    return statistics.median([statistics.median([rows[i][c] for i in rounds]) for c in range(len(rows[0]))])
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from attnbench.tables.dispatch import (
     load_maps,
     save_maps,
 )
-from attnbench.tables.margin import Interval, bootstrap_median, decide, finalists, sample_rounds
+from attnbench.tables.margin import Interval, bootstrap_median, decide, finalists, median_time, sample_rounds
 from attnbench.tuning.refine import PointMeasurement
 
 DEFAULT = "steady"
@@ -165,9 +165,12 @@ def test_a_candidate_on_several_instances_takes_the_median_of_their_medians():
     got = bootstrap_median(rows, seed=1)
     assert got.median_ms == pytest.approx(3.0, abs=0.02) and got.samples == 15
     assert got.lo_ms <= got.median_ms <= got.hi_ms < 3.1
+    assert median_time(rows) == got.median_ms  # the worker's plausibility check: the same time
     assert bootstrap_median([*rows, [1.0, math.nan, 1.0, 1.0]], seed=1) == got
     assert bootstrap_median([[2.0], [4.0], [3.0]]) == bootstrap_median([2.0, 4.0, 3.0])
-    with pytest.raises(ValueError, match="every row needs 4 instances"):
+    with pytest.raises(
+        ValueError, match=r"samples of 2 and of 4 instances' times mixed: .*rows of one width"
+    ):
         bootstrap_median([*rows, [1.0, 2.0]])
 
 

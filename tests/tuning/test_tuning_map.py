@@ -369,6 +369,17 @@ def test_a_small_finalist_is_timed_on_several_instances_in_turn(profile):
     assert not beats(bound, steady, margin=0.0)
 
 
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_retime_refuses_a_number_of_instances_that_is_not_a_whole_number_from_one(bad) -> None:
+    from attnbench.tuning.interleave import retime
+
+    (w,) = _workloads([1])
+    with pytest.raises(
+        ValueError, match=rf"retime: instances={bad!r}; expected a whole number of model instances >= 1"
+    ):
+        retime(None, [], workload=w, instances=bad)
+
+
 def test_the_smaller_a_finalists_caches_the_more_instances_it_is_timed_on():
     from attnbench.tuning.interleave import instances_for
 
