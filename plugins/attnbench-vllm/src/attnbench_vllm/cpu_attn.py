@@ -43,7 +43,6 @@ from attnbench.backends.cpu_kernel import (
 from attnbench.core.registry import load_registry
 from attnbench.core.shapes import ModelShape
 from attnbench.core.workload import bucket
-from attnbench_vllm import pages
 from attnbench_vllm.isa import KernelShape, causal_attention, scheduler_plan
 
 #: under vLLM's logger, so the lines appear in vLLM's log with its format and level
@@ -410,8 +409,6 @@ class AttnbenchCPUImpl(vllm_cpu_attn.CPUAttentionBackendImpl):
         #: block_size]``, beside vLLM's KV tensor (which holds the e4m3 bytes); made at the first write
         self.fp8 = bool(self.is_fp8_kv_cache) and not self.refusal
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
-        #: the KV tensor (its address) this layer last asked 2 MiB pages for (:mod:`attnbench_vllm.pages`)
-        self.paged_at = 0
 
     def scales_for(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's fp8 scales (zeros at first: a slot is read only after it is written)."""
@@ -434,10 +431,6 @@ class AttnbenchCPUImpl(vllm_cpu_attn.CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> None:
         if self._falls_back(layer):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        if kv_cache.data_ptr() != self.paged_at:
-            self.paged_at = kv_cache.data_ptr()
-            if pages.enabled():
-                pages.advise(kv_cache, getattr(layer, "layer_name", "?"))
         scales = self.scales_for(kv_cache) if self.fp8 else None
         write_slots(kv_cache, key, value, slot_mapping, scales, _step_writes(layer))
         return None

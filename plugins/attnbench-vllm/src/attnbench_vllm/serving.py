@@ -14,8 +14,6 @@ layer to vLLM's ``CPU_ATTN`` implementation, decided once when the layer is buil
   per block and KV head — exactly one page of one KV head in ``cpu_decode``'s layout
   (``[pages, Hkv, page_size / 16, 2, 16 · D]``, 16-key tiles, K then V). The same tensor is read in
   that layout; vLLM's block size is the page size.
-- **Pages.** At a layer's first write the plugin asks the OS for 2 MiB pages over its KV tensor, as
-  attnbench measures the kernel (:mod:`attnbench_vllm.pages`; ``ATTNBENCH_VLLM_HUGEPAGES=0`` off).
 - **Writes.** :meth:`AttnbenchCPUImpl.do_kv_cache_update` writes the step's new K/V with the kernel's
   writer, each token at its slot (``slot // block_size``, ``slot % block_size``) from vLLM's slot mapping.
 - **The step.** :class:`AttnbenchCPUMetadataBuilder` turns vLLM's per-step metadata (query start
@@ -55,7 +53,7 @@ def enabled() -> bool:
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point: register :class:`attnbench_vllm.cpu_attn.AttnbenchCPUBackend` as ``CPU_ATTN``
     where :data:`SWITCH` is ``1`` and vLLM runs on a CPU; elsewhere one log line says why not."""
-    from attnbench_vllm import pages, timing
+    from attnbench_vllm import timing
 
     if not enabled():
         timing.install(served=False)
@@ -70,7 +68,6 @@ def register() -> None:
             current_platform.device_type,
         )
         return
-    pages.enabled()  # a bad ATTNBENCH_VLLM_HUGEPAGES stops the start here, naming the value
     register_backend(AttentionBackendEnum.CPU_ATTN, "attnbench_vllm.cpu_attn.AttnbenchCPUBackend")
     timing.install(served=True)
     log.info("%s=1: vLLM's CPU_ATTN is attnbench's cpu_decode (vLLM's own per layer where it must)", SWITCH)
