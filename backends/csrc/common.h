@@ -12,7 +12,8 @@
  *   4. scratch memory: scratch(), flag_nomem() and the failure injection cpu_decode_fail_alloc sets
  *   5. scalar conversions: bf16 and fp16 to and from fp32, load_elem / store_elem, e4m3 to fp32, and the
  *      e4m3 → bf16 byte tables FP8_LO / FP8_HI (filled at load by a constructor)
- *   6. what one work item sees (item_t) and the cache's addressing: tile_offset, fp8_phys, scale_offset
+ *   6. what one work item sees (item_t), HEADS_SWITCH, its rows reset (reset_rows), and the cache's
+ *      addressing: tile_offset, fp8_phys, scale_offset
  *   7. the plain-C items' start: scalar_start
  */
 #ifndef CPU_DECODE_COMMON_H
@@ -241,6 +242,25 @@ typedef struct {
     int *nomem;           /* set to 1 when the item's scratch is refused (the call then returns ERR_NOMEM) */
 } item_t;
 
+/* CALL(gn) with gn a constant 1-4: the heads g0 .. g0 + gn of a GQA group, up to 4 at a time (each
+ * K row loaded once for them), so that each count compiles to its own unrolled code */
+#define HEADS_SWITCH(left, CALL)        \
+    switch ((left) < 4 ? (left) : 4) {  \
+        case 4: CALL(4); break;         \
+        case 3: CALL(3); break;         \
+        case 2: CALL(2); break;         \
+        default: CALL(1); break;        \
+    }
+
+/* rows' running state before their first key: max -inf, sum 0, the [rows, width] accumulator 0 */
+static inline void reset_rows(float *m, float *l, float *acc, int rows, int width) {
+    for (int r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)rows * width);
+}
+
 /* the offset of the tile holding token t (a multiple of 16) from kc for its K, from vc for its V */
 static inline size_t tile_offset(const item_t *it, int t) {
     int page = it->bt[t / it->ps], slot = t % it->ps;
@@ -273,11 +293,7 @@ static float *scalar_start(const item_t *it, float **tmp) {
     }
     *tmp = qv + (size_t)G * D;
     for (int i = 0; i < G * D; i++) qv[i] = load_elem(it->q, (size_t)i, it->dt);
-    for (int g = 0; g < G; g++) {
-        it->m[g] = -INFINITY;
-        it->l[g] = 0.0f;
-    }
-    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
+    reset_rows(it->m, it->l, it->acc, G, D);
     return qv;
 }
 

@@ -84,9 +84,10 @@
  *   cpu_decode_fail_alloc      make the n-th scratch allocation from now fail (tests)
  *   cpu_decode_isa, cpu_decode_fp8_fast, cpu_decode_amx_emulated    the ISA detection
  *   combine_row                the merge of KV splits' partial results into one output row
- *   run_item                   the per-item dispatch of the paged and fp8 forms
+ *   drive                      every form's items over the threads, normalised or merged (written once)
+ *   run_item, paged_unit       the per-item dispatch of the paged and fp8 forms, and their unit
  *   attend, cpu_decode_attend, cpu_decode_attend_fp8    the paged and fp8 entry points
- *   run_latent_item, cpu_decode_attend_latent           the latent dispatch and entry point
+ *   run_latent_item, latent_unit, cpu_decode_attend_latent    the latent dispatch, unit and entry point
  * (cpu_decode_write and cpu_decode_write_fp8 are in writers.h.)
  */
 #include "common.h"
@@ -193,7 +194,7 @@ int cpu_decode_fp8_fast(void) {
 /* 1 in the amx-emulated build (its AMX items run on amx_emu.h's plain-C tiles), else 0 */
 int cpu_decode_amx_emulated(void) { return CPU_DECODE_AMX_EMULATED; }
 
-/* ---- the paged and fp8 forms ---------------------------------------------------------------------- */
+/* ---- the split driver, shared by every form -------------------------------------------------------- */
 /* One output row from the KV splits' partial results: split s's max m[s · part], sum l[s · part] and
  * unnormalised accumulator acc[s · part .. + D] (each a row of its split's workspace part), weighted
  * e^(m_s - max) (once per split, not per element; 0 for a split with no keys), normalised, stored at
@@ -214,6 +215,74 @@ static void combine_row(const float *m, const float *l, const float *acc, size_t
     }
 }
 
+/* A form's unit of work: paged and fp8, one (sequence, KV head) and its G query heads; latent, one
+ * sequence and its H heads. run(ctx, unit, t0, t1, m, l, acc, nomem) fills the unit's rows — running
+ * max m[rows], sum l[rows], unnormalised p·v acc[rows, width] — over its keys [t0, t1). */
+typedef void (*unit_fn)(const void *ctx, long unit, int t0, int t1, float *m, float *l, float *acc, int *nomem);
+
+typedef struct {
+    long units;                /* units in the call */
+    int per_seq;               /* units per sequence: unit u reads seq_lens[u / per_seq] */
+    int rows, width;           /* output rows per unit (query heads), values per row */
+    int splits, threads, dt;   /* KV splits per unit, OpenMP threads, the output's dtype */
+    const int32_t *seq_lens;   /* [B] */
+    float *ws;                 /* splits > 1: units · splits · rows · (width + 2) floats */
+    void *out;                 /* [units · rows, width] in dt */
+    unit_fn run;
+    const void *ctx;
+} drive_t;
+
+/* Every (unit, KV split) item over the threads: split s of a unit takes its share of the sequence's
+ * 16-key tiles; with one split an item normalises its rows into out, with more each leaves (m, l, acc)
+ * in the workspace and every output row is merged from its splits (combine_row, one row at a time: all
+ * threads take part at batch 1). Returns 0, or ERR_NOMEM when a scratch allocation was refused. */
+static int drive(const drive_t *d) {
+    const int R = d->rows, W = d->width, splits = d->splits;
+    const long items = d->units * splits;
+    const size_t part = (size_t)R * (W + 2);
+    const int threads = d->threads < 1 ? 1 : d->threads;
+    int nomem = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    {
+        float *own = splits == 1 ? (float *)scratch(sizeof(float) * part) : NULL;
+        if (splits == 1 && !own) flag_nomem(&nomem);
+#pragma omp for schedule(dynamic, 1)
+        for (long w = 0; w < items; w++) {
+            const long u = w / splits;
+            const int s = (int)(w % splits), len = d->seq_lens[u / d->per_seq];
+            const int ntiles = (len + TILE - 1) / TILE, per = (ntiles + splits - 1) / splits;
+            const int t0 = s * per * TILE, t1 = (s + 1) * per * TILE < len ? (s + 1) * per * TILE : len;
+            float *buf = splits == 1 ? own : d->ws + (size_t)w * part;
+            if (!buf) continue;
+            float *m = buf, *l = buf + R, *acc = buf + 2 * R;
+            if (t0 < t1) {
+                d->run(d->ctx, u, t0, t1, m, l, acc, &nomem);
+            } else {
+                reset_rows(m, l, acc, R, W); /* a split with no keys: merged with weight 0 */
+            }
+            if (splits == 1) {
+                const size_t o = (size_t)u * R * W;
+                for (int r = 0; r < R; r++) {
+                    float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                    for (int x = 0; x < W; x++) store_elem(d->out, o + (size_t)r * W + x, d->dt, acc[(size_t)r * W + x] * inv);
+                }
+            }
+        }
+        free(own);
+        if (splits > 1) {
+#pragma omp for schedule(static)
+            for (long row = 0; row < d->units * R; row++) {
+                const long u = row / R;
+                const int r = (int)(row % R);
+                const float *p0 = d->ws + (size_t)u * splits * part;
+                combine_row(p0 + r, p0 + R + r, p0 + 2 * R + (size_t)r * W, part, splits, W, d->out, (size_t)row * W, d->dt);
+            }
+        }
+    }
+    return nomem ? ERR_NOMEM : 0;
+}
+
+/* ---- the paged and fp8 forms ---------------------------------------------------------------------- */
 /* the item of the variant isa for its cache form: fp8 (it->ks set; cv: the conversion of the
  * c-avx512bf16 item) or fp32 / fp16 / bf16 */
 static void run_item(const item_t *it, int isa, int cv) {
@@ -258,6 +327,32 @@ static void run_item(const item_t *it, int isa, int cv) {
     item_scalar(it);
 }
 
+/* what every unit of a paged or fp8 call shares: the item's fields but its own, and where those come from */
+typedef struct {
+    item_t it;
+    const void *q;
+    const int32_t *block_table;
+    int Hq, maxp, isa, cv;
+    size_t qsize; /* bytes per query element */
+} paged_t;
+
+/* unit u = (sequence b, KV head h): the item of its G query heads over keys [t0, t1) */
+static void paged_unit(const void *ctx, long u, int t0, int t1, float *m, float *l, float *acc, int *nomem) {
+    const paged_t *p = (const paged_t *)ctx;
+    item_t it = p->it;
+    const int b = (int)(u / it.Hkv), h = (int)(u % it.Hkv);
+    it.q = (const char *)p->q + ((size_t)b * p->Hq + (size_t)h * it.G) * it.D * p->qsize;
+    it.bt = p->block_table + (size_t)b * p->maxp;
+    it.t0 = t0;
+    it.t1 = t1;
+    it.h = h;
+    it.m = m;
+    it.l = l;
+    it.acc = acc;
+    it.nomem = nomem;
+    run_item(&it, p->isa, p->cv);
+}
+
 /* the attention of one layer over a bf16/fp16/fp32 cache (fp8 = 0: the scales are not read) or an fp8 one */
 static int attend(const cpu_decode_attend_args *a, int fp8) {
     const void *q = a->q, *kc = a->k_cache, *vc = a->v_cache;
@@ -269,7 +364,7 @@ static int attend(const cpu_decode_attend_args *a, int fp8) {
     const int maxp = a->max_pages, splits = a->splits, dt = a->dtype, isa = a->isa, cv = a->fp8_convert;
     const int prefetch = a->prefetch;
     const float scale = a->scale;
-    int threads = a->threads;
+    const int threads = a->threads;
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D % 16 || ps % TILE || splits < 1 || splits > MAX_SPLITS) return -1;
     if ((cv != CV_LOOKUP && cv != CV_SHIFT) || (cv == CV_SHIFT && (!ks || isa != ISA_AVX512BF16))) return -1;
     if (ks && (D % 32 || (isa != ISA_SCALAR && isa != ISA_AVX512BF16 && isa != ISA_AMX))) return -1;
@@ -277,58 +372,14 @@ static int attend(const cpu_decode_attend_args *a, int fp8) {
     if (isa == ISA_AVX512BF16 && dt != DT_BF16) return -2;
     if (isa == ISA_AVX512 && dt == DT_BF16) return -2;
     const int G = Hq / Hkv, P = dt == DT_BF16 ? 2 : 1;
-    const long items = (long)B * Hkv * splits;
-    const size_t part = (size_t)G * (D + 2);
-    int nomem = 0;
-    if (threads < 1) threads = 1;
-#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
-    {
-        float *own = splits == 1 ? (float *)scratch(sizeof(float) * part) : NULL;
-        if (splits == 1 && !own) flag_nomem(&nomem);
-#pragma omp for schedule(dynamic, 1)
-        for (long w = 0; w < items; w++) {
-            int b = (int)(w / ((long)Hkv * splits)), h = (int)(w / splits % Hkv), s = (int)(w % splits);
-            int len = seq_lens[b], ntiles = (len + TILE - 1) / TILE, per = (ntiles + splits - 1) / splits;
-            int t0 = s * per * TILE, t1 = (s + 1) * per * TILE;
-            if (t1 > len) t1 = len;
-            float *buf = splits == 1 ? own : ws + (size_t)w * part;
-            if (!buf) continue;
-            item_t it = {
-                .q = (const char *)q + ((size_t)b * Hq + (size_t)h * G) * D * (dt == DT_F32 ? 4 : 2),
-                .kc = kc, .vc = vc, .bt = block_table + (size_t)b * maxp, .t0 = t0, .t1 = t1,
-                .G = G, .D = D, .ps = ps, .P = P, .Hkv = Hkv, .h = h, .dt = dt, .prefetch = prefetch,
-                .scale = scale,
-                .m = buf, .l = buf + G, .acc = buf + 2 * G, .ks = ks, .vs = vs, .nomem = &nomem,
-            };
-            if (t0 < t1) {
-                run_item(&it, isa, cv);
-            } else {
-                for (int g = 0; g < G; g++) {
-                    it.m[g] = -INFINITY;
-                    it.l[g] = 0.0f;
-                }
-                memset(it.acc, 0, sizeof(float) * (size_t)G * D);
-            }
-            if (splits == 1) {
-                size_t o = ((size_t)b * Hq + (size_t)h * G) * D;
-                for (int g = 0; g < G; g++) {
-                    float inv = it.l[g] > 0.0f ? 1.0f / it.l[g] : 0.0f;
-                    for (int d = 0; d < D; d++) store_elem(out, o + (size_t)g * D + d, dt, it.acc[(size_t)g * D + d] * inv);
-                }
-            }
-        }
-        free(own);
-        if (splits > 1) {
-#pragma omp for schedule(static)
-            for (long w = 0; w < (long)B * Hkv; w++) {
-                const float *p0 = ws + (size_t)w * splits * part;
-                size_t o = (size_t)w * G * D; /* (b, h) → heads h·G.. of sequence b: same flat order */
-                for (int g = 0; g < G; g++)
-                    combine_row(p0 + g, p0 + G + g, p0 + 2 * G + (size_t)g * D, part, splits, D, out, o + (size_t)g * D, dt);
-            }
-        }
-    }
-    return nomem ? ERR_NOMEM : 0;
+    const paged_t p = {
+        .it = {.kc = kc, .vc = vc, .G = G, .D = D, .ps = ps, .P = P, .Hkv = Hkv, .dt = dt, .prefetch = prefetch,
+               .scale = scale, .ks = ks, .vs = vs},
+        .q = q, .block_table = block_table, .Hq = Hq, .maxp = maxp, .qsize = dt == DT_F32 ? 4 : 2, .isa = isa, .cv = cv,
+    };
+    const drive_t d = {.units = (long)B * Hkv, .per_seq = Hkv, .rows = G, .width = D, .splits = splits,
+                       .threads = threads, .dt = dt, .seq_lens = seq_lens, .ws = ws, .out = out, .run = paged_unit, .ctx = &p};
+    return drive(&d);
 }
 
 /* Decode attention of one layer over an fp32 / fp16 / bf16 cache (a's k_scales, v_scales and
@@ -366,6 +417,22 @@ static void run_latent_item(int isa, const char *qb, const void *kc, const int32
     latent_item_scalar(qb, kc, bt, t0, t1, H, Dk, Dv, ps, dt, scale, m, l, acc, nomem);
 }
 
+/* what every unit of a latent call shares */
+typedef struct {
+    const void *q, *kc;
+    const int32_t *block_table;
+    int maxp, H, Dk, Dv, ps, dt, isa;
+    float scale;
+} latent_t;
+
+/* unit b = sequence b: the latent item of its H heads over keys [t0, t1) */
+static void latent_unit(const void *ctx, long b, int t0, int t1, float *m, float *l, float *acc, int *nomem) {
+    const latent_t *c = (const latent_t *)ctx;
+    const char *qb = (const char *)c->q + (size_t)b * c->H * c->Dk * (c->dt == DT_F32 ? 4 : 2);
+    run_latent_item(c->isa, qb, c->kc, c->block_table + (size_t)b * c->maxp, t0, t1, c->H, c->Dk, c->Dv, c->ps, c->dt,
+                    c->scale, m, l, acc, nomem);
+}
+
 /* Decode attention of one layer in the MLA latent form: q [B, H, Dk] and out [B, H, Dv] in dtype
  * (H = num_q_heads, Dk = head_dim, Dv = v_head_dim); k_cache: the layer's rows [pages, ps, Dk];
  * block_table [B, max_pages] int32; seq_lens [B] int32; workspace: fp32, B · splits · H · (Dv + 2)
@@ -382,56 +449,15 @@ int cpu_decode_attend_latent(const cpu_decode_attend_args *a) {
     const int B = a->num_seqs, H = a->num_q_heads, Dk = a->head_dim, Dv = a->v_head_dim, ps = a->page_size;
     const int maxp = a->max_pages, splits = a->splits, dt = a->dtype, isa = a->isa;
     const float scale = a->scale;
-    int threads = a->threads;
+    const int threads = a->threads;
     if (a->fp8_convert != CV_LOOKUP) return -1;
     if (H < 1 || Dv > Dk || ps % TILE || splits < 1 || splits > MAX_SPLITS) return -1;
     if (isa != ISA_SCALAR && isa != ISA_AVX512BF16 && isa != ISA_AMX) return -1;
     if (isa != ISA_SCALAR && (dt != DT_BF16 || Dk % (isa == ISA_AMX ? 32 : 2) || Dv % 16 || ps > 128)) return -3;
     if ((isa == ISA_AMX && !amx_request()) || (isa == ISA_AVX512BF16 && cpu_decode_isa() < ISA_AVX512BF16)) return -3;
-    const long items = (long)B * splits;
-    const size_t part = (size_t)H * (Dv + 2);
-    int nomem = 0;
-    if (threads < 1) threads = 1;
-#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
-    {
-        float *own = splits == 1 ? (float *)scratch(sizeof(float) * part) : NULL;
-        if (splits == 1 && !own) flag_nomem(&nomem);
-#pragma omp for schedule(dynamic, 1)
-        for (long w = 0; w < items; w++) {
-            int b = (int)(w / splits), s = (int)(w % splits);
-            int len = seq_lens[b], ntiles = (len + TILE - 1) / TILE, per = (ntiles + splits - 1) / splits;
-            int t0 = s * per * TILE, t1 = (s + 1) * per * TILE;
-            if (t1 > len) t1 = len;
-            float *buf = splits == 1 ? own : ws + (size_t)w * part, *m = buf, *l = buf + H, *acc = buf + 2 * H;
-            if (!buf) continue;
-            const char *qb = (const char *)q + (size_t)b * H * Dk * (dt == DT_F32 ? 4 : 2);
-            if (t0 >= t1) {
-                for (int h = 0; h < H; h++) {
-                    m[h] = -INFINITY;
-                    l[h] = 0.0f;
-                }
-                memset(acc, 0, sizeof(float) * (size_t)H * Dv);
-            }
-            else
-                run_latent_item(isa, qb, kc, block_table + (size_t)b * maxp, t0, t1, H, Dk, Dv, ps, dt, scale, m, l, acc,
-                                &nomem);
-            if (splits == 1) {
-                size_t o = (size_t)b * H * Dv;
-                for (int h = 0; h < H; h++) {
-                    float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-                    for (int d = 0; d < Dv; d++) store_elem(out, o + (size_t)h * Dv + d, dt, acc[(size_t)h * Dv + d] * inv);
-                }
-            }
-        }
-        free(own);
-        if (splits > 1) {
-#pragma omp for schedule(static) /* one row (sequence, head) at a time: all threads take part at batch 1 */
-            for (long bh = 0; bh < (long)B * H; bh++) {
-                const long b = bh / H, h = bh % H;
-                const float *p0 = ws + (size_t)b * splits * part;
-                combine_row(p0 + h, p0 + H + h, p0 + 2 * H + (size_t)h * Dv, part, splits, Dv, out, (size_t)bh * Dv, dt);
-            }
-        }
-    }
-    return nomem ? ERR_NOMEM : 0;
+    const latent_t c = {.q = q, .kc = kc, .block_table = block_table, .maxp = maxp, .H = H, .Dk = Dk, .Dv = Dv,
+                        .ps = ps, .dt = dt, .isa = isa, .scale = scale};
+    const drive_t d = {.units = B, .per_seq = 1, .rows = H, .width = Dv, .splits = splits, .threads = threads,
+                       .dt = dt, .seq_lens = seq_lens, .ws = ws, .out = out, .run = latent_unit, .ctx = &c};
+    return drive(&d);
 }

@@ -3,7 +3,7 @@
  * order is fp8_phys's (common.h); run_item (cpu_decode.c) picks the item.
  *
  * Contents, in order:
- *   item_scalar_fp8            ISA_SCALAR: any compute dtype, plain C, fp32 arithmetic
+ *   fp8_key, fp8_value, item_scalar_fp8    ISA_SCALAR: decode_paged.h's scalar_walk over e4m3 bytes
  *   ISA_AVX512BF16 (bf16 q; AVX-512 BF16 + VBMI; fp8x64's conversion CV_LOOKUP or CV_SHIFT):
  *     pv_fp8                   p·v over fp8 V, 16 · NU dims (two chunks per 64-byte load)
  *     fp8_unit_t               one unit of the walk: 1 or 2 tiles of one page for up to 4 heads
@@ -20,46 +20,17 @@
 #define CPU_DECODE_DECODE_FP8_H
 
 /* ---- ISA_SCALAR ---------------------------------------------------------------------------------- */
-static void item_scalar_fp8(const item_t *it) {
-    const int G = it->G, D = it->D;
-    const uint8_t *kc = (const uint8_t *)it->kc, *vc = (const uint8_t *)it->vc;
-    float s[TILE], ksc[TILE], vsc[TILE];
-    float *tmp, *qv = scalar_start(it, &tmp);
-    if (!qv) return;
-    for (int t = it->t0; t < it->t1; t += TILE) {
-        int n = it->t1 - t < TILE ? it->t1 - t : TILE;
-        size_t base = tile_offset(it, t), so = scale_offset(it, t);
-        for (int j = 0; j < n; j++) {
-            ksc[j] = it->ks[so + j];
-            vsc[j] = it->vs[so + j];
-        }
-        for (int g = 0; g < G; g++) {
-            const float *qg = qv + (size_t)g * D;
-            float mt = -INFINITY;
-            for (int j = 0; j < n; j++) {
-                float a = 0.0f;
-                for (int d = 0; d < D; d++)
-                    a += qg[d] * e4m3_to_f32(kc[base + fp8_phys(((size_t)(d / 2) * TILE + j) * 2 + d % 2)]);
-                s[j] = a * ksc[j] * it->scale;
-                if (s[j] > mt) mt = s[j];
-            }
-            float mn = mt > it->m[g] ? mt : it->m[g];
-            float alpha = expf(it->m[g] - mn), sum = 0.0f;
-            float *acc = it->acc + (size_t)g * D;
-            for (int d = 0; d < D; d++) tmp[d] = 0.0f;
-            for (int j = 0; j < n; j++) {
-                float p = expf(s[j] - mn), w = p * vsc[j];
-                sum += p;
-                for (int d = 0; d < D; d++)
-                    tmp[d] += w * e4m3_to_f32(vc[base + fp8_phys(((size_t)(j / 2) * D + d) * 2 + j % 2)]);
-            }
-            for (int d = 0; d < D; d++) acc[d] = acc[d] * alpha + tmp[d];
-            it->l[g] = it->l[g] * alpha + sum;
-            it->m[g] = mn;
-        }
-    }
-    free(qv);
+/* e4m3 tiles in the bf16 tile order (P = 2), each 64-byte block's rows interleaved (fp8_phys) */
+static inline float fp8_key(const item_t *it, size_t base, int j, int d) {
+    return e4m3_to_f32(((const uint8_t *)it->kc)[base + fp8_phys(((size_t)(d / 2) * TILE + j) * 2 + d % 2)]);
 }
+
+static inline float fp8_value(const item_t *it, size_t base, int j, int d) {
+    return e4m3_to_f32(((const uint8_t *)it->vc)[base + fp8_phys(((size_t)(j / 2) * it->D + d) * 2 + j % 2)]);
+}
+
+/* decode_paged.h's plain-C item over e4m3 bytes, the scales from it->ks, it->vs */
+static void item_scalar_fp8(const item_t *it) { scalar_walk(it, fp8_key, fp8_value); }
 #ifdef CPU_DECODE_AVX512
 /* ---- ISA_AVX512BF16: fp8 e4m3 K/V into the bf16 dot products ------------------------------------- */
 /* pv_bf16 over fp8 V (NU even: one 64-byte load is two 16-dim chunks); pw: per head, the step's 16 pairs
@@ -265,12 +236,8 @@ TGT_FP8 INLINE void item_fp8_avx512(const item_t *it, int cv) {
         own.scale = it->scale * FP8_POST;
     }
     it = &own;
-    for (int g = 0; g < G; g++) {
-        it->m[g] = -INFINITY;
-        it->l[g] = 0.0f;
-    }
+    reset_rows(it->m, it->l, it->acc, G, D);
     memset(lv, 0, sizeof(float) * 16 * (size_t)G);
-    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
     fp8_unit_t units[2], *prev = NULL;
     int cur = 0;
     for (int t = it->t0; t < it->t1;) {
@@ -347,11 +314,7 @@ TGT_AMX static void item_fp8_amx(const item_t *it) {
         cfg.rows[t] = t >= 5 ? 16 : (uint8_t)G; /* 0-3: C (scores, p·v), 4: A (q, P), 5-7: B (K, V) */
     }
     _tile_loadconfig(&cfg);
-    for (int g = 0; g < G; g++) {
-        it->m[g] = -INFINITY;
-        it->l[g] = 0.0f;
-    }
-    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
+    reset_rows(it->m, it->l, it->acc, G, D);
     const __m512 scale = _mm512_set1_ps(it->scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int t = it->t0; t < it->t1;) {
         /* the step: the tiles from t to the end of its page, of the range, or of AMX_STEP_KEYS keys —

@@ -10,6 +10,7 @@
  *   latent_item_scalar         ISA_SCALAR: any dtype, plain C, fp32 arithmetic
  *   the steps both vector items share (TGT_BF16; the AMX item inlines them too):
  *     LAZY, LAT_KJ, LAT_HJ     the lazy rescale's threshold, the register tiles' keys and heads
+ *     latent_scratch           a vector item's scratch, laid out, O and the running max and sum reset
  *     latent_qt                Q^T in bf16 pairs, 16 heads a vector
  *     latent_next              the next step's rows, to prefetch
  *     latent_result            an item's m, l and O out of its scratch
@@ -36,11 +37,7 @@ static void latent_item_scalar(const void *q, const void *kc, const int32_t *bt,
     }
     float *s = qv + (size_t)H * Dk, *tmp = s + TILE;
     for (size_t i = 0; i < (size_t)H * Dk; i++) qv[i] = load_elem(q, i, dt);
-    for (int h = 0; h < H; h++) {
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)H * Dv);
+    reset_rows(m, l, acc, H, Dv);
     for (int t = t0; t < t1; t += TILE) {
         int n = t1 - t < TILE ? t1 - t : TILE;
         size_t row0 = ((size_t)bt[t / ps] * ps + t % ps) * Dk; /* a tile never crosses a page */
@@ -88,6 +85,37 @@ static void latent_item_scalar(const void *q, const void *kc, const int32_t *bt,
 #define LAT_KJ 6 /* keys per score tile */
 #define LAT_HJ 6 /* heads per P·V tile */
 /* -- the steps both latent items share (TGT_BF16: the AMX item inlines them too) -- */
+
+/* a vector item's scratch, one allocation: Q^T (qt_n dwords), S^T (s_n floats), P (p_n dwords), V in
+ * pairs (v_n dwords), O (o_n floats, zeroed), m and l per head of Hp (reset), then extra_n dwords */
+typedef struct {
+    uint32_t *qt, *p, *vb, *extra;
+    float *sb, *ob, *mr, *lr;
+} latent_scratch_t;
+
+/* 0, or -1 when the allocation is refused (flagged: the entry point returns ERR_NOMEM) */
+static int latent_scratch(latent_scratch_t *w, size_t qt_n, size_t s_n, size_t p_n, size_t v_n, size_t o_n, int Hp,
+                          size_t extra_n, int *nomem) {
+    uint32_t *qt = (uint32_t *)scratch(4 * (qt_n + s_n + p_n + v_n + o_n + 2 * (size_t)Hp + extra_n));
+    if (!qt) {
+        flag_nomem(nomem);
+        return -1;
+    }
+    w->qt = qt;
+    w->sb = (float *)(qt + qt_n);
+    w->p = (uint32_t *)(w->sb + s_n);
+    w->vb = w->p + p_n;
+    w->ob = (float *)(w->vb + v_n);
+    w->mr = w->ob + o_n;
+    w->lr = w->mr + Hp;
+    w->extra = (uint32_t *)(w->lr + Hp);
+    memset(w->ob, 0, sizeof(float) * o_n);
+    for (int h = 0; h < Hp; h++) {
+        w->mr[h] = -INFINITY;
+        w->lr[h] = 0.0f;
+    }
+    return 0;
+}
 
 /* Q^T in pairs: vector (hb, r) = dims 2r, 2r + 1 of heads hb·16 .. hb·16 + 15 (0 past H), r < Dk / 2;
  * for AMX, rows 16kk .. 16kk + 15 of hb's block are the B tile of dims 32kk .. 32kk + 31 */
@@ -236,23 +264,13 @@ TGT_BF16 static void latent_item_bf16(const uint16_t *q, const uint16_t *kc, con
      * dwords, O [Hq][Dv] fp32, m and l [Hp], a zero row of Dk */
     const size_t qt_n = (size_t)nb * np * 16, s_n = (size_t)(128 + LAT_KJ) * Hp, p_n = (size_t)Hq * 64,
                  v_n = (size_t)64 * Dv, o_n = (size_t)Hq * Dv, z_n = (size_t)Dk / 2 + 16;
-    uint32_t *qt = (uint32_t *)scratch(4 * (qt_n + s_n + p_n + v_n + o_n + 2 * (size_t)Hp + z_n));
-    if (!qt) {
-        flag_nomem(nomem);
-        return;
-    }
-    float *sb = (float *)(qt + qt_n);
-    uint32_t *pt = (uint32_t *)(sb + s_n), *vb = pt + p_n;
-    float *ob = (float *)(vb + v_n), *mr = ob + o_n, *lr = mr + Hp;
-    uint32_t *zrow = (uint32_t *)(lr + Hp);
+    latent_scratch_t w;
+    if (latent_scratch(&w, qt_n, s_n, p_n, v_n, o_n, Hp, z_n, nomem)) return;
+    uint32_t *qt = w.qt, *pt = w.p, *vb = w.vb, *zrow = w.extra;
+    float *sb = w.sb, *ob = w.ob, *mr = w.mr, *lr = w.lr;
     memset(zrow, 0, 4 * z_n);
     memset(pt, 0, 4 * p_n);
     latent_qt(q, H, Dk, nb, qt);
-    memset(ob, 0, sizeof(float) * o_n);
-    for (int h = 0; h < Hp; h++) {
-        mr[h] = -INFINITY;
-        lr[h] = 0.0f;
-    }
     for (int t = t0; t < t1;) {
         const int page_end = (t / ps + 1) * ps, stop = page_end < t1 ? page_end : t1, n = stop - t;
         const int nc = (n + 31) / 32; /* 32-key chunks */
@@ -325,20 +343,11 @@ TGT_AMX static void latent_item_amx(const uint16_t *q, const uint16_t *kc, const
      * dwords, V pairs [64][Dv] dwords, O [Hp][Dv] fp32, m and l [Hp] */
     const size_t qt_n = (size_t)nb * nk * 256, s_n = (size_t)128 * Hp, p_n = (size_t)nb * 4 * 256,
                  v_n = (size_t)64 * Dv, o_n = (size_t)Hp * Dv;
-    uint32_t *qt = (uint32_t *)scratch(4 * (qt_n + s_n + p_n + v_n + o_n + 2 * (size_t)Hp));
-    if (!qt) {
-        flag_nomem(nomem);
-        return;
-    }
-    float *sb = (float *)(qt + qt_n);
-    uint32_t *pb = (uint32_t *)(sb + s_n), *vb = pb + p_n;
-    float *ob = (float *)(vb + v_n), *mr = ob + o_n, *lr = mr + Hp;
+    latent_scratch_t w;
+    if (latent_scratch(&w, qt_n, s_n, p_n, v_n, o_n, Hp, 0, nomem)) return;
+    uint32_t *qt = w.qt, *pb = w.p, *vb = w.vb;
+    float *sb = w.sb, *ob = w.ob, *mr = w.mr, *lr = w.lr;
     latent_qt(q, H, Dk, nb, qt); /* row i of tile (hb, kk): dims 2(16kk + i), +1 of heads hb·16.. */
-    memset(ob, 0, sizeof(float) * o_n);
-    for (int h = 0; h < Hp; h++) {
-        mr[h] = -INFINITY;
-        lr[h] = 0.0f;
-    }
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;

@@ -3,7 +3,9 @@
  * described at the top of cpu_decode.c; run_item there picks the item.
  *
  * Contents, in order:
- *   item_scalar                ISA_SCALAR: any dtype, plain C, fp32 arithmetic, p kept in fp32
+ *   scalar_walk                ISA_SCALAR's item written once for every paged cache, fp8 included (a
+ *                              reader per form): plain C, fp32 arithmetic, p kept in fp32
+ *   paged_key, paged_value, item_scalar    its readers of fp32 / fp16 / bf16 tiles, and the item
  *   ISA_AVX2 (8 lanes, any dtype; p kept in fp32):
  *     qk_avx2                  the scores of one 16-key K tile for up to 4 heads
  *     softmax_avx2             the online-softmax update of a step (32 keys, masked past n)
@@ -26,22 +28,31 @@
 #define CPU_DECODE_DECODE_PAGED_H
 
 /* ---- ISA_SCALAR ---------------------------------------------------------------------------------- */
-static void item_scalar(const item_t *it) {
-    const int G = it->G, D = it->D, P = it->P, dt = it->dt;
-    float s[TILE];
+/* Key j's (or value j's) element d of the tile at base, as a float: one reader per cache form */
+typedef float (*tile_elem_fn)(const item_t *it, size_t base, int j, int d);
+
+/* The plain-C item of the paged forms, written once: per tile, the G heads' scores, the online-softmax
+ * update and p·v in fp32 (p kept in fp32), one addition per tile into the accumulator. An fp8 cache's
+ * per-token scales multiply the score (K) and the probability (V); elsewhere they are 1 (exact). */
+static inline void scalar_walk(const item_t *it, tile_elem_fn key, tile_elem_fn value) {
+    const int G = it->G, D = it->D;
+    float s[TILE], ksc[TILE], vsc[TILE];
     float *tmp, *qv = scalar_start(it, &tmp);
     if (!qv) return;
     for (int t = it->t0; t < it->t1; t += TILE) {
         int n = it->t1 - t < TILE ? it->t1 - t : TILE;
-        size_t base = tile_offset(it, t);
+        size_t base = tile_offset(it, t), so = it->ks ? scale_offset(it, t) : 0;
+        for (int j = 0; j < n; j++) {
+            ksc[j] = it->ks ? it->ks[so + j] : 1.0f;
+            vsc[j] = it->vs ? it->vs[so + j] : 1.0f;
+        }
         for (int g = 0; g < G; g++) {
             const float *qg = qv + (size_t)g * D;
             float mt = -INFINITY;
             for (int j = 0; j < n; j++) {
                 float a = 0.0f;
-                for (int d = 0; d < D; d++)
-                    a += qg[d] * load_elem(it->kc, base + ((size_t)(d / P) * TILE + j) * P + d % P, dt);
-                s[j] = a * it->scale;
+                for (int d = 0; d < D; d++) a += qg[d] * key(it, base, j, d);
+                s[j] = a * ksc[j] * it->scale;
                 if (s[j] > mt) mt = s[j];
             }
             float mn = mt > it->m[g] ? mt : it->m[g];
@@ -49,10 +60,9 @@ static void item_scalar(const item_t *it) {
             float *acc = it->acc + (size_t)g * D;
             for (int d = 0; d < D; d++) tmp[d] = 0.0f;
             for (int j = 0; j < n; j++) {
-                float p = expf(s[j] - mn);
+                float p = expf(s[j] - mn), w = p * vsc[j];
                 sum += p;
-                for (int d = 0; d < D; d++)
-                    tmp[d] += p * load_elem(it->vc, base + ((size_t)(j / P) * D + d) * P + j % P, dt);
+                for (int d = 0; d < D; d++) tmp[d] += w * value(it, base, j, d);
             }
             for (int d = 0; d < D; d++) acc[d] = acc[d] * alpha + tmp[d]; /* one addition per tile */
             it->l[g] = it->l[g] * alpha + sum;
@@ -61,6 +71,19 @@ static void item_scalar(const item_t *it) {
     }
     free(qv);
 }
+
+/* fp32 / fp16 / bf16 tiles: K [D / P, 16, P], V [16 / P, D, P] */
+static inline float paged_key(const item_t *it, size_t base, int j, int d) {
+    const int P = it->P;
+    return load_elem(it->kc, base + ((size_t)(d / P) * TILE + j) * P + d % P, it->dt);
+}
+
+static inline float paged_value(const item_t *it, size_t base, int j, int d) {
+    const int P = it->P;
+    return load_elem(it->vc, base + ((size_t)(j / P) * it->D + d) * P + j % P, it->dt);
+}
+
+static void item_scalar(const item_t *it) { scalar_walk(it, paged_key, paged_value); }
 #ifdef CPU_DECODE_X86
 /* ---- ISA_AVX2: AVX2 + FMA + F16C, bf16, fp16 and fp32 caches ------------------------------------
  * The same layout, item walk, online softmax and merge as the AVX-512 code; 8-lane vectors, and no
@@ -279,12 +302,8 @@ TGT2 INLINE void item_avx2_dt(const item_t *it, int dt) {
     }
     for (int i = 0; i < G * D; i++)
         _mm256_store_ps(qb + (size_t)i * 8, _mm256_set1_ps(load_elem(it->q, (size_t)i, dt)));
-    for (int g = 0; g < G; g++) {
-        it->m[g] = -INFINITY;
-        it->l[g] = 0.0f;
-    }
+    reset_rows(it->m, it->l, it->acc, G, D);
     memset(lv, 0, sizeof(float) * 8 * (size_t)G);
-    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
     for (int t = it->t0; t < it->t1;) {
         const int nt = it->ps >= 2 * TILE && t % (2 * TILE) == 0 && t + TILE < it->t1 ? 2 : 1;
         const int n = it->t1 - t < nt * TILE ? it->t1 - t : nt * TILE;
@@ -297,12 +316,7 @@ TGT2 INLINE void item_avx2_dt(const item_t *it, int dt) {
         for (int g0 = 0; g0 < G; g0 += 4) {
             const char *const *p = g0 ? none : pk; /* the first head group prefetches */
 #define AVX2_STEP(gn) step_avx2(gn, nt, dt, it, g0, qb, kc + base, vc + base, n, p, lv)
-            switch (G - g0 < 4 ? G - g0 : 4) {
-                case 4: AVX2_STEP(4); break;
-                case 3: AVX2_STEP(3); break;
-                case 2: AVX2_STEP(2); break;
-                default: AVX2_STEP(1); break;
-            }
+            HEADS_SWITCH(G - g0, AVX2_STEP)
 #undef AVX2_STEP
         }
         t += nt * TILE;
@@ -448,12 +462,8 @@ TGT_BF16 static void item_avx512bf16(const item_t *it) {
     item_t own = *it;
     own.lv = lv;
     it = &own;
-    for (int g = 0; g < G; g++) {
-        it->m[g] = -INFINITY;
-        it->l[g] = 0.0f;
-    }
+    reset_rows(it->m, it->l, it->acc, G, D);
     memset(lv, 0, sizeof(float) * 16 * (size_t)G);
-    memset(it->acc, 0, sizeof(float) * (size_t)G * D);
     for (int t = it->t0; t < it->t1;) {
         int nt = it->ps >= 2 * TILE && t % (2 * TILE) == 0 && t + TILE < it->t1 ? 2 : 1;
         __mmask16 valid[2] = {tile_mask(it->t1 - t), tile_mask(it->t1 - t - TILE)};
@@ -473,12 +483,7 @@ TGT_BF16 static void item_avx512bf16(const item_t *it) {
 #define BF16_TILE(gn)                                                                                    \
     (nt == 2 ? tile_bf16(gn, 2, it, g0, kc + base, vc + base, valid, k_pf, v_pf)                      \
              : tile_bf16(gn, 1, it, g0, kc + base, vc + base, valid, k_pf, v_pf))
-            switch (G - g0 < 4 ? G - g0 : 4) {
-                case 4: BF16_TILE(4); break;
-                case 3: BF16_TILE(3); break;
-                case 2: BF16_TILE(2); break;
-                default: BF16_TILE(1); break;
-            }
+            HEADS_SWITCH(G - g0, BF16_TILE)
 #undef BF16_TILE
         }
         t += nt * TILE;
@@ -554,11 +559,7 @@ TGT INLINE void tile_f32(int gn, const item_t *it, int g0, const float *qv, size
 
 /* the tile walk of one item; TILE_CALL(gn) runs one 16-key tile for heads g0 .. g0 + gn */
 #define ITEM_LOOP(TILE_CALL)                                                                     \
-    for (int g = 0; g < G; g++) {                                                                \
-        it->m[g] = -INFINITY;                                                                    \
-        it->l[g] = 0.0f;                                                                         \
-    }                                                                                            \
-    memset(it->acc, 0, sizeof(float) * (size_t)G * D);                                          \
+    reset_rows(it->m, it->l, it->acc, G, D);                                                     \
     for (int t = it->t0; t < it->t1; t += TILE) {                                               \
         int n = it->t1 - t < TILE ? it->t1 - t : TILE;                                           \
         __mmask16 valid = (__mmask16)(n == TILE ? 0xffffu : ((1u << n) - 1u));                   \
@@ -571,12 +572,7 @@ TGT INLINE void tile_f32(int gn, const item_t *it, int g0, const float *qv, size
             PREFETCH_WHOLE(pk, pv);                                                              \
         }                                                                                        \
         for (int g0 = 0; g0 < G; g0 += 4) {                                                      \
-            switch (G - g0 < 4 ? G - g0 : 4) {                                                   \
-                case 4: TILE_CALL(4); break;                                                     \
-                case 3: TILE_CALL(3); break;                                                     \
-                case 2: TILE_CALL(2); break;                                                     \
-                default: TILE_CALL(1); break;                                                    \
-            }                                                                                    \
+            HEADS_SWITCH(G - g0, TILE_CALL)                                                      \
         }                                                                                        \
     }
 TGT static void item_avx512(const item_t *it) {

@@ -3,6 +3,7 @@
  * (cpu_decode_write_fp8), each taking a cpu_decode_write_args (common.h).
  *
  * Contents, in order:
+ *   row_place                  where a new row comes from and where it goes (both writers)
  *   cpu_decode_write           scatter each row into its tile (K in the VNNI order, V transposed)
  *   load_row                   a row in any dtype as floats
  *   row_scale, nonfinite_row   a row's scale from its largest |x|; a row holding NaN or inf
@@ -14,6 +15,26 @@
 #ifndef CPU_DECODE_WRITERS_H
 #define CPU_DECODE_WRITERS_H
 
+/* Where new row (b, j, h) — token positions[b] + j of sequence b, KV head h — comes from and goes:
+ * src, its first element in k and v [B, T, Hkv, D]; tile, its 16-key tile's first element in the cache
+ * (2 · the tile_offset of the kernel: K and V tiles alternate); j16, its slot in the tile; so, its scale
+ * index in [pages, Hkv, ps] (fp8 caches) */
+typedef struct {
+    size_t src, tile, j16, so;
+} row_place_t;
+
+static inline row_place_t row_place(const cpu_decode_write_args *a, int b, int j, int h) {
+    const int Hkv = a->num_kv_heads, D = a->head_dim, ps = a->page_size;
+    const int t = a->positions[b] + j, page = a->block_table[(size_t)b * a->max_pages + t / ps], slot = t % ps;
+    const row_place_t r = {
+        .src = (((size_t)b * a->max_new + j) * Hkv + h) * D,
+        .tile = 2 * (((size_t)page * Hkv + h) * ps * D + (size_t)(slot / TILE) * TILE * D),
+        .j16 = (size_t)(slot % TILE),
+        .so = ((size_t)page * Hkv + h) * ps + slot,
+    };
+    return r;
+}
+
 /* Write new tokens: k, v [B, T, Hkv, D] (T = max_new; right-padded: row j of sequence b is real for
  * j < num_new[b]) at positions[b] + j, into the layer's pages (cpu_decode.c's layout; k_cache and
  * v_cache as the kernel takes them). pair: P; elem_size: bytes per element (2 or 4). The scales,
@@ -22,21 +43,17 @@ int cpu_decode_write(const cpu_decode_write_args *a) {
     if (!a) return -1;
     void *kc = a->k_cache, *vc = a->v_cache;
     const void *k = a->k, *v = a->v;
-    const int32_t *block_table = a->block_table, *positions = a->positions, *num_new = a->num_new;
-    const int B = a->num_seqs, T = a->max_new, Hkv = a->num_kv_heads, D = a->head_dim, ps = a->page_size;
-    const int maxp = a->max_pages, P = a->pair, esize = a->elem_size;
-    if (P < 1 || D % P || ps % TILE || (esize != 2 && esize != 4)) return -1;
-    for (int b = 0; b < B; b++) {
-        for (int j = 0; j < num_new[b]; j++) {
-            int t = positions[b] + j, page = block_table[(size_t)b * maxp + t / ps], slot = t % ps;
-            for (int h = 0; h < Hkv; h++) {
-                size_t src = (((size_t)b * T + j) * Hkv + h) * D;
-                size_t tile = 2 * (((size_t)page * Hkv + h) * ps * D + (size_t)(slot / TILE) * TILE * D);
-                size_t j16 = (size_t)(slot % TILE), vt = tile + (j16 / P) * D * P + j16 % P;
+    const int D = a->head_dim, P = a->pair, esize = a->elem_size;
+    if (P < 1 || D % P || a->page_size % TILE || (esize != 2 && esize != 4)) return -1;
+    for (int b = 0; b < a->num_seqs; b++) {
+        for (int j = 0; j < a->num_new[b]; j++) {
+            for (int h = 0; h < a->num_kv_heads; h++) {
+                const row_place_t r = row_place(a, b, j, h);
+                const size_t vt = r.tile + (r.j16 / P) * D * P + r.j16 % P;
                 /* K: the P values d .. d+P-1 of slot j16 are adjacent, one run every 16·P elements;
                  * V: value d at vt + d·P */
-                const char *ks = (const char *)k + src * esize, *vs = (const char *)v + src * esize;
-                char *kd = (char *)kc + (tile + j16 * P) * esize, *vd = (char *)vc + vt * esize;
+                const char *ks = (const char *)k + r.src * esize, *vs = (const char *)v + r.src * esize;
+                char *kd = (char *)kc + (r.tile + r.j16 * P) * esize, *vd = (char *)vc + vt * esize;
                 for (int d = 0; d < D; d += P)
                     memcpy(kd + (size_t)d * TILE * esize, ks + (size_t)d * esize, (size_t)P * esize);
                 if (esize == 2)
@@ -175,10 +192,8 @@ int cpu_decode_write_fp8(const cpu_decode_write_args *a) {
     uint8_t *kc = (uint8_t *)a->k_cache, *vc = (uint8_t *)a->v_cache;
     float *ksc = a->k_scales, *vsc = a->v_scales;
     const void *k = a->k, *v = a->v;
-    const int32_t *block_table = a->block_table, *positions = a->positions, *num_new = a->num_new;
-    const int B = a->num_seqs, T = a->max_new, Hkv = a->num_kv_heads, D = a->head_dim, ps = a->page_size;
-    const int maxp = a->max_pages, dt = a->dtype;
-    if (D % 32 || ps % TILE || dt < DT_F32 || dt > DT_BF16) return -1;
+    const int D = a->head_dim, dt = a->dtype;
+    if (D % 32 || a->page_size % TILE || dt < DT_F32 || dt > DT_BF16) return -1;
     float (*quantise)(const float *, uint8_t *, int, int *) = quantise_row;
 #ifdef CPU_DECODE_AVX512
     if (a->isa >= ISA_AVX512) quantise = quantise_row_avx512; /* c-avx512, c-avx512bf16, c-amx */
@@ -187,19 +202,16 @@ int cpu_decode_write_fp8(const cpu_decode_write_args *a) {
     float *row = (float *)scratch(sizeof(float) * (size_t)D + (size_t)D);
     if (!row) return ERR_NOMEM;
     uint8_t *bytes = (uint8_t *)(row + D);
-    for (int b = 0; b < B; b++) {
-        for (int j = 0; j < num_new[b]; j++) {
-            int t = positions[b] + j, page = block_table[(size_t)b * maxp + t / ps], slot = t % ps;
-            for (int h = 0; h < Hkv; h++) {
-                size_t src = (((size_t)b * T + j) * Hkv + h) * D;
-                size_t tile = 2 * (((size_t)page * Hkv + h) * ps * D + (size_t)(slot / TILE) * TILE * D);
-                size_t j16 = (size_t)(slot % TILE), so = ((size_t)page * Hkv + h) * ps + slot;
-                load_row(k, src, dt, row, D);
-                ksc[so] = quantise(row, bytes, D, &bad);
-                scatter_k(kc + tile, bytes, j16, D);
-                load_row(v, src, dt, row, D);
-                vsc[so] = quantise(row, bytes, D, &bad);
-                scatter_v(vc + tile, bytes, j16, D);
+    for (int b = 0; b < a->num_seqs; b++) {
+        for (int j = 0; j < a->num_new[b]; j++) {
+            for (int h = 0; h < a->num_kv_heads; h++) {
+                const row_place_t r = row_place(a, b, j, h);
+                load_row(k, r.src, dt, row, D);
+                ksc[r.so] = quantise(row, bytes, D, &bad);
+                scatter_k(kc + r.tile, bytes, r.j16, D);
+                load_row(v, r.src, dt, row, D);
+                vsc[r.so] = quantise(row, bytes, D, &bad);
+                scatter_v(vc + r.tile, bytes, r.j16, D);
             }
         }
     }
