@@ -26,20 +26,13 @@ from attnbench.tables.corpus import corpus_enabled, corpus_entry
 from attnbench.tables.dispatch import DispatchMap, GridPoint, dispatch_path, save_maps
 from attnbench.tables.margin import SWITCH_MARGIN, finalists
 from attnbench.tables.table import CandidateResult, ResultsTable, TableError, hardware_id, table_path
+from attnbench.tuning import study
 from attnbench.tuning.interleave import Finalist, retime
 from attnbench.tuning.refine import RESOLUTION, PointMeasurement, grid_point, refine_map
 from attnbench.tuning.seeding import by_cost, corpus_plans, seeded_plan
 from attnbench.tuning.space import BackendRef, backend_refs
 from attnbench.tuning.storage import redact
-from attnbench.tuning.study import (
-    JOURNAL_NAME,
-    KeyResult,
-    StudyPlan,
-    TuneOptions,
-    open_storage,
-    plan_studies,
-    run_study,
-)
+from attnbench.tuning.study import KeyResult, StudyPlan, TuneOptions
 from attnbench.tuning.summary import candidate_label, summarize
 from attnbench.tuning.worker import Worker
 
@@ -127,7 +120,7 @@ def tune(
     refs = backend_refs(registry, only=backends, extra=extra_backends)
     everyone = {r.name: r for r in backend_refs(registry, extra=extra_backends)}
     hashes = {name: code_hash([r.cls]) for name, r in everyone.items()}
-    plans = plan_studies(workloads, refs, profile=profile, options=options)
+    plans = study.plan_studies(workloads, refs, profile=profile, options=options)
     if options.transfer:  # each map's cheapest key first: the costlier ones start from its finalists
         plans = by_cost(plans)
     known = corpus_entry(hardware_id(profile.fingerprint)) if options.corpus and corpus_enabled() else None
@@ -139,10 +132,10 @@ def tune(
         [],
         {},
         table_path(results, profile.fingerprint),
-        redact(storage) if storage else str(results / JOURNAL_NAME),
+        redact(storage) if storage else str(results / study.JOURNAL_NAME),
         location=location,
     )
-    store = open_storage(
+    store = study.open_storage(
         storage, results_dir=results, heartbeat_s=options.heartbeat_s, messages=report.messages
     )
     table = ResultsTable(report.table_path, {})
@@ -179,7 +172,7 @@ def tune(
                 plan = seeded_plan(plan, studied, patience=options.patience)
             try:
                 with _section(sections, "studies (trials through the worker)"):
-                    result = run_study(
+                    result = study.run_study(
                         plan,
                         storage=store,
                         worker=worker,

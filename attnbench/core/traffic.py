@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
 from attnbench.core.shapes import ModelShape, dtype_bytes
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KERNELS_PER_LAYER",
+    "CostOptions",
     "Roofline",
     "StepCost",
     "attention_flops",
@@ -263,19 +264,21 @@ def roofline(cost: StepCost, *, bandwidth: float, peak_flops: float, fixed_s: fl
     )
 
 
+class CostOptions(TypedDict, total=False):
+    """:func:`decode_cost`'s keyword arguments, which :func:`decode_roofline` passes on."""
+
+    form: Form
+    projections: bool
+    kv_dtype: torch.dtype | str | None
+    kv_bytes_per_token: float | None
+    num_layers: int | None
+
+
 def decode_roofline(
-    workload: Workload,
-    *,
-    bandwidth: float,
-    peak_flops: float,
-    form: Form = "auto",
-    projections: bool = False,
-    kv_dtype: torch.dtype | str | None = None,
-    kv_bytes_per_token: float | None = None,
-    num_layers: int | None = None,
+    workload: Workload, *, bandwidth: float, peak_flops: float, **options: Unpack[CostOptions]
 ) -> Roofline:
     """Which bound applies to a decode step of ``workload`` on a device of ``bandwidth`` (bytes/s) and
-    ``peak_flops`` (FLOP/s in the workload's dtype); arguments as in :func:`decode_cost`.
+    ``peak_flops`` (FLOP/s in the workload's dtype); the other arguments as in :func:`decode_cost`.
 
     Example (DeepSeek-V3, absorbed, on an H100 SXM's dense bf16 peak)::
 
@@ -284,15 +287,7 @@ def decode_roofline(
         >>> decode_roofline(w, bandwidth=3.35e12, peak_flops=989e12).bound
         'memory'
     """
-    cost = decode_cost(
-        workload,
-        form=form,
-        projections=projections,
-        kv_dtype=kv_dtype,
-        kv_bytes_per_token=kv_bytes_per_token,
-        num_layers=num_layers,
-    )
-    return roofline(cost, bandwidth=bandwidth, peak_flops=peak_flops)
+    return roofline(decode_cost(workload, **options), bandwidth=bandwidth, peak_flops=peak_flops)
 
 
 def step_fixed_s(

@@ -15,16 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from attnbench.cost.generation import (
-    DecodeFit,
-    FramePoint,
-    GenerationCalibration,
-    LinearTime,
-    ModelCost,
-    PathCalibration,
-    PrefillFit,
-    predict_generation,
-)
+from attnbench.cost import generation
+from attnbench.cost.generation import GenerationCalibration, ModelCost, predict_generation
 from attnbench.cost.generation_calibration import calibrate_generation
 
 transformers = pytest.importorskip("transformers")
@@ -98,15 +90,20 @@ def _calibration(model: ModelCost) -> GenerationCalibration:
         for rows, s in ((1, 40 * per_row), (4, 35 * per_row), (320, 320 * per_row), (1280, 1300 * per_row)):
             if layer.name != "lm_head" or rows < 5:
                 linears.append(
-                    LinearTime(layer.name, layer.in_features, layer.out_features, layer.bias, rows, s)
+                    generation.LinearTime(
+                        layer.name, layer.in_features, layer.out_features, layer.bias, rows, s
+                    )
                 )
-    point = FramePoint("decode", 1, 3, 65.0, 0.002)
+    point = generation.FramePoint("decode", 1, 3, 65.0, 0.002)
     paths = tuple(
-        PathCalibration(
+        generation.PathCalibration(
             path,
             "hand-made",
-            (DecodeFit(1, 1e-3, 2e-4, 3e-8, 0.01), DecodeFit(4, 9e-4, 2.5e-4, 1.1e-7, 0.02)),
-            PrefillFit(2e-4, 1e-6, 2e-9, 0.01),
+            (
+                generation.DecodeFit(1, 1e-3, 2e-4, 3e-8, 0.01),
+                generation.DecodeFit(4, 9e-4, 2.5e-4, 1.1e-7, 0.02),
+            ),
+            generation.PrefillFit(2e-4, 1e-6, 2e-9, 0.01),
             (point,),
         )
         for path in ("sdpa", "sdpa-static", "cpu_decode[page_size=32]")

@@ -1,28 +1,12 @@
-"""scripts/cpu_writer_cost.py: bad input is refused in one line; a tiny run writes its report."""
+"""scripts/cpu_writer_cost.py: a tiny run writes its report (its refusals: test_script_refusals.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
 from helpers.cpu_kernel import require_kernel
-from helpers.script_module import load_script, refusal
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--batch", "8"], "--batch '8': at least two different batches"),
-        (["--batch", "8,8"], "--batch '8,8': at least two different batches"),
-        (["--batch", "0,8"], "--batch '0' must be > 0"),
-        (["--batch", "1,x"], "--batch 'x' is not a token count"),
-        (["--rounds", "0"], "argument --rounds: 0: must be a whole number ≥ 1"),
-        (["--calls", "1.5"], "argument --calls: '1.5': must be a whole number ≥ 1"),
-    ],
-)
-def test_bad_input_names_the_option_and_what_is_accepted(argv: list[str], message: str) -> None:
-    assert message in refusal("cpu_writer_cost", argv)
+from helpers.script_module import load_script
 
 
 def test_a_tiny_run_reports_each_cache_per_call_and_per_token(tmp_path: Path) -> None:
