@@ -7,12 +7,17 @@ apart, interleaved with a step of the GEMVs alone, for caches laid out
 
 - ``huge:rand``: in 2 MiB pages, pages in a random order (as ``attnbench bench`` lays them out),
 - ``plain:seq``: in 4 KiB pages, pages in order (as vLLM's KV tensor is), prefetch 2 and 0,
-- ``huge:seq``: 2 MiB pages in order.
+- ``huge:seq``: 2 MiB pages in order;
+
+and ``vllm``: vLLM's own CPU kernel (the ``vllm_cpu`` backend of the attnbench-vllm plugin, its cache as
+``attnbench bench`` makes it), so that the two kernels' ratio can be read in a step's conditions (the
+weights' GEMVs between the layers' calls) beside their ratio side by side.
 
 If the kernel's reads evicted the weights the GEMVs then read, the GEMV part would grow with the
 attention beside it; this measures by how much, and what the pages cost the kernel itself.
 
     python scripts/attention_gemv_mix.py --points 1x32640,4x8192 --out results/engines/attention-gemv-mix-epyc-avx512
+    python scripts/attention_gemv_mix.py --layouts huge:rand:2,vllm --out results/engines/attention-gemv-mix-vllm-epyc-avx512
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from vllm_serving_bench import _points, report_header, write_report  # noqa: E402
 
-LAYOUTS = ("huge:rand:2", "plain:seq:2", "plain:seq:0", "huge:seq:2")
+LAYOUTS = ("huge:rand:2", "plain:seq:2", "plain:seq:0", "huge:seq:2", "vllm")
 #: Qwen2.5-0.5B's per-layer weights (out, in): q, k, v, o, gate, up, down; the LM head
 LAYER = ((896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896), (896, 4864))
 HEAD = (151936, 896)
@@ -44,6 +49,13 @@ def _model(batch: int, context: int, layout: str) -> Any:
     from attnbench.core.workload import Workload
     from attnbench.measure.synthetic import SyntheticModel
 
+    if layout == "vllm":
+        from attnbench_vllm.backend import VllmCpuBackend
+
+        wl = Workload.uniform("qwen2.5-0.5b", batch=batch, context=context, dtype="bf16")
+        m = SyntheticModel(VllmCpuBackend(), wl, config={}, num_layers=24, materialise_bytes=1 << 40)
+        m.fill(extra_tokens=64)
+        return m
     pages, order, prefetch = layout.split(":")
     keep = cd.empty_huge
     if pages == "plain":  # the cache in 4 KiB pages, as a torch.empty of vLLM's is
@@ -62,7 +74,9 @@ def _model(batch: int, context: int, layout: str) -> Any:
         cd.empty_huge = keep
 
 
-def measure(batch: int, context: int, steps: int) -> dict[str, dict[str, float]]:
+def measure(
+    batch: int, context: int, steps: int, layouts: tuple[str, ...] = LAYOUTS
+) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
 
@@ -93,7 +107,7 @@ def measure(batch: int, context: int, steps: int) -> dict[str, dict[str, float]]
         torch.nn.functional.linear(x, head)
         return 1e3 * (tg + time.perf_counter() - t0), 1e3 * ta
 
-    models = {layout: _model(batch, context, layout) for layout in LAYOUTS}
+    models = {layout: _model(batch, context, layout) for layout in layouts}
     got: dict[str, list[tuple[float, float]]] = {"gemv only": [], **{k: [] for k in models}}
     for _ in range(steps):
         got["gemv only"].append(step(None))
@@ -103,6 +117,14 @@ def measure(batch: int, context: int, steps: int) -> dict[str, dict[str, float]]
         k: {"gemv_ms": statistics.median(a for a, _ in v), "attention_ms": statistics.median(b for _, b in v)}
         for k, v in got.items()
     }
+
+
+def _layouts(text: str) -> tuple[str, ...]:
+    chosen = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in chosen if x not in LAYOUTS]
+    if bad or not chosen:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {', '.join(LAYOUTS)}")
+    return chosen
 
 
 def render(report: dict) -> str:
@@ -121,6 +143,13 @@ def render(report: dict) -> str:
             lines.append(
                 f"| {row['batch']} × {row['context']} | {layout} | {r['gemv_ms']:.1f} | {growth} | {attn} |"
             )
+    ratios = [
+        f"{row['batch']} × {row['context']}: {row['runs']['vllm']['attention_ms'] / row['runs']['huge:rand:2']['attention_ms']:.2f}"
+        for row in report["rows"]
+        if "vllm" in row["runs"] and "huge:rand:2" in row["runs"]
+    ]
+    if ratios:
+        lines += ["", "vLLM's kernel / cpu_decode (huge:rand:2) in these conditions: " + "; ".join(ratios)]
     return "\n".join(lines) + "\n"
 
 
@@ -130,11 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--points", type=_points, default=_points("1x32640,4x8192"), help="BATCHxCONTEXT points")
     p.add_argument("--steps", type=positive_int, default=8, help="interleaved steps per layout (default 8)")
+    p.add_argument(
+        "--layouts",
+        type=_layouts,
+        default=LAYOUTS,
+        help=f"comma-separated, of {', '.join(LAYOUTS)} (default: all)",
+    )
     p.add_argument("--out", required=True, help="output prefix: OUT.json and OUT.md")
     args = p.parse_args(argv)
     args.kv_cache_dtype = "auto"
     load = os.getloadavg()
-    rows = [{"batch": b, "context": c, "runs": measure(b, c, args.steps)} for b, c in args.points]
+    rows = [
+        {"batch": b, "context": c, "runs": measure(b, c, args.steps, args.layouts)} for b, c in args.points
+    ]
     model = "Qwen2.5-0.5B-shaped step, bf16, one thread, random weights; cpu_decode page 128, kv_splits auto"
     return write_report(args, argv, load, model=model, rows=rows, render=render, steps=args.steps)
 

@@ -7,6 +7,12 @@ import pytest
 from helpers.script_module import refusal
 
 REFUSED = {
+    "attention_gemv_mix": [
+        (
+            ["--layouts", "huge,vllm", "--out", "x"],
+            "--layouts: 'huge,vllm': a comma-separated list of huge:rand:2,",
+        ),
+    ],
     "cpu_kernel_bandwidth": [
         (["--prefetch", "3"], "--prefetch '3': a comma-separated list of 0, 2, 4, 8"),
         (["--threads", "0"], "argument --threads: 0: must be a whole number ≥ 1"),
