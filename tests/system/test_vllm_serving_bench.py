@@ -152,15 +152,19 @@ def test_the_itl_plot_is_drawn(tmp_path: Path) -> None:
     assert (tmp_path / "itl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _mix_report(runs: dict) -> dict:
+    """A saved ``attention_gemv_mix`` report of one point (1 × 32640) with these runs."""
+    return {"command": "c", "machine": "m", "cpus": 2, "date": "d", "load_before": [0, 0, 0], "load_after": [0, 0, 0], "model": "q", "steps": 8,
+            "rows": [{"batch": 1, "context": 32640, "runs": runs}]}  # fmt: skip
+
+
 def test_the_gemv_mix_report_shows_what_the_kernel_adds_to_the_gemvs() -> None:
     mix = load_script("attention_gemv_mix")
     runs = {
         "gemv only": {"gemv_ms": 100.0, "attention_ms": 0.0},
         "plain:seq:2": {"gemv_ms": 103.5, "attention_ms": 31.0},
     }
-    report = {"command": "c", "machine": "m", "cpus": 2, "date": "d", "load_before": [0, 0, 0], "load_after": [0, 0, 0], "model": "q", "steps": 8,
-              "rows": [{"batch": 1, "context": 32640, "runs": runs}]}  # fmt: skip
-    text = mix.render(report)
+    text = mix.render(_mix_report(runs))
     assert "| 1 × 32640 | plain:seq:2 | 103.5 | +3.5 | 31.0 |" in text
     assert "| 1 × 32640 | gemv only | 100.0 | — | — |" in text
 
@@ -172,10 +176,8 @@ def test_the_gemv_mix_report_gives_the_kernels_ratio_in_a_steps_conditions() -> 
         "huge:rand:2": {"gemv_ms": 101.0, "attention_ms": 31.0},
         "vllm": {"gemv_ms": 101.5, "attention_ms": 72.2},
     }
-    report = {"command": "c", "machine": "m", "cpus": 2, "date": "d", "load_before": [0, 0, 0], "load_after": [0, 0, 0], "model": "q", "steps": 8,
-              "rows": [{"batch": 1, "context": 32640, "runs": runs}]}  # fmt: skip
-    text = mix.render(report)
+    text = mix.render(_mix_report(runs))
     assert "| 1 × 32640 | vllm | 101.5 | +1.5 | 72.2 |" in text
     assert "vLLM's kernel / cpu_decode (huge:rand:2) in these conditions: 1 × 32640: 2.33" in text
     del runs["vllm"]
-    assert "in these conditions" not in mix.render(report)
+    assert "in these conditions" not in mix.render(_mix_report(runs))
