@@ -120,6 +120,15 @@ def summarize(
         if others and verdict.winner
         else None
     )
+    if runner is None and winner is not None and winner.study_ms:  # the only finalist: the rest far
+        studied = {  # behind by the study (attnbench.tables.margin.finalists), its times say by how much
+            k: c.step_ms
+            for k, c in cands.items()
+            if k != verdict.winner and c.ok and c.step_ms and not c.retimed
+        }
+        if studied:
+            behind = min(studied, key=lambda k: studied[k] or 0.0)
+            runner, ratio = cands[behind], (studied[behind] or 0.0) / winner.study_ms - 1
     # too wide to decide: only matters when the result is a tie on a candidate whose interval is wide
     wide = [k for k in too_wide(times) if k in (default_label, verdict.fastest)] if verdict.tie else []
     entry: dict[str, Any] = {

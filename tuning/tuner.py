@@ -197,9 +197,9 @@ def tune(
             if result.interrupted:
                 report.interrupted = True
                 break
-        # Every key's finalists re-timed once, with its dispatch-map group's finalists that its study
-        # measured too (gated at this point already), so that the map's coarse points need no second
-        # interleaved run (each point's times still come from one run).
+        # Every key's finalists re-timed once, with the finalists of the keys it shares a dispatch-map
+        # cell with (gated here first where its study did not measure them), so that the map's coarse
+        # points need no second interleaved run (each point's times still come from one run).
         finals = {
             plan.key.row: _finalists(plan, result.records, prior.get(plan.key.row), everyone)
             for plan, result in studied
@@ -310,15 +310,15 @@ def _with_group(
     finals: Mapping[str, dict[str, Finalist]],
     studied: Sequence[tuple[StudyPlan, KeyResult]],
 ) -> tuple[dict[str, Finalist], dict[str, str]]:
-    """``plan``'s finalists and those of the other keys of its dispatch map, and the reasons of those its
-    study saw fail here. One its study measured was gated at this point already; one it did not (a
+    """``plan``'s finalists and those of the keys it shares a cell of its dispatch map with
+    (:func:`_share_a_cell`), and the reasons of those its study saw fail here. One its study measured was gated at this point already; one it did not (a
     seeded or TPE search, a key that stopped at the corpus's finalists) is gated here first, in the same
     interleaved run (``Finalist.check``), so the map needs no second run of the point."""
     fins = dict(finals[plan.key.row])
     records = {r.candidate.label(): r for r in result.records}
     failed: dict[str, str] = {}
     for other, _ in studied:
-        if other is plan or other.group != plan.group:
+        if other is plan or not _share_a_cell(plan, other, [p for p, _ in studied]):
             continue
         for label, fin in finals[other.key.row].items():
             r = records.get(label)
@@ -331,6 +331,27 @@ def _with_group(
             elif r.failed:
                 failed[label] = f"{r.failed}: {r.reason}" if r.reason else r.failed
     return fins, failed
+
+
+def _share_a_cell(a: StudyPlan, b: StudyPlan, plans: Sequence[StudyPlan]) -> bool:
+    """Whether keys ``a`` and ``b`` are corners of one cell of their dispatch map, whose lines are the
+    batches and contexts of ``plans`` in that map (next to each other, or the same, on both axes). The
+    map answers a cell only from candidates measured at all four of its corners
+    (:meth:`attnbench.tables.dispatch.DispatchMap.lookup`), so a key's finalists are re-timed at the
+    keys it shares a cell with and nowhere else: a finalist of batch 1 × 1k tokens has no cell with
+    batch 8 × 32k, where its re-timing would cost the most."""
+    if a.group != b.group:
+        return False
+    batches = sorted({p.key.batch_bucket for p in plans if p.group == a.group})
+    contexts = sorted({p.key.context_bucket for p in plans if p.group == a.group})
+
+    def apart(lines: list[int], x: int, y: int) -> int:
+        return abs(lines.index(x) - lines.index(y))
+
+    return (
+        apart(batches, a.key.batch_bucket, b.key.batch_bucket) <= 1
+        and apart(contexts, a.key.context_bucket, b.key.context_bucket) <= 1
+    )
 
 
 def _lossy(ref: BackendRef) -> str:
@@ -396,8 +417,15 @@ def _maps(
         default = plan0.space.default_candidate().label() if plan0.space.default_backend else None
         known: dict[str, Finalist] = {}
         m = DispatchMap(model, shape_hash, dtype, default, batches, contexts, {}, {}, margin)
+        plans = [p for p, _, _ in items]
+        #: at each coarse point, the finalists of the keys it shares a cell with (its own among them)
+        needed: dict[tuple[int, int], set[str]] = {}
         for plan, got, fins in items:
             known |= fins
+            corner = (plan.key.batch_bucket, plan.key.context_bucket)
+            needed[corner] = {
+                label for other, _, f in items if _share_a_cell(plan, other, plans) for label in f
+            }
             m.candidates |= got.candidates
             m.points[(plan.key.batch_bucket, plan.key.context_bucket)] = grid_point(
                 plan.key.batch_bucket, plan.key.context_bucket, got, default=default, margin=margin
@@ -405,13 +433,13 @@ def _maps(
         m.refinement = {"evaluations": sum(got.evaluations for _, got, _ in items)}
 
         measure = retimer.measurer(known, plan0.workload)
-        # A finalist found by one point's study is measured at every coarse point: a candidate missing
-        # at a corner cannot be interpolated in that cell (seen: a config that wins below 600 tokens,
-        # found only by the batch-8 study, was never offered at batch 1). The point is re-timed whole,
-        # so that its times come from one interleaved run.
+        # A finalist found by one point's study is measured at every coarse point it shares a cell
+        # with: a candidate missing at a corner cannot be interpolated in that cell (seen: a config that
+        # wins below 600 tokens, found only by the batch-8 study, was never offered at batch 1). The
+        # point is re-timed whole, so that its times come from one interleaved run.
         for (b, c), point in list(m.points.items()):
-            if set(known) - set(point.times) - set(point.failed):
-                got = measure(b, c, list(known))
+            if needed[(b, c)] - set(point.times) - set(point.failed):
+                got = measure(b, c, sorted(needed[(b, c)]))
                 report.evaluations["refined"] += got.evaluations
                 m.refinement["evaluations"] += got.evaluations
                 m.candidates |= got.candidates

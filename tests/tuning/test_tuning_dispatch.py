@@ -192,16 +192,20 @@ def test_load_spikes_in_several_instances_widen_the_interval_less_than_a_rounds_
     assert wide[30, "rows"] == 0 < wide[30, "rounds"], wide
 
 
-def test_finalists_are_near_the_best_at_least_three_and_keep_the_default():
-    times = {f"c{i}": Interval.exact(10.0 * (1 + i)) for i in range(6)} | {"d": Interval.exact(90.0)}
+def test_finalists_are_near_the_best_at_least_three_within_twice_its_time_and_keep_the_default():
+    times = {f"c{i}": Interval.exact(10.0 * (1 + i / 2)) for i in range(6)} | {"d": Interval.exact(90.0)}
     assert finalists(times, keep=["d"]) == ["c0", "c1", "c2", "d"]
     close = {
         "a": Interval(10, 9, 11),
         "b": Interval(13, 12, 14),
-        "c": Interval(30, 29, 31),
+        "c": Interval(19, 18, 20),
         "e": Interval(40, 39, 41),
     }
     assert finalists(close) == ["a", "b", "c"]  # b within two intervals of a; c to make three
+    # one more than twice the best's time is no finalist to make three: it has no tie to decide
+    far = {"a": Interval(10, 9, 11), "b": Interval(13, 12, 14), "slow": Interval(350, 349, 351)}
+    assert finalists(far) == ["a", "b"]
+    assert finalists(far, keep=["slow"]) == ["a", "b", "slow"]  # kept where asked (the default, an incumbent)
 
 
 # -- the dispatch map ------------------------------------------------------------------------------

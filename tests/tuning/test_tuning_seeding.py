@@ -142,6 +142,36 @@ def test_a_keys_retiming_takes_every_finalist_of_its_map_gating_those_its_study_
     assert failed == {fin(2).label: "gate: rel_l2 too high"}
 
 
+def test_a_keys_retiming_leaves_out_the_finalists_of_keys_it_shares_no_cell_with(
+    profile,
+) -> None:  # type: ignore[no-untyped-def]
+    """Contexts 64, 512 and 4096 at batch 1: the cells are 64–512 and 512–4096, so the 64 key's finalist
+    is re-timed at 512 and not at 4096, and the 4096 key's at 512 and not at 64."""
+    from attnbench.tuning.interleave import Finalist
+    from attnbench.tuning.space import BackendRef
+    from attnbench.tuning.study import KeyResult, plan_studies
+    from attnbench.tuning.tuner import _with_group
+
+    loads = [Workload.uniform("tiny-gqa", batch=1, context=c, dtype="fp32") for c in (64, 512, 4096)]
+    plans = plan_studies(loads, [BackendRef.of(Dial)], profile=profile, options=OPTIONS)
+    low, mid, high = sorted(plans, key=lambda p: p.workload.context)
+    ref = f"{Dial.__module__}:Dial"
+
+    def fin(d: int) -> Finalist:
+        return Finalist(f"seed_dial[dial={d}]", "seed_dial", ref, {"dial": d})
+
+    finals = {low.key.row: {fin(1).label: fin(1)}, mid.key.row: {fin(2).label: fin(2)}}
+    finals[high.key.row] = {fin(3).label: fin(3)}
+    studied = [(p, KeyResult(p, [])) for p in (low, mid, high)]
+    dials = {
+        p.workload.context: sorted(
+            f.config["dial"] for f in _with_group(p, KeyResult(p, []), finals, studied)[0].values()
+        )
+        for p in (low, mid, high)
+    }
+    assert dials == {64: [1, 2], 512: [1, 2, 3], 4096: [2, 3]}
+
+
 def test_the_entry_keeps_a_finalist_only_the_retiming_measured(profile) -> None:  # type: ignore[no-untyped-def]
     """Another key's finalist that this key's study never measured, gated and timed in its re-timing,
     is a candidate of the entry (and can win); one whose gate failed there is recorded failed."""
