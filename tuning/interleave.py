@@ -104,6 +104,8 @@ def run_interleaved(
     #: label -> its instances' steps as timed (CUDA graph replays where capturable)
     steps: dict[str, list[Any]] = {}
     graph = timing_mode(task.get("timing"), workload.device) == "graph"
+    #: the first model filled of each cache layout (:func:`_layout`): the later ones copy its cache
+    filled: dict[tuple[str, ...], SyntheticModel] = {}
     try:
         for cand in task["candidates"]:
             label = cand["label"]
@@ -130,7 +132,13 @@ def run_interleaved(
                         seed=model_seed,
                     )
                 models[label], steps[label] = _instances(
-                    backend, workload, cand["config"], task, graph=graph, extra=warmup + 4 * samples + 1
+                    backend,
+                    workload,
+                    cand["config"],
+                    task,
+                    graph=graph,
+                    extra=warmup + 4 * samples + 1,
+                    filled=filled,
                 )
             except CheckFailed as err:
                 failed[label] = f"gate: {err}"
@@ -202,8 +210,27 @@ def _wanted(model: SyntheticModel) -> int:
     return instances_for(model.cache.nbytes()) if model.cache is not None else 1
 
 
+def _layout(backend: Any, config: dict[str, Any]) -> tuple[str, ...] | None:
+    """What models of ``backend`` must share to copy one another's filled cache: its class and the
+    config but its ``cache_neutral`` tunables; ``None`` for a backend that declares none (its cache is
+    filled every time)."""
+    neutral = getattr(backend, "cache_neutral", ())
+    if not neutral:
+        return None
+    cls = type(backend)
+    kept = sorted(f"{k}={v!r}" for k, v in backend.resolve_config(config).items() if k not in neutral)
+    return (f"{cls.__module__}.{cls.__qualname__}", *kept)
+
+
 def _instances(
-    backend: Any, workload: Any, config: dict[str, Any], task: dict[str, Any], *, graph: bool, extra: int
+    backend: Any,
+    workload: Any,
+    config: dict[str, Any],
+    task: dict[str, Any],
+    *,
+    graph: bool,
+    extra: int,
+    filled: dict[tuple[str, ...], SyntheticModel] | None = None,
 ) -> tuple[list[SyntheticModel], list[Any]]:
     """One candidate's filled, warmed-up models (more than one where the first is small:
     :func:`instances_for`; ``task["instances"]`` where given; one where timed as CUDA graphs: the
@@ -211,10 +238,17 @@ def _instances(
     if making any of them fails. A round steps each instance once and keeps each one's time: the
     candidate's time is the median over the instances of their medians (pooling the instances' steps
     as one series gives a mixture of their speeds, whose median jumps between them; a round's median
-    over the instances is moved by one load spike in two instances, or two in four)."""
+    over the instances is moved by one load spike in two instances, or two in four).
+
+    ``filled``: the first model filled of each cache layout in this run (:func:`_layout`); a model
+    of a layout already there copies its cache (:meth:`SyntheticModel.fill_like`: the same bytes in
+    memory of its own) instead of generating and writing it again — a finalist's further instances,
+    and finalists that differ only in tunables that never change the cache (KV splits, a prefetch
+    distance)."""
     made: list[SyntheticModel] = []
     calls: list[Any] = []
     warmup = int(task.get("warmup", 1))
+    layout = _layout(backend, config) if filled is not None else None
     try:
         while not made or (not graph and len(made) < (task.get("instances") or _wanted(made[0]))):
             model = SyntheticModel(
@@ -225,7 +259,13 @@ def _instances(
                 materialise_bytes=task.get("materialise_bytes"),
             )
             made.append(model)
-            model.fill(extra_tokens=extra)
+            source = filled.get(layout) if filled is not None and layout is not None else None
+            if source is not None and source.cache is not None:
+                model.fill_like(source, extra_tokens=extra)
+            else:
+                model.fill(extra_tokens=extra)
+                if filled is not None and layout is not None:
+                    filled[layout] = model
             capturable = graph and getattr(model.cache, "capturable", False)
             step = GraphedDecodeStep(model) if capturable else model.decode_step
             for _ in range(max(warmup, 1 if graph else 0)):  # a graph is captured in its first step

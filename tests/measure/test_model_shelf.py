@@ -171,3 +171,67 @@ def test_the_fills_kept_history_is_the_one_generated_again(model_name, context_l
     for a, b in zip(kept[:3], again[:3], strict=True):
         assert torch.equal(a, b)
     assert kept[3] == again[3]
+
+
+# -- a filled cache copied (the finalists' re-timing: attnbench.tuning.interleave) ----------------------
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_copied_fill_steps_as_a_fresh_fill_bit_for_bit(dtype: str) -> None:
+    """``cpu_decode`` with other KV splits and another prefetch distance, its cache copied from a model
+    filled (and stepped) for the first config, decodes the same bits as one filled for its own config."""
+    from backends.cpu_decode import CpuDecodeBackend
+
+    workload = Workload(load_shape("tiny-gqa"), (40, 75), dtype)
+    source = SyntheticModel(
+        CpuDecodeBackend(),
+        workload,
+        config={"page_size": 32, "kv_splits": "auto", "prefetch": 0},
+        num_layers=3,
+    )
+    source.fill(extra_tokens=6)
+    for _ in range(2):  # the warm-up of the source's own instance: the copy starts from the fill
+        source.decode_step()
+    other = {"page_size": 32, "kv_splits": 4, "prefetch": 4}
+    copied = SyntheticModel(CpuDecodeBackend(), workload, config=other, num_layers=3)
+    copied.fill_like(source, extra_tokens=6)
+    fresh = SyntheticModel(CpuDecodeBackend(), workload, config=other, num_layers=3, seed=source.seed)
+    fresh.fill(extra_tokens=6)
+    assert copied.cache is not None and copied.cache.seq_lens == (40, 75)
+    assert copied.cache.pages.data_ptr() != source.cache.pages.data_ptr()  # type: ignore[union-attr]
+    for _ in range(3):
+        assert torch.equal(copied.decode_step(), fresh.decode_step())
+
+
+def test_a_fill_is_copied_only_between_configs_that_differ_in_cache_neutral_tunables() -> None:
+    source = SyntheticModel(Walker(), WORKLOAD, config={"layout": 0}, num_layers=2)
+    source.fill(extra_tokens=3)
+    with pytest.raises(ValueError, match="cache_neutral tunables \\['walk'\\]"):
+        SyntheticModel(Walker(), WORKLOAD, config={"layout": 1}, num_layers=2).fill_like(
+            source, extra_tokens=3
+        )
+    with pytest.raises(ValueError, match="room for"):
+        SyntheticModel(Walker(), WORKLOAD, config={"walk": 2}, num_layers=2).fill_like(source, extra_tokens=9)
+    plain = SyntheticModel(NaiveBackend(), WORKLOAD, num_layers=2)
+    plain.fill(extra_tokens=3)
+    with pytest.raises(ValueError, match="cannot stand for"):
+        SyntheticModel(NaiveBackend(), WORKLOAD, num_layers=2).fill_like(plain, extra_tokens=3)
+
+
+def test_the_retiming_fills_one_cache_per_layout(fills: list[dict[str, Any]]) -> None:
+    """Three finalists over two layouts, two instances each: two caches filled, four copied, all timed."""
+    from attnbench.core.workload import workload_to_dict
+    from attnbench.tuning.interleave import run_interleaved
+
+    ref = f"{Walker.__module__}:Walker"
+    configs = {"a": {"walk": 0, "layout": 0}, "b": {"walk": 1, "layout": 0}, "c": {"walk": 2, "layout": 1}}
+    task = {
+        "workload": workload_to_dict(WORKLOAD),
+        "samples": 3,
+        "warmup": 1,
+        "num_layers": 2,
+        "instances": 2,
+        "candidates": [{"label": k, "backend_ref": ref, "config": c} for k, c in configs.items()],
+    }
+    out = run_interleaved(task)
+    assert out["attrs"]["failed"] == {}
+    assert sorted(out["attrs"]["samples_ms"]) == ["a", "b", "c"]
+    assert [c["layout"] for c in fills] == [0, 1]

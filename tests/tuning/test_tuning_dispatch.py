@@ -475,3 +475,24 @@ def test_the_per_call_deciders_give_the_verdict_of_every_interval() -> None:
         assert decide(few, default=default, margin=margin) == decide(every, default=default, margin=margin)
         checked += len(few) < len(every)
     assert checked > 1000  # the shortcut left candidates out in many of the cases
+
+
+def test_a_new_point_measures_the_default_only_where_a_neighbour_measured_it():
+    """The CPU's default, 35 × behind, is no finalist at the coarse points and is not measured at the
+    points the refinement adds; a default a neighbour re-timed (it may win a tie there) is."""
+    from attnbench.tuning.refine import _labels_for
+
+    def grid(default_at: set[tuple[int, int]]) -> DispatchMap:
+        points = {}
+        for b in (1, 8):
+            for c in (1024, 8192):
+                times = {"fast": Interval(1.0, 0.9, 1.1, 9), "twin": Interval(1.02, 0.95, 1.1, 9)}
+                if (b, c) in default_at:
+                    times[DEFAULT] = Interval(30.0, 29.0, 31.0, 9)
+                points[(b, c)] = GridPoint(b, c, times, winner="fast")
+        m = DispatchMap("tiny-gqa", "abc", "fp32", DEFAULT, [1, 8], [1024, 8192], {}, points, 0.05)
+        m.add_lines(batches=[3])
+        return m
+
+    assert _labels_for(grid(set()), 3, 1024) == ["fast", "twin"]
+    assert _labels_for(grid({(8, 1024)}), 3, 1024) == [DEFAULT, "fast", "twin"]
