@@ -137,28 +137,6 @@ class KVCache:
         #: gives it plan buffers and a grid fixed per context bucket; see ``Backend.capturable``)
         self.capturable = False
 
-    def copy_from(self, other: KVCache) -> None:
-        """Copy every tensor of ``other``, a cache of the same class and sizes, into this one's (in place:
-        its memory stays its own) and take its lengths. A field whose shape or dtype differs is an error
-        that names it. Valid where a cache's state is its tensors and lengths (a backend that declares
-        ``cache_neutral``: :meth:`attnbench.measure.synthetic.SyntheticModel.fill_like`)."""
-        if type(other) is not type(self):
-            raise ValueError(f"copy_from: a {type(other).__name__} into a {type(self).__name__}")
-        for name, mine in vars(self).items():
-            if not isinstance(mine, torch.Tensor):
-                continue
-            theirs = getattr(other, name, None)
-            if not isinstance(theirs, torch.Tensor) or (theirs.shape, theirs.dtype) != (
-                mine.shape,
-                mine.dtype,
-            ):
-                got = (tuple(theirs.shape), theirs.dtype) if isinstance(theirs, torch.Tensor) else theirs
-                raise ValueError(
-                    f"copy_from: field {name!r} is {got} in the source, {(tuple(mine.shape), mine.dtype)} here"
-                )
-            mine.copy_(theirs)
-        self.seq_lens = other.seq_lens
-
     def commit(self, plan: StepPlan) -> None:
         """Make the tokens written under ``plan`` part of every sequence (after the last layer)."""
         self.seq_lens = plan.seq_lens_after

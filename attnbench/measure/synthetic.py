@@ -224,7 +224,7 @@ class SyntheticModel:
                 f"{max(self.workload.context_lens) + max(extra_tokens, 1)}"
             )
         cache = self._require_cache()
-        cache.copy_from(source._require_cache())
+        _copy_cache(source._require_cache(), cache)
         cache.seq_lens = tuple(self.workload.context_lens)
         self._filled = source._filled
 
@@ -470,3 +470,21 @@ class SyntheticModel:
         if self.cache is None:
             raise RuntimeError("SyntheticModel: call setup() or fill() before prefill()/decode_step()")
         return self.cache
+
+
+def _copy_cache(source: KVCache, target: KVCache) -> None:
+    """Copy every tensor of ``source``, a cache of the same class and sizes, into ``target``'s (in place:
+    its memory stays its own). A field whose shape or dtype differs is an error that names it. Valid
+    where a cache's state is its tensors and lengths (a backend that declares ``cache_neutral``)."""
+    if type(source) is not type(target):
+        raise ValueError(f"fill_like: a {type(source).__name__} into a {type(target).__name__}")
+    for name, mine in vars(target).items():
+        if not isinstance(mine, torch.Tensor):
+            continue
+        theirs = getattr(source, name, None)
+        if not isinstance(theirs, torch.Tensor) or (theirs.shape, theirs.dtype) != (mine.shape, mine.dtype):
+            got = (tuple(theirs.shape), theirs.dtype) if isinstance(theirs, torch.Tensor) else theirs
+            raise ValueError(
+                f"fill_like: field {name!r} is {got} in the source, {(tuple(mine.shape), mine.dtype)} here"
+            )
+        mine.copy_(theirs)
