@@ -50,7 +50,13 @@ def _model(batch: int, context: int, layout: str) -> Any:
     from attnbench.measure.synthetic import SyntheticModel
 
     if layout == "vllm":
-        from attnbench_vllm.backend import VllmCpuBackend
+        try:
+            from attnbench_vllm.backend import VllmCpuBackend
+        except ImportError as err:
+            raise SystemExit(
+                f"--layouts vllm: vLLM's kernel is not importable here ({err}); install vLLM's CPU build "
+                "and the attnbench-vllm plugin (scripts/install-vllm.sh), or leave vllm out of --layouts"
+            ) from None
 
         wl = Workload.uniform("qwen2.5-0.5b", batch=batch, context=context, dtype="bf16")
         m = SyntheticModel(VllmCpuBackend(), wl, config={}, num_layers=24, materialise_bytes=1 << 40)
@@ -123,7 +129,8 @@ def _layouts(text: str) -> tuple[str, ...]:
     chosen = tuple(x.strip() for x in text.split(",") if x.strip())
     bad = [x for x in chosen if x not in LAYOUTS]
     if bad or not chosen:
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {', '.join(LAYOUTS)}")
+        what = f"{', '.join(bad)} is not a layout" if bad else "no layout given"
+        raise argparse.ArgumentTypeError(f"{text!r}: {what}; a comma-separated list of {', '.join(LAYOUTS)}")
     return chosen
 
 

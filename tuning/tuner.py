@@ -24,7 +24,7 @@ from attnbench.core.registry import Registry, code_hash
 from attnbench.core.workload import Workload
 from attnbench.tables.corpus import corpus_enabled, corpus_entry
 from attnbench.tables.dispatch import DispatchMap, GridPoint, dispatch_path, save_maps
-from attnbench.tables.margin import SWITCH_MARGIN, finalists
+from attnbench.tables.margin import NEAR_ENOUGH, SWITCH_MARGIN, finalists
 from attnbench.tables.table import CandidateResult, ResultsTable, TableError, hardware_id, table_path
 from attnbench.tuning import study
 from attnbench.tuning.interleave import Finalist, retime
@@ -39,7 +39,7 @@ from attnbench.tuning.worker import Worker
 __all__ = ["DEFAULT_RETIMED_WITHIN", "TuneReport", "time_split", "tune"]
 
 #: the default is re-timed beside the finalists where its study time is within this multiple of the best's
-DEFAULT_RETIMED_WITHIN = 2.0
+DEFAULT_RETIMED_WITHIN = NEAR_ENOUGH
 
 
 @dataclass
@@ -311,9 +311,10 @@ def _with_group(
     studied: Sequence[tuple[StudyPlan, KeyResult]],
 ) -> tuple[dict[str, Finalist], dict[str, str]]:
     """``plan``'s finalists and those of the keys it shares a cell of its dispatch map with
-    (:func:`_share_a_cell`), and the reasons of those its study saw fail here. One its study measured was gated at this point already; one it did not (a
-    seeded or TPE search, a key that stopped at the corpus's finalists) is gated here first, in the same
-    interleaved run (``Finalist.check``), so the map needs no second run of the point."""
+    (:func:`_share_a_cell`), and the reasons of those its study saw fail here. One its study measured
+    was gated at this point already; one it did not (a seeded or TPE search, a key that stopped at the
+    corpus's finalists) is gated here first, in the same interleaved run (``Finalist.check``), so the
+    map needs no second run of the point."""
     fins = dict(finals[plan.key.row])
     records = {r.candidate.label(): r for r in result.records}
     failed: dict[str, str] = {}

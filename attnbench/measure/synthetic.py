@@ -196,11 +196,12 @@ class SyntheticModel:
 
     def fill_like(self, source: SyntheticModel, *, extra_tokens: int) -> None:
         """What :meth:`fill` gives, copied from ``source`` instead of generated and written again (at
-        batch 8 × 32k tokens, 1 GiB: 1.4 s against 7.1 s, measured). ``source``: a filled model of the same backend class,
-        workload and sizes, filled for as many ``extra_tokens``, whose config differs from this one's only
-        in the backend's ``cache_neutral`` tunables, so that its cache holds the same bytes in the same
-        places (stepped or not: the lengths go back to the fill's, as :meth:`rewind` does). The copy is
-        memory of its own (its own placement), with the source's seed (the same inputs)."""
+        batch 8 × 32k tokens, 1 GiB: 1.4 s against 7.1 s, measured). ``source``: a filled model of the
+        same backend class, workload and sizes, filled for as many ``extra_tokens``, whose config differs
+        from this one's only in the backend's ``cache_neutral`` tunables, so that its cache holds the
+        same bytes in the same places (stepped or not: the lengths go back to the fill's, as
+        :meth:`rewind` does). The copy is memory of its own (its own placement), with the source's seed
+        (the same inputs)."""
         neutral = set(self.backend.cache_neutral)
         differ = {k for k in {*self.config, *source.config} if self.config.get(k) != source.config.get(k)}
         if (

@@ -38,6 +38,7 @@ from attnbench.tables.dispatch import (
 from attnbench.tables.files import locked, write_atomically
 from attnbench.tables.key import TuningKey, bucket_distance
 from attnbench.tables.margin import (
+    NEAR_ENOUGH,
     SWITCH_MARGIN,
     Interval,
     Verdict,
@@ -71,6 +72,7 @@ __all__ = [
     "CORPUS_DIR",
     "CORPUS_ENV",
     "DEFAULT_BACKENDS",
+    "NEAR_ENOUGH",
     "SWITCH_MARGIN",
     "Basis",
     "Candidate",

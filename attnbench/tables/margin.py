@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 __all__ = [
+    "NEAR_ENOUGH",
     "SWITCH_MARGIN",
     "Interval",
     "Verdict",
@@ -202,13 +203,18 @@ def decide(times: Mapping[str, Interval], *, default: str | None, margin: float 
     return Verdict(default, True, why, fastest, gain)
 
 
+#: a candidate further behind the best than this multiple of its time has no tie to decide: it is no
+#: finalist to make three (:func:`finalists`), and a tuner re-times the default only within it
+NEAR_ENOUGH = 2.0
+
+
 def finalists(
     times: Mapping[str, Interval],
     *,
     minimum: int = 3,
     maximum: int = 8,
     keep: Sequence[str] = (),
-    within: float = 2.0,
+    within: float = NEAR_ENOUGH,
 ) -> list[str]:
     """Candidates to re-time: every one within two confidence intervals of the best, at least
     ``minimum`` and at most ``maximum`` (the fastest ones by median: they are all held in memory at

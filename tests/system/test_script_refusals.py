@@ -10,7 +10,7 @@ REFUSED = {
     "attention_gemv_mix": [
         (
             ["--layouts", "huge,vllm", "--out", "x"],
-            "--layouts: 'huge,vllm': a comma-separated list of huge:rand:2,",
+            "--layouts: 'huge,vllm': huge is not a layout; a comma-separated list of huge:rand:2,",
         ),
     ],
     "cpu_kernel_bandwidth": [
