@@ -50,6 +50,7 @@ from attnbench.tables.margin import (
     median_time,
     sample_rounds,
     too_wide,
+    undecided,
 )
 from attnbench.tables.table import (
     DeviceMismatchError,
@@ -110,6 +111,7 @@ __all__ = [
     "save_maps",
     "table_path",
     "too_wide",
+    "undecided",
     "validate_entries",
     "versions",
     "write_atomically",

@@ -36,6 +36,7 @@ __all__ = [
     "median_time",
     "sample_rounds",
     "too_wide",
+    "undecided",
 ]
 
 #: A challenger replaces the default only when faster by this much beyond the intervals (5 %).
@@ -219,7 +220,8 @@ def finalists(
     """Candidates to re-time: every one within two confidence intervals of the best, at least
     ``minimum`` and at most ``maximum`` (the fastest ones by median: they are all held in memory at
     once), plus ``keep`` (the default, an incumbent) when measured. The next fastest are added up to
-    ``minimum`` only where their median is within ``within`` × the best's: one further behind has no
+    ``minimum`` only where their interval reaches within ``within`` × the best's median (a noisy study
+    time is not held against them): one further behind has no
     tie to decide, and re-timing it costs the most (a study whose others were pruned once offered the
     default at batch 8 × 8k tokens, 35 × the best's step, as its third finalist, and every key of its
     dispatch map re-timed it)."""
@@ -230,7 +232,7 @@ def finalists(
     reach = best.hi_ms + 2 * (best.hi_ms - best.lo_ms)
     out = [k for k in order if times[k].lo_ms <= reach or times[k].median_ms <= best.median_ms * 1.05]
     out = out[:maximum]
-    near = [k for k in order if k not in out and times[k].median_ms <= within * best.median_ms]
+    near = [k for k in order if k not in out and times[k].lo_ms <= within * best.median_ms]
     out += near[: max(0, minimum - len(out))]  # the next fastest, to minimum
     out += [k for k in keep if k in times and k not in out]
     return out
@@ -251,6 +253,22 @@ def in_doubt(times: Mapping[str, Interval], *, margin: float = SWITCH_MARGIN) ->
     return [k for k, t in times.items() if t.lo_ms <= best.hi_ms * (1 + margin)]
 
 
+def undecided(times: Mapping[str, Interval], *, margin: float = SWITCH_MARGIN) -> list[str]:
+    """Labels whose median is more than twice ``margin`` behind the best's while their interval still
+    reaches the best's within ``margin`` (:func:`beats` does not hold): more samples can still decide
+    between them and the best. Where the medians are closer there is no switch to decide; where the
+    intervals are apart it is decided. (A candidate 30 % faster whose steps a load slows 3× one time in
+    five can end 15 samples with an interval just under :data:`WIDE` that still reaches the other's.)"""
+    if not times:
+        return []
+    best = min(times.values(), key=lambda t: t.median_ms)
+    return [
+        k
+        for k, t in times.items()
+        if t.median_ms > (1 + 2 * margin) * best.median_ms and not beats(best, t, margin=margin)
+    ]
+
+
 def sample_rounds(
     run_round: Callable[[int, Sequence[str] | None], Mapping[str, float | Sequence[float]]],
     *,
@@ -269,8 +287,9 @@ def sample_rounds(
     interval lies wholly above the best's (:func:`in_doubt`) stops being timed — it keeps its samples
     and its interval, which already say it is slower — and the block goes to those still in doubt;
     one that the best's interval has since moved up to meet is timed again. Blocks run until every
-    candidate in doubt has ``samples`` samples and none of their intervals is too wide to decide
-    (:func:`too_wide`), up to ``max_samples`` (default ``4 × samples``): a candidate whose steps are
+    candidate in doubt has ``samples`` samples, none of their intervals is too wide to decide
+    (:func:`too_wide`) and none whose median is apart from the best's is still undecided
+    (:func:`undecided`), up to ``max_samples`` (default ``4 × samples``): a candidate whose steps are
     often slowed by the load then gets enough samples for its median to be known, instead of a tie
     by noise, and a clearly slower one (the default, often several times slower) costs a few steps.
     ``max_seconds``: no block starts once the blocks so far took that long (the first always runs): at
@@ -291,7 +310,7 @@ def sample_rounds(
         most = max((len(out[k]) for k in labels), default=cap)
         short = any(len(out[k]) < samples for k in labels)
         wide = too_wide({k: times[k] for k in labels})
-        if not (short or wide) or most + block > cap:
+        if not (short or wide or undecided({k: times[k] for k in labels})) or most + block > cap:
             return out
         if max_seconds is not None and time.perf_counter() - start >= max_seconds:
             return out
