@@ -88,12 +88,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=15,
         help="after the search, the finalists (every candidate within two confidence intervals of the "
-        "best, at least three, the default where its study time is within 2x the best's, the table's "
-        "incumbent, with lossy caches allowed the fastest exact one, and the other keys' finalists of "
-        "the dispatch map, gated first where this key's study did not measure them) are re-timed "
+        "best, at least three where within 2x the best's study time, the default where its study time is "
+        "within 2x the best's, the table's incumbent, with lossy caches allowed the fastest exact one, "
+        "and the finalists of the keys it shares a dispatch-map cell with, gated first where this key's "
+        "study did not measure them) are re-timed "
         "interleaved, one step of each in turn (a short context's on two or four model instances, one as "
         "CUDA graphs: its time the median over them of each one's median), N "
-        "rounds (up to 4N while an interval is too wide; default 15; 0: no re-timing and no dispatch map)",
+        "rounds (up to 4N while an interval is too wide or a real gap undecided; default 15; 0: no "
+        "re-timing and no dispatch map)",
     )
     p.add_argument(
         "--switch-margin",

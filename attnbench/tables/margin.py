@@ -221,10 +221,9 @@ def finalists(
     ``minimum`` and at most ``maximum`` (the fastest ones by median: they are all held in memory at
     once), plus ``keep`` (the default, an incumbent) when measured. The next fastest are added up to
     ``minimum`` only where their interval reaches within ``within`` × the best's median (a noisy study
-    time is not held against them): one further behind has no
-    tie to decide, and re-timing it costs the most (a study whose others were pruned once offered the
-    default at batch 8 × 8k tokens, 35 × the best's step, as its third finalist, and every key of its
-    dispatch map re-timed it)."""
+    time is not held against them): one further behind has no tie to decide, and re-timing it costs
+    the most (a study whose others were pruned once offered the default at batch 8 × 8k tokens, 35 ×
+    the best's step, as its third finalist, and every key of its dispatch map re-timed it)."""
     if not times:
         return []
     order = sorted(times, key=lambda k: times[k].median_ms)
@@ -309,8 +308,8 @@ def sample_rounds(
         labels = in_doubt(times)
         most = max((len(out[k]) for k in labels), default=cap)
         short = any(len(out[k]) < samples for k in labels)
-        wide = too_wide({k: times[k] for k in labels})
-        if not (short or wide or undecided({k: times[k] for k in labels})) or most + block > cap:
+        doubt = {k: times[k] for k in labels}
+        if not (short or too_wide(doubt) or undecided(doubt)) or most + block > cap:
             return out
         if max_seconds is not None and time.perf_counter() - start >= max_seconds:
             return out
