@@ -199,7 +199,7 @@ class DispatchMap:
             return hit[3]
         present = tuple([points[k] for k in dict.fromkeys(keys) if k in points])
         labels = cands if eligible is None else [label for label in cands if label in eligible]
-        made = make_cell(present, [self._logs(k) for k in keys], labels)
+        made = make_cell(present, [self._logs(k) for k in keys], labels, keys)
         if len(self._cells) > 4096:
             self._cells.clear()
         self._cells[(keys, eligible)] = (corners, cands, len(cands), made)

@@ -103,6 +103,11 @@ class Cell(NamedTuple):
     corners: tuple[GridPoint, ...]  # the measured corners, each once
     rows: tuple[Row, ...] | None  # None: a corner is not measured
     places: dict[str, int]  # label → place in rows
+    #: at each of the four corners (the order of :func:`weights`), the eligible candidate with the
+    #: lowest measured median there: the incumbent where the default is not eligible (:func:`answer`)
+    fastest: tuple[str | None, ...] = (None, None, None, None)
+    #: the four corners' (batch, context), in the same order
+    keys: tuple[tuple[int, int], ...] = ()
 
 
 def weights(wb: float, wc: float) -> Weights:
@@ -220,13 +225,14 @@ def make_cell(
     corners: tuple[GridPoint, ...],
     logs: Sequence[Mapping[str, tuple[float, float, float, int]] | None],
     labels: Iterable[str],
+    keys: tuple[tuple[int, int], ...] = (),
 ) -> Cell:
     """The cell of the measured ``corners`` (each once) whose four corner points have the times
     ``logs`` (by label: log median, log low end, log high end, samples; ``None`` for a corner not
     measured): one row per label of ``labels`` measured at all four corners, in that order."""
     measured = [t for t in logs if t is not None]
     if len(measured) < 4:
-        return Cell(corners, None, {})
+        return Cell(corners, None, {}, keys=keys)
     l0, l1, l2, l3 = measured
     rows: list[Row] = []
     for label in labels:
@@ -244,7 +250,17 @@ def make_cell(
                 min(up) >= 0,
             )
         )
-    return Cell(corners, tuple(rows), {r[0]: i for i, r in enumerate(rows)})
+    fastest = tuple(min(rows, key=lambda r: r[1][j])[0] if rows else None for j in range(4))
+    return Cell(corners, tuple(rows), {r[0]: i for i, r in enumerate(rows)}, fastest, keys)
+
+
+def _incumbent(cell: Cell, wb: float, wc: float) -> tuple[str | None, str]:
+    """The candidate that a challenger must beat where the default is not eligible in ``cell``: the
+    fastest measured at the corner nearest the point (weights ``wb``, ``wc``, rounded; outside the
+    grid, the corner on the point's side), and the words that name it in the reason."""
+    j = (wb >= 0.5) + 2 * (wc >= 0.5)
+    b, c = cell.keys[j] if cell.keys else ("?", "?")
+    return cell.fastest[j], f"the fastest at the nearest tuned point (b={b}, ctx={c})"
 
 
 def answer(
@@ -264,10 +280,12 @@ def answer(
     and ``wc`` (toward its upper context line); ``edge``, when given, is the edge cell and its
     weights, whose times count where the cell has none (as ``edge | cell``). ``lines`` are the cell's
     batch and context lines as the :class:`Lookup` reports them."""
+    role = "the default"
     if edge is None:  # one cell: its rows in one pass
         rows = cell.rows or ()
         w = weights(wb, wc)
-        default = default if default in cell.places else None
+        if default not in cell.places:
+            default, role = _incumbent(cell, wb, wc) if rows else (None, role)
         deciders = _deciders_in(rows, cell.places, w, default, margin)
 
         def interpolate() -> dict[str, Interval]:
@@ -275,13 +293,15 @@ def answer(
 
     else:
         medians = _medians([(edge[0].rows, edge[1], edge[2]), (cell.rows, wb, wc)])
-        default = default if default in medians else None
+        if default not in medians:  # the incumbent: from the cell, or the edge cell where it has none
+            near = _incumbent(cell, wb, wc) if cell.rows else _incumbent(*edge)
+            default, role = (near[0], near[1]) if near[0] in medians else (None, role)
         deciders = _deciders(medians, default, margin)
 
         def interpolate() -> dict[str, Interval]:
             return {k: interval(row, w) for k, (_, row, w) in medians.items()}
 
-    verdict = decide(deciders, default=default, margin=margin)
+    verdict = decide(deciders, default=default, margin=margin, role=role)
     label = verdict.winner
     on_lines = wb in (0.0, 1.0) and wc in (0.0, 1.0)  # a batch line and a context line: a grid point
     found = dict(

@@ -172,33 +172,39 @@ def _gain(default: Interval, other: Interval) -> float:
     return default.median_ms / other.median_ms - 1 if other.median_ms > 0 else math.inf
 
 
-def decide(times: Mapping[str, Interval], *, default: str | None, margin: float = SWITCH_MARGIN) -> Verdict:
+def decide(
+    times: Mapping[str, Interval],
+    *,
+    default: str | None,
+    margin: float = SWITCH_MARGIN,
+    role: str = "the default",
+) -> Verdict:
     """The one margin policy (see the module docstring).
 
     ``times`` maps candidate labels to their intervals (failed candidates are simply absent).
-    Without a measured default, the fastest median wins.
+    Without a measured default, the fastest median wins. ``role`` names the incumbent in the reason:
+    the dispatch map's lookup passes the fastest candidate of the nearest tuned point where the
+    default has no time there (:func:`attnbench.tables.lookup.answer`).
     """
     if not times:
         return Verdict(None, False, "no candidate was measured")
     fastest = min(times, key=lambda k: times[k].median_ms)
     if default is None or default not in times:
-        why = "fastest correct candidate" + (
-            "" if default is None else f"; the default {default} has no time"
-        )
+        why = "fastest correct candidate" + ("" if default is None else f"; {role} {default} has no time")
         return Verdict(fastest, False, why, fastest)
     d = times[default]
     if fastest == default:
-        return Verdict(default, False, "the default is the fastest", fastest, 0.0)
+        return Verdict(default, False, f"{role} is the fastest", fastest, 0.0)
     winners = [k for k in times if k != default and beats(times[k], d, margin=margin)]
     if winners:
         best = min(winners, key=lambda k: times[k].median_ms)
         gain = _gain(d, times[best])
         by = "took no measurable time, against" if math.isinf(gain) else f"{gain:.1%} faster than"
-        why = f"{by} the default {default} (beyond the intervals by more than the {margin:.0%} switch margin)"
+        why = f"{by} {role} {default} (beyond the intervals by more than the {margin:.0%} switch margin)"
         return Verdict(best, False, why, fastest, gain)
     gain = _gain(d, times[fastest])
     why = (
-        f"tie: kept the default {default}; {fastest} is only {gain:.1%} faster by the medians, not "
+        f"tie: kept {role} {default}; {fastest} is only {gain:.1%} faster by the medians, not "
         f"{margin:.0%} beyond the intervals ({times[fastest]} vs {d})"
     )
     return Verdict(default, True, why, fastest, gain)
