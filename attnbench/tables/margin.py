@@ -150,7 +150,8 @@ def _median_of_instances(rows: Sequence[Sequence[float]], rounds: Sequence[int])
 
 @dataclass(frozen=True)
 class Verdict:
-    """What :func:`decide` chose: ``winner`` (a label), whether it was a ``tie`` kept on the default."""
+    """What :func:`decide` chose: ``winner`` (a label), whether it was a ``tie`` kept on the default (or
+    on the incumbent a caller named in its place: ``decide``'s ``role``)."""
 
     winner: str | None
     tie: bool
@@ -194,7 +195,12 @@ def decide(
         return Verdict(fastest, False, why, fastest)
     d = times[default]
     if fastest == default:
-        return Verdict(default, False, f"{role} is the fastest", fastest, 0.0)
+        why = (
+            "the default is the fastest"
+            if role == "the default"
+            else f"{role}, {default}, is the fastest here too"
+        )
+        return Verdict(default, False, why, fastest, 0.0)
     winners = [k for k in times if k != default and beats(times[k], d, margin=margin)]
     if winners:
         best = min(winners, key=lambda k: times[k].median_ms)
