@@ -37,7 +37,7 @@ from typing import Any
 from attnbench.core.device import DeviceProfile
 from attnbench.core.registry import load_backend_class
 from attnbench.core.timing import synchronize, timing_mode
-from attnbench.core.workload import workload_from_dict, workload_to_dict
+from attnbench.core.workload import Workload, workload_from_dict, workload_to_dict
 from attnbench.correctness.timed import CaseShelf
 from attnbench.measure.bench import CheckFailed, Implausible, measure_decode, plausibility
 from attnbench.measure.graph_step import GraphedDecodeStep
@@ -46,7 +46,7 @@ from attnbench.tables.dispatch import MapCandidate
 from attnbench.tables.margin import bootstrap_median, median_time, sample_rounds
 from attnbench.tuning.refine import PointMeasurement
 
-__all__ = ["Finalist", "retime", "round_order", "run_interleaved"]
+__all__ = ["Finalist", "retime", "round_order", "run_interleaved", "step_scale"]
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,8 @@ def run_interleaved(
             if why:
                 failed[label] = f"implausible: {why}"
                 del times[label]
+        scale = step_scale(task, workload)  # a tuner's step of fewer layers, as the model's step
+        times = {label: _scaled(t, scale) for label, t in times.items()}
     finally:
         for made in models.values():
             for model in made:
@@ -190,6 +192,18 @@ def run_interleaved(
         steps.clear()
         gc.collect()
     return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}}
+
+
+def step_scale(task: dict[str, Any], workload: Workload) -> float:
+    """What a timed step's time is multiplied by to stand for a step of the task's ``step_layers``
+    (a tuner's step of :func:`~attnbench.measure.layers.timed_layers` layers, as the model's step)."""
+    run = task.get("num_layers") or workload.shape.num_layers
+    return (task.get("step_layers") or run) / run
+
+
+def _scaled(samples: Any, factor: float) -> Any:
+    """Round times (one series, or one per instance) each ``factor`` times as long."""
+    return [_scaled(x, factor) for x in samples] if isinstance(samples, list) else samples * factor
 
 
 #: models per candidate by the size of its caches (:func:`instances_for`): two instances of one
@@ -299,6 +313,7 @@ def retime(
     warmup: int = 1,
     check: bool = False,
     num_layers: int | None = None,
+    step_layers: int | None = None,
     materialise_bytes: int | None = None,
     error_multiple: float | None = None,
     accuracy_budget: float | None = None,
@@ -316,7 +331,8 @@ def retime(
     ``time.perf_counter`` (tests plant a virtual one, so that planted timings ignore the load).
     ``max_seconds``: no new block of rounds once the rounds took that long (the first block always runs;
     :func:`attnbench.tables.margin.sample_rounds`). ``instances``: model instances per finalist, at
-    least 1 (default: by the size of its caches, :func:`instances_for`).
+    least 1 (default: by the size of its caches, :func:`instances_for`). ``step_layers``: the layers
+    the times stand for, each step × ``step_layers`` / ``num_layers`` (None: as timed).
     """
     if instances is not None and (
         isinstance(instances, bool) or not isinstance(instances, int) or instances < 1
@@ -332,6 +348,7 @@ def retime(
         "warmup": warmup,
         "check": check,
         "num_layers": num_layers,
+        "step_layers": step_layers,
         "materialise_bytes": materialise_bytes,
         "error_multiple": error_multiple,
         "accuracy_budget": accuracy_budget,

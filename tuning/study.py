@@ -34,6 +34,7 @@ from optuna.trial import FrozenTrial, TrialState
 from attnbench.core.device import DeviceProfile
 from attnbench.core.registry import code_hash
 from attnbench.core.workload import Workload, workload_to_dict
+from attnbench.measure.layers import timed_layers
 from attnbench.tables.key import TuningKey
 from attnbench.tables.margin import SWITCH_MARGIN
 from attnbench.tables.table_schema import Candidate, CandidateResult
@@ -72,6 +73,8 @@ class TuneOptions:
     warmup: int = 2
     repeats: int = 10
     max_seconds: float | None = None
+    #: layers a timed step runs (None: attnbench.measure.layers.timed_layers, one per distinct layer
+    #: cache, and the times reported as the model's step: step × model layers / these)
     num_layers: int | None = None
     materialise_bytes: int | None = None
     timing: str | None = None  # "eager" or "graph" (attnbench.core.timing); None: graph on CUDA, else eager
@@ -98,6 +101,16 @@ class TuneOptions:
     #: its search after ``patience`` candidates in a row bring nothing better (attnbench.tuning.seeding)
     transfer: bool = True
     patience: int = 8
+
+    def settings(self, workload: Workload, names: Sequence[str] = MEASURE_SETTINGS) -> dict[str, Any]:
+        """These options' ``names`` for a measurement at ``workload``; without ``num_layers``, the layers
+        :func:`~attnbench.measure.layers.timed_layers` gives there, and ``step_layers``, the model's:
+        the times stand for its whole step."""
+        out = {k: getattr(self, k) for k in names}
+        if "num_layers" in out and out["num_layers"] is None:
+            out["num_layers"] = timed_layers(workload, budget_bytes=self.materialise_bytes)
+            out["step_layers"] = workload.shape.num_layers
+        return out
 
 
 def _trial_result(t: FrozenTrial) -> CandidateResult:
@@ -321,7 +334,7 @@ def run_study(
             profile={k: v for k, v in profile.as_dict().items() if k != "id"},
             backend=cand.backend,
             report=options.prune,
-            **{k: getattr(options, k) for k in MEASURE_SETTINGS},
+            **options.settings(plan.workload),
         )
 
         def on_report(step: int, value: float, trial: optuna.Trial = trial) -> bool:

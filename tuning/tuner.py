@@ -372,7 +372,7 @@ class _Retimer:
     def __call__(self, fins: dict[str, Finalist], workload: Workload, *, check: bool) -> PointMeasurement:
         names: tuple[str, ...] = ("warmup", "num_layers", "materialise_bytes", "error_multiple")
         names += ("accuracy_budget", "timeout_s", "seed", "clock", "timing")
-        settings = {k: getattr(self.options, k) for k in names}
+        settings = self.options.settings(workload, names)
         # no new block of rounds after 3 × a candidate's timing budget (30 s with tune's default 10)
         budget = 3 * self.options.max_seconds if self.options.max_seconds else None
         return retime(

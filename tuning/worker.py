@@ -38,7 +38,7 @@ from attnbench.core.child import Child, die_with_parent
 from attnbench.core.workload import workload_from_dict
 from attnbench.correctness.timed import CaseShelf
 from attnbench.tables.table_schema import CandidateResult
-from attnbench.tuning.interleave import run_interleaved
+from attnbench.tuning.interleave import run_interleaved, step_scale
 from attnbench.tuning.summary import gate_summary, study_interval
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ class WorkerTask:
     repeats: int = 10
     max_seconds: float | None = None
     num_layers: int | None = None
+    #: the layers the reported times stand for (None: ``num_layers``): each is step × these / num_layers
+    step_layers: int | None = None
     materialise_bytes: int | None = None
     error_multiple: float | None = None
     accuracy_budget: float | None = None
@@ -140,6 +142,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         )
         return {"ok": False, "kind": kind, "reason": reason, "result": result.as_dict(), "attrs": attrs}
 
+    scale = 1.0
     try:
         backend = load_backend_class(task["backend_ref"])()
         workload = workload_from_dict(task["workload"])
@@ -150,7 +153,8 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         settings: dict[str, Any] = {k: task.get(k) for k in MEASURE_SETTINGS}
         key = _gate_key(task, config, backend.result_neutral)
         passed = _PASSED.get(key)
-        report = _reporter(int(task.get("repeats") or 0)) if task.get("report") else None
+        scale = step_scale(task, workload)
+        report = _reporter(int(task.get("repeats") or 0), scale) if task.get("report") else None
         m = measure_decode(
             backend, workload, config=config, resolution=resolution, profile=profile, check=True,
             gate=passed[1] if passed else None, shelf=_SHELF, report=report, cases=_CASES,
@@ -164,8 +168,9 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         check = err.check.as_dict() if err.check is not None else None
         verdict = failed("pruned", f"{err}: the tuner's pruner found it slower than others there", check)
         verdict["result"]["implementation"] = resolution.implementation or None
-        verdict["result"]["study_ms"] = round(err.step.median_s * 1e3, 4)  # its running median there
-        return verdict | {"value": err.step.median_s, "phases": err.phases}
+        running = err.step.median_s * scale  # its running median there
+        verdict["result"]["study_ms"] = round(running * 1e3, 4)
+        return verdict | {"value": running, "phases": err.phases}
     except CheckFailed as err:
         return failed("nan" if err.check.error.nonfinite else "gate", str(err), err.check.as_dict())
     except Implausible as err:  # faster than the device can read: a measurement bug, never a winner
@@ -176,7 +181,8 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
     check = m.check.as_dict() if m.check else None
     if not m.timed or m.step is None:
         return failed("not-timed", m.note or "not timed", check)
-    value = m.step.median_s
+    step = m.step.scaled(scale)
+    value = step.median_s
     if not math.isfinite(value) or value <= 0:
         return failed("nan", f"step time {value!r} is not a positive number", check)
     gate = gate_summary(check)
@@ -191,7 +197,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
         implementation=m.implementation or None,
         gate=gate,
         lossy=(check or {}).get("lossy") or None,
-        study_interval=study_interval(m.step).as_dict(),
+        study_interval=study_interval(step).as_dict(),
     )
     return {"ok": True, "value": value, "result": result.as_dict(), "phases": m.phases}
 
@@ -217,15 +223,15 @@ def _seed_for(workload: dict[str, Any]) -> int:
 _ASK: Any = None
 
 
-def _reporter(repeats: int) -> Any:
-    """``report(samples)`` for :func:`measure_decode`: each timed step's running median to the parent,
-    which answers whether to prune (Optuna's pruner, in the study); the last of ``repeats`` steps is
-    not reported (stopping there saves nothing)."""
+def _reporter(repeats: int, scale: float) -> Any:
+    """``report(samples)`` for :func:`measure_decode`: each timed step's running median (× ``scale``, as
+    the model's step) to the parent, which answers whether to prune (Optuna's pruner, in the study);
+    the last of ``repeats`` steps is not reported (stopping there saves nothing)."""
 
     def report(samples: list[float]) -> bool:
         if _ASK is None or len(samples) >= repeats:
             return False
-        answer = _ASK({"report": len(samples), "value": statistics.median(samples)})
+        answer = _ASK({"report": len(samples), "value": statistics.median(samples) * scale})
         return bool(answer.get("prune"))
 
     return report

@@ -62,6 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_model_option(p, required=True)
     add_workload_options(p, batch=DEFAULT_BATCH, context=DEFAULT_CONTEXT)
+    next(a for a in p._actions if a.dest == "layers").help = (
+        "layers per timed step (default: one per distinct layer cache, at most the model's, its times "
+        "standing for the model's step: step × its layers / these); a number: steps of those, as timed"
+    )
     p.add_argument("--backends", help="only these registered backends, comma-separated (default: all)")
     p.add_argument(
         "--trials",

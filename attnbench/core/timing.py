@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -42,6 +42,12 @@ class Timing:
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+    def scaled(self, factor: float) -> Timing:
+        """The same samples, each ``factor`` times as long (a step of some layers as the model's step)."""
+        return replace(
+            self, median_s=self.median_s * factor, p10_s=self.p10_s * factor, p90_s=self.p90_s * factor
+        )
 
 
 def synchronize(device: torch.device | str) -> None:

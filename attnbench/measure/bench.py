@@ -173,7 +173,7 @@ def measure_decode(
         check: run the correctness gate first (raises :class:`CheckFailed` on failure).
         num_layers: layers per step (default: the shape's ``num_layers``).
         materialise_bytes: budget for distinct layer caches (default: see
-            :func:`attnbench.measure.synthetic.materialised_layers`).
+            :func:`attnbench.measure.layers.materialised_layers`).
         error_multiple: the gate's multiple of the calibration error for a backend that declares
             none of its own (default: the backend's ``error_multiple``).
         accuracy_budget: for a lossy cache, the largest rel_l2 against exact attention accepted.

@@ -36,7 +36,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from attnbench.core.timing import Timing, synchronize
-from attnbench.measure.synthetic import SyntheticModel, materialised_layers
+from attnbench.measure.layers import materialised_layers
+from attnbench.measure.synthetic import SyntheticModel
 
 __all__ = [
     "DecodeModel",

@@ -18,7 +18,6 @@ history while it is timed.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Mapping
@@ -27,44 +26,15 @@ from typing import Any
 import torch
 
 from attnbench.core.backend import Backend, KVCache, Resolution
-from attnbench.core.device import last_level_cache_bytes
 from attnbench.core.timing import synchronize
 from attnbench.core.workload import Workload
 from attnbench.correctness.gate import random_step_inputs
+from attnbench.measure.layers import materialised_layers
 
-__all__ = ["SyntheticModel", "materialised_layers"]
+__all__ = ["SyntheticModel"]
 
 #: Fill the cache in chunks of this many tokens so filling never needs a full-size temporary.
 _FILL_CHUNK = 2048
-
-
-# ---------------------------------------------------------------------------------------------------
-# how many layer caches to materialise
-# ---------------------------------------------------------------------------------------------------
-def materialised_layers(
-    *,
-    per_layer_bytes: int,
-    num_layers: int,
-    device: torch.device | str = "cpu",
-    budget_bytes: int | None = None,
-) -> int:
-    """How many distinct layer caches to allocate.
-
-    Enough that cycling over them reads at least ``budget_bytes`` (default: 4 × the last-level
-    cache, at least 256 MiB, at most 2 GiB on CPU; on CUDA all layers within half the free memory),
-    never more than ``num_layers`` and never fewer than one. ``ATTNBENCH_MATERIALISE_BYTES`` overrides
-    the default budget.
-    """
-    dev = torch.device(device)
-    if budget_bytes is None:
-        env = os.environ.get("ATTNBENCH_MATERIALISE_BYTES")
-        if env:
-            budget_bytes = int(env)
-        elif dev.type == "cuda":
-            budget_bytes = int(torch.cuda.mem_get_info(dev)[0] * 0.5)
-        else:
-            budget_bytes = min(max(4 * last_level_cache_bytes(dev), 256 * 2**20), 2 * 2**30)
-    return max(1, min(num_layers, math.ceil(budget_bytes / max(per_layer_bytes, 1))))
 
 
 # ---------------------------------------------------------------------------------------------------
