@@ -9,7 +9,7 @@ same), and their decode steps alternate, ``--rounds`` of each after a warm-up st
 fewer-layer model's median per-layer time over the full model's (1.0: the assumption holds). Prints a
 table and writes ``--out``.json and .md (command, machine, date, load average).
 
-    python scripts/timed_layers_check.py --points 1x32k,8x8k,8x32k
+    python scripts/timed_layers_check.py --points 1x8k,1x32k,8x8k,8x32k --out results/cpu/tune/timed-layers-check-epyc-avx512
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         help="BATCHxCONTEXT, comma-separated",
     )
     p.add_argument("--rounds", type=positive_int, default=9, help="timed steps of each model (default 9)")
-    p.add_argument("--out", default="results/cpu/tune/timed-layers-check", help="writes OUT.json and OUT.md")
+    p.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.md")
     args = p.parse_args(argv)
     load_start, started = os.getloadavg(), time.time()
     backend = load_registry(env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"}).get(args.backend)

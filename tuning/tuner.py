@@ -418,15 +418,14 @@ def _maps(
         default = plan0.space.default_candidate().label() if plan0.space.default_backend else None
         known: dict[str, Finalist] = {}
         m = DispatchMap(model, shape_hash, dtype, default, batches, contexts, {}, {}, margin)
-        plans = [p for p, _, _ in items]
-        #: at each coarse point, the finalists of the keys it shares a cell with (its own among them)
+        #: at each coarse point, the finalists of the keys it shares a cell with (its own among them):
+        #: what its key's re-timing took (_with_group). Not the union of those keys' re-timing sets,
+        #: which hold the finalists of keys one more cell away: at batch 1 × 1k that took the finalists
+        #: of batch 8 × 32k (through 8 × 8k's set) and re-timed every coarse point a second time.
         needed: dict[tuple[int, int], set[str]] = {}
         for plan, got, fins in items:
             known |= fins
-            corner = (plan.key.batch_bucket, plan.key.context_bucket)
-            needed[corner] = {
-                label for other, _, f in items if _share_a_cell(plan, other, plans) for label in f
-            }
+            needed[(plan.key.batch_bucket, plan.key.context_bucket)] = set(fins)
             m.candidates |= got.candidates
             m.points[(plan.key.batch_bucket, plan.key.context_bucket)] = grid_point(
                 plan.key.batch_bucket, plan.key.context_bucket, got, default=default, margin=margin

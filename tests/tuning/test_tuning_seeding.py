@@ -172,6 +172,54 @@ def test_a_keys_retiming_leaves_out_the_finalists_of_keys_it_shares_no_cell_with
     assert dials == {64: [1, 2], 512: [1, 2, 3], 4096: [2, 3]}
 
 
+def test_the_maps_coarse_points_are_not_re_timed_after_the_keys_re_timing(profile, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each coarse point of the map is its key's re-timing (its finalists and those of the keys it
+    shares a cell with): no second interleaved run, though the middle key's set holds the 4096 key's
+    finalist, which shares no cell with 64 (a run re-timed every coarse point of a 2 × 3 grid again
+    with the finalists of keys two cells away)."""
+    from attnbench.tables.margin import Interval
+    from attnbench.tuning.interleave import Finalist
+    from attnbench.tuning.refine import PointMeasurement
+    from attnbench.tuning.space import BackendRef
+    from attnbench.tuning.study import KeyResult, plan_studies
+    from attnbench.tuning.tuner import TuneReport, _maps, _with_group
+
+    loads = [Workload.uniform("tiny-gqa", batch=1, context=c, dtype="fp32") for c in (64, 512, 4096)]
+    plans = sorted(
+        plan_studies(loads, [BackendRef.of(Dial)], profile=profile, options=OPTIONS),
+        key=lambda p: p.workload.context,
+    )
+    ref = f"{Dial.__module__}:Dial"
+    fin = {d: Finalist(f"seed_dial[dial={d}]", "seed_dial", ref, {"dial": d}) for d in (1, 2, 3)}
+    finals = {p.key.row: {fin[d].label: fin[d]} for p, d in zip(plans, (1, 2, 3), strict=True)}
+    studied = [(p, KeyResult(p, [])) for p in plans]
+    measured = {}
+    for p in plans:
+        fins = _with_group(p, KeyResult(p, []), finals, studied)[0]
+        times = {
+            label: Interval(1.0 + f.config["dial"], 0.9 + f.config["dial"], 1.1 + f.config["dial"], 9)
+            for label, f in fins.items()
+        }
+        measured[p.key.row] = (p, PointMeasurement(times), fins)
+    calls = []
+
+    class Retimer:
+        def measurer(self, known, like):  # type: ignore[no-untyped-def]
+            def measure(b, c, labels):  # type: ignore[no-untyped-def]
+                calls.append((b, c, labels))
+                return PointMeasurement({k: Interval(1.0, 0.9, 1.1, 9) for k in labels or known})
+
+            return measure
+
+    report = TuneReport([], {}, tmp_path / "t.yaml", "memory")
+    _maps(report, measured, Retimer(), 0.05, False, 0.25, None)  # type: ignore[arg-type]
+    assert calls == [] and len(report.maps) == 1
+    m = report.maps[0]
+    assert {c: sorted(m.points[(1, c)].times) for c in (64, 512, 4096)} == {
+        c: sorted(measured[p.key.row][2]) for c, p in zip((64, 512, 4096), plans, strict=True)
+    }
+
+
 def test_the_entry_keeps_a_finalist_only_the_retiming_measured(profile) -> None:  # type: ignore[no-untyped-def]
     """Another key's finalist that this key's study never measured, gated and timed in its re-timing,
     is a candidate of the entry (and can win); one whose gate failed there is recorded failed."""
