@@ -420,8 +420,8 @@ def summary_table(entries: Mapping[str, Mapping[str, Any]], *, wide: bool = Fals
     lead = [k for k in ("model", "dtype") if wide or len(same[k]) > 1]
     what = " ".join(next(iter(same[k])) for k in ("model", "dtype") if k not in lead and same[k])
     title = escape(
-        f"tuned winners{' for ' + what if what else ''}: measured decode step, all layers (median of "
-        "interleaved samples)"
+        f"tuned winners{' for ' + what if what else ''}: decode step, all layers (median of interleaved "
+        "samples; unless --layers, timed over one layer per distinct layer cache)"
     )
     columns = [*lead, "batch", "context", "winner", "config", "step ms", "vs default"]
     if wide:

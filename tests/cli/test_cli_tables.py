@@ -134,7 +134,7 @@ def test_tune_winners_fit_80_columns_with_the_model_and_dtype_in_the_title() -> 
     table = summary_table(entries)
     text = _assert_readable(table)
     assert _headers(table) == ["batch", "context", "winner", "config", "step ms", "vs default"]
-    assert str(table.title).startswith("tuned winners for llama-3.1-8b bf16: measured decode step")
+    assert str(table.title).startswith("tuned winners for llama-3.1-8b bf16: decode step, all layers")
     cells = _cells(table)
     assert (
         "page_size=128 kv_splits=auto prefetch=2" in cells
