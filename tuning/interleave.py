@@ -313,7 +313,6 @@ def retime(
     warmup: int = 1,
     check: bool = False,
     num_layers: int | None = None,
-    step_layers: int | None = None,
     materialise_bytes: int | None = None,
     error_multiple: float | None = None,
     accuracy_budget: float | None = None,
@@ -324,6 +323,7 @@ def retime(
     timing: str | None = None,
     max_seconds: float | None = None,
     instances: int | None = None,
+    step_layers: int | None = None,
 ) -> PointMeasurement:
     """Time ``finalists`` interleaved in ``worker``; fall back to one at a time if it dies.
 

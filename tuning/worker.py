@@ -69,8 +69,6 @@ class WorkerTask:
     repeats: int = 10
     max_seconds: float | None = None
     num_layers: int | None = None
-    #: the layers the reported times stand for (None: ``num_layers``): each is step × these / num_layers
-    step_layers: int | None = None
     materialise_bytes: int | None = None
     error_multiple: float | None = None
     accuracy_budget: float | None = None
@@ -78,6 +76,8 @@ class WorkerTask:
     backend: str = ""  # the candidate's name in the search space (its record's ``backend``)
     #: report each timed step's running median to the parent, which may answer "prune" (Optuna's pruner)
     report: bool = False
+    #: the layers the reported times stand for (None: ``num_layers``): each is step × these / num_layers
+    step_layers: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
