@@ -28,12 +28,19 @@ from attnbench.measure import SyntheticModel, timed_layers
 
 
 def _points(text: str) -> list[tuple[int, int]]:
+    """An argparse ``type``: ``BATCHxCONTEXT`` points, comma-separated (``1x8k,8x32k``)."""
     out = []
     for part in text.split(","):
         b, sep, c = part.strip().lower().partition("x")
-        if not sep or not b.isdigit() or int(b) < 1:
-            raise argparse.ArgumentTypeError(f"{part!r}: expected BATCHxCONTEXT, e.g. 8x32k")
-        out.append((int(b), parse_tokens(c, field="--points")))
+        try:
+            context = parse_tokens(c, field="context") if sep and b.isdigit() and int(b) >= 1 else 0
+        except ValueError:
+            context = 0
+        if context < 1:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: expected BATCHxCONTEXT, a batch ≥ 1 and a token count (k suffix accepted), e.g. 8x32k"
+            )
+        out.append((int(b), context))
     return out
 
 
@@ -51,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=positive_int, default=9, help="timed steps of each model (default 9)")
     p.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.md")
     args = p.parse_args(argv)
+    registry = load_registry(env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    if args.backend not in registry.entries:
+        p.error(f"--backend {args.backend!r} is not a built-in backend; one of {', '.join(registry.entries)}")
     load_start, started = os.getloadavg(), time.time()
-    backend = load_registry(env={"ATTNBENCH_DISABLE_PLUGIN_AUTOLOAD": "1"}).get(args.backend)
+    backend = registry.get(args.backend)
     rows = []
     for b, c in args.points:
         w = Workload.uniform(args.model, batch=b, context=c, dtype=args.dtype)

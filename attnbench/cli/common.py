@@ -166,14 +166,16 @@ def timing_options(
     return p
 
 
-def run_options() -> argparse.ArgumentParser:
-    """A parent parser: ``--layers``, ``--threads`` and ``--json``, shared by ``bench``, ``tune`` and ``decode``."""
+def run_options(*, layers_help: str | None = None) -> argparse.ArgumentParser:
+    """A parent parser: ``--layers``, ``--threads`` and ``--json``, shared by ``bench``, ``tune`` and
+    ``decode``; ``layers_help`` says what ``--layers`` does where it differs (``tune``'s default)."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
         "--layers",
         type=int,
         default=None,
-        help="layers per decode step of the synthetic model (default: the model's); fewer make a long "
+        help=layers_help
+        or "layers per decode step of the synthetic model (default: the model's); fewer make a long "
         "context quicker, and the per-layer times are what the backends differ in",
     )
     p.add_argument(

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 
 DEFAULT_BATCH = "1"
 DEFAULT_CONTEXT = "1k,4k"
+_LAYERS_HELP = (
+    "layers per timed step (default: one per distinct layer cache, at most the model's, its times "
+    "standing for the model's step: step × its layers / these); a number: steps of those, as timed"
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,14 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "measured is kept, and running the same command again resumes without repeating it. Defaults "
             f"(--batch {DEFAULT_BATCH} --context {DEFAULT_CONTEXT}) take a few minutes on a CPU."
         ),
-        parents=[timing_options(max_seconds=10.0), run_options()],
+        parents=[timing_options(max_seconds=10.0), run_options(layers_help=_LAYERS_HELP)],
     )
     add_model_option(p, required=True)
     add_workload_options(p, batch=DEFAULT_BATCH, context=DEFAULT_CONTEXT)
-    next(a for a in p._actions if a.dest == "layers").help = (
-        "layers per timed step (default: one per distinct layer cache, at most the model's, its times "
-        "standing for the model's step: step × its layers / these); a number: steps of those, as timed"
-    )
     p.add_argument("--backends", help="only these registered backends, comma-separated (default: all)")
     p.add_argument(
         "--trials",

@@ -46,11 +46,11 @@ def timed_layers(workload: Workload, *, budget_bytes: int | None = None) -> int:
     distinct caches for the smallest cache any backend keeps of it (the latent form of an MLA model,
     else K and V; one byte a value, as fp8), at least 2 and at most the model's.
 
-    A step of the model's layers cycles over those caches, every one larger together than the
-    last-level cache budget: the layers beyond them read again, from memory, caches the step already
-    read, and change the per-layer time by nothing but their count. At batch 8 × 32k of Llama-3.1-8B
-    (1 GiB of bf16 K/V a layer) that is 4 layers of 32, a step an eighth as long; at batch 1 × 1k,
-    all 32. A tuner times this many and reports ``step × model layers / this`` (the model's step)."""
+    A step of the model's layers cycles over those caches, which together pass the budget: the layers
+    beyond them read again, from memory, caches the step already read, and change the per-layer time
+    by nothing but their count. With a 256-MiB budget (a 32-MiB last-level cache) that is 2 layers of
+    Llama-3.1-8B's 32 at batch 8 × 32k (1 GiB of bf16 K/V a layer), 16 at 1 × 8k and all 32 at 1 × 1k.
+    A tuner times this many and reports ``step × model layers / this`` (the model's step)."""
     shape = workload.shape
     g = workload.geometry("latent" if shape.is_mla else "expanded")
     values = g.qk_head_dim if shape.is_mla else g.num_kv_heads * (g.qk_head_dim + g.v_head_dim)

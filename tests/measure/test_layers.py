@@ -25,3 +25,12 @@ def test_timed_layers_read_each_distinct_cache_once_and_no_fewer_than_the_budget
         # as many as the synthetic model makes distinct caches of that smallest form, never fewer than 2
         distinct = materialised_layers(per_layer_bytes=per_layer_fp8, num_layers=32, budget_bytes=budget)
         assert n == min(32, max(2, distinct))
+
+
+def test_an_mla_models_timed_layers_count_its_latent_cache() -> None:
+    """DeepSeek-V3 keeps a 576-value latent row a token (its expanded K and V: 40,960 values): at batch
+    1 × 8k the latent layers are 4.5 MiB, so 57 of them pass a 256-MiB budget, not the expanded form's 2."""
+    budget = 256 * 2**20
+    w = Workload.uniform("deepseek-v3", batch=1, context=8192, dtype="bf16")
+    latent = w.geometry("latent").qk_head_dim * 8192
+    assert timed_layers(w, budget_bytes=budget) == min(w.shape.num_layers, -(-budget // latent)) == 57

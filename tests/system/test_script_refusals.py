@@ -7,6 +7,14 @@ import pytest
 from helpers.script_module import refusal
 
 REFUSED = {
+    "timed_layers_check": [
+        (
+            ["--points", "1x8q", "--out", "x"],
+            "--points: '1x8q': expected BATCHxCONTEXT, a batch ≥ 1 and a token count",
+        ),
+        (["--points", "0x1k", "--out", "x"], "--points: '0x1k': expected BATCHxCONTEXT"),
+        (["--backend", "nope", "--out", "x"], "--backend 'nope' is not a built-in backend; one of naive,"),
+    ],
     "attention_gemv_mix": [
         (
             ["--layouts", "huge,vllm", "--out", "x"],

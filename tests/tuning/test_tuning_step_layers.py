@@ -33,12 +33,8 @@ class Sleeper(NaiveBackend):
         return super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
 
 
-def _llama(batch: int, context: int) -> Workload:
-    return Workload.uniform("llama-3.1-8b", batch=batch, context=context, dtype="bf16")
-
-
 def test_options_resolve_the_layers_per_workload_only_where_none_were_asked() -> None:
-    w = _llama(8, 32768)
+    w = Workload.uniform("llama-3.1-8b", batch=8, context=32768, dtype="bf16")
     auto = TuneOptions(materialise_bytes=256 * 2**20).settings(w)
     assert auto["num_layers"] == 2 and auto["step_layers"] == 32
     assert step_scale(auto, w) == 16
