@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import json
 import os
 import random
 import time
@@ -39,9 +40,10 @@ from attnbench.core.registry import load_backend_class
 from attnbench.core.timing import synchronize, timing_mode
 from attnbench.core.workload import Workload, workload_from_dict, workload_to_dict
 from attnbench.correctness.timed import CaseShelf
-from attnbench.measure.bench import CheckFailed, Implausible, measure_decode, plausibility
+from attnbench.measure.bench import CheckFailed, Implausible, gate_candidate, plausibility
 from attnbench.measure.graph_step import GraphedDecodeStep
 from attnbench.measure.synthetic import SyntheticModel
+from attnbench.measure.timed_run import check_timed_step
 from attnbench.tables.dispatch import MapCandidate
 from attnbench.tables.margin import bootstrap_median, median_time, sample_rounds
 from attnbench.tuning.refine import PointMeasurement
@@ -91,7 +93,9 @@ def round_order(n: int, r: int, *, seed: int = 0) -> list[int]:
 def run_interleaved(
     task: dict[str, Any], *, cases: CaseShelf | None = None, model_seed: int | None = None
 ) -> dict[str, Any]:
-    """Gate (where asked: the task's ``check``, or a candidate's) and time ``task["candidates"]``
+    """Gate (where asked: the task's ``check``, or a candidate's: the gate, then the first step of the
+    candidate's first timed model checked against float64, the same two checks as a trial's on the
+    models that are timed, with no model filled just to be checked) and time ``task["candidates"]``
     round-robin; returns samples per label. ``cases`` and ``model_seed``: the worker's gate draw and
     synthetic-model seed for this workload, which a gate here shares with the studies' (see the worker)."""
 
@@ -106,6 +110,8 @@ def run_interleaved(
     graph = timing_mode(task.get("timing"), workload.device) == "graph"
     #: the first model filled of each cache layout (:func:`_layout`): the later ones copy its cache
     filled: dict[tuple[str, ...], SyntheticModel] = {}
+    #: the multiples of the gates passed here, by what decides a verdict (:func:`_gate`)
+    passed: dict[str, float] = {}
     try:
         for cand in task["candidates"]:
             label = cand["label"]
@@ -115,30 +121,19 @@ def run_interleaved(
                 if reasons:
                     failed[label] = "unsupported: " + "; ".join(reasons)
                     continue
+                multiple = None  # the multiple its first model's first step is checked to, where gated here
                 if task.get("check") or cand.get("check"):  # not measured here: the gate first, as in a trial
-                    measure_decode(
-                        backend,
-                        workload,
-                        config=cand["config"],
-                        profile=profile,
-                        warmup=1,
-                        repeats=1,
-                        check=True,
-                        num_layers=task.get("num_layers"),
-                        materialise_bytes=task.get("materialise_bytes"),
-                        error_multiple=task.get("error_multiple"),
-                        accuracy_budget=task.get("accuracy_budget"),
-                        cases=cases,
-                        seed=model_seed,
-                    )
+                    multiple = _gate(backend, workload, cand, task, cases, passed)
                 models[label], steps[label] = _instances(
                     backend,
                     workload,
                     cand["config"],
                     task,
                     graph=graph,
-                    extra=warmup + 4 * samples + 1,
+                    extra=warmup + 4 * samples + 2,
                     filled=filled,
+                    check=multiple,
+                    seed=model_seed,
                 )
             except CheckFailed as err:
                 failed[label] = f"gate: {err}"
@@ -194,6 +189,52 @@ def run_interleaved(
     return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}}
 
 
+def _gate(
+    backend: Any,
+    workload: Workload,
+    cand: dict[str, Any],
+    task: dict[str, Any],
+    cases: CaseShelf | None,
+    passed: dict[str, float],
+) -> float:
+    """Gate a candidate that no study measured at this point, as a trial does (raises
+    :class:`CheckFailed`), and return the multiple its first timed model's step is then checked to
+    (:func:`_check_step`). ``passed``: this run's verdicts by what decides one (the backend and its
+    config but its ``result_neutral`` tunables, as the worker's own reuse): a sibling that differs only
+    in those computes the same bits, so its gate would repeat the first one's; its step is checked all
+    the same, so a wrong declaration still fails."""
+    neutral = getattr(backend, "result_neutral", ())
+    kept = {k: v for k, v in cand["config"].items() if k not in neutral}
+    key = json.dumps([cand["backend_ref"], kept], sort_keys=True, default=str)
+    if key not in passed:
+        _, passed[key] = gate_candidate(
+            backend,
+            workload,
+            config=cand["config"],
+            error_multiple=task.get("error_multiple"),
+            accuracy_budget=task.get("accuracy_budget"),
+            cases=cases,
+        )
+    return passed[key]
+
+
+def _check_step(model: SyntheticModel, multiple: float) -> None:
+    """One eager step of ``model`` with a layer's output recorded, checked against float64 as
+    :func:`~attnbench.measure.timed_run.timed_run` checks a timed step (the layer drawn from the model's
+    seed); raises :class:`CheckFailed` when it fails. What is timed after it is this model's steps."""
+    spot = random.Random(model.seed * 0x9E3779B1 + 1)
+    model.record_layer = spot.randrange(model.num_layers)
+    try:
+        model.decode_step()
+        result = check_timed_step(model, first=0, rng=spot, multiple=multiple)
+    finally:
+        model.record_layer, model.recorded = None, []
+    if result is None:
+        raise RuntimeError(f"{model.backend.name}: its checked step recorded no output")
+    if not result.passed:
+        raise CheckFailed(result)
+
+
 def step_scale(task: dict[str, Any], workload: Workload) -> float:
     """What a timed step's time is multiplied by to stand for a step of the task's ``step_layers``
     (a tuner's step of :func:`~attnbench.measure.layers.timed_layers` layers, as the model's step)."""
@@ -245,6 +286,8 @@ def _instances(
     graph: bool,
     extra: int,
     filled: dict[tuple[str, ...], SyntheticModel] | None = None,
+    check: float | None = None,
+    seed: int | None = None,
 ) -> tuple[list[SyntheticModel], list[Any]]:
     """One candidate's filled, warmed-up models (more than one where the first is small:
     :func:`instances_for`; ``task["instances"]`` where given; one where timed as CUDA graphs: the
@@ -258,7 +301,11 @@ def _instances(
     of a layout already there copies its cache (:meth:`SyntheticModel.fill_like`: the same bytes in
     memory of its own) instead of generating and writing it again — a finalist's further instances,
     and finalists that differ only in tunables that never change the cache (KV splits, a prefetch
-    distance)."""
+    distance).
+
+    ``check``: the multiple the first model's first step is checked to (:func:`_check_step`; a
+    candidate gated here, not in a study), ``None`` for none. ``seed``: the first model's seed (the
+    worker's for this workload, whose float64 references the studies' checks share)."""
     made: list[SyntheticModel] = []
     calls: list[Any] = []
     warmup = int(task.get("warmup", 1))
@@ -271,6 +318,7 @@ def _instances(
                 config=config,
                 num_layers=task.get("num_layers"),
                 materialise_bytes=task.get("materialise_bytes"),
+                seed=None if made else seed,
             )
             made.append(model)
             source = filled.get(layout) if filled is not None and layout is not None else None
@@ -280,6 +328,8 @@ def _instances(
                 model.fill(extra_tokens=extra)
                 if filled is not None and layout is not None:
                     filled[layout] = model
+            if check is not None and len(made) == 1:
+                _check_step(model, check)
             capturable = graph and getattr(model.cache, "capturable", False)
             step = GraphedDecodeStep(model) if capturable else model.decode_step
             for _ in range(max(warmup, 1 if graph else 0)):  # a graph is captured in its first step

@@ -12,6 +12,7 @@ from attnbench.measure.bench import (
     CheckFailed,
     Implausible,
     check_workload,
+    gate_candidate,
     measure_decode,
     plausibility,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "TimedRun",
     "check_timed_step",
     "check_workload",
+    "gate_candidate",
     "generate",
     "llc_evictor",
     "materialised_layers",

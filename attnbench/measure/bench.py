@@ -76,6 +76,7 @@ __all__ = [
     "Implausible",
     "ModelShelf",
     "check_workload",
+    "gate_candidate",
     "measure_decode",
     "plausibility",
 ]
@@ -254,6 +255,35 @@ def measure_decode(
         raise Pruned(run.step, result, phases)
     m.phases = phases
     return m
+
+
+def gate_candidate(
+    backend: Backend,
+    workload: Workload,
+    *,
+    config: Mapping[str, Any] | None = None,
+    error_multiple: float | None = None,
+    accuracy_budget: float | None = None,
+    check_budget_bytes: int = CHECK_BUDGET_BYTES,
+    cases: CaseShelf | None = None,
+) -> tuple[CheckResult, float]:
+    """The correctness gate alone, exactly as :func:`measure_decode` runs it before timing, for a caller
+    that times the backend on models of its own (the tuner's interleaved re-timing): the verdict
+    (raises :class:`CheckFailed` on failure) and the multiple of the calibration error that the caller
+    must then hold one of its timed steps to (:func:`~attnbench.measure.timed_run.check_timed_step`)."""
+    resolution = backend.resolve(workload, config)
+    cfg = dict(resolution.require().config)
+    multiple = error_multiple_for(backend, workload.dtype, cfg, error_multiple)
+    result, _ = _gate_first(
+        backend,
+        workload,
+        resolution,
+        multiple,
+        budget=check_budget_bytes,
+        accuracy=accuracy_budget,
+        cases=cases,
+    )
+    return result, multiple
 
 
 def _untimed(

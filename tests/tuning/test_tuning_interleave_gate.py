@@ -1,0 +1,96 @@
+"""A candidate the interleaved re-timing gates itself (a map point no study measured, a corpus finalist):
+the gate as in a trial, then the first step of the model that is timed checked against float64 — with
+no model filled only to be checked, and one gate per combination of the tunables that change the bits."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+
+import attnbench.tuning.interleave as interleave
+from attnbench.backends.naive import NaiveBackend
+from attnbench.core.resolution import Tunable
+from attnbench.core.workload import Workload, workload_to_dict
+from attnbench.measure.synthetic import SyntheticModel
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WORKLOAD = Workload.uniform("tiny-gqa", batch=1, context=64, dtype="fp32")
+
+
+class Wrong(NaiveBackend):
+    """Off by 0.05 everywhere: the gate itself refuses it."""
+
+    name = "interleave_wrong"
+
+    def decode(self, cache: Any, plan: Any, *, layer: int, q: Any, k: Any, v: Any) -> Any:
+        return super().decode(cache, plan, layer=layer, q=q, k=k, v=v) + 0.05
+
+
+class LyingKnob(NaiveBackend):
+    """Declares ``knob`` result-neutral, but knob 2 is wrong: its verdict is reused from knob 0, and
+    only the check of its timed model's step can catch it."""
+
+    name = "interleave_lying_knob"
+    tunables: ClassVar[tuple[Tunable, ...]] = (Tunable("knob", (0, 1, 2), 0, "changes only the speed"),)
+    result_neutral: ClassVar[tuple[str, ...]] = ("knob",)
+
+    def decode(self, cache: Any, plan: Any, *, layer: int, q: Any, k: Any, v: Any) -> Any:
+        out = super().decode(cache, plan, layer=layer, q=q, k=k, v=v)
+        return out + 0.05 if cache.config["knob"] == 2 else out
+
+
+def _candidate(label: str, cls: type, **config: Any) -> dict[str, Any]:
+    return {"label": label, "backend_ref": f"{cls.__module__}:{cls.__qualname__}", "config": config}
+
+
+def test_gated_candidates_are_checked_on_the_models_that_are_timed(profile, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    gated: list[str] = []
+    real_gate = interleave.gate_candidate
+
+    def counting_gate(backend: Any, workload: Any, **kw: Any) -> Any:
+        gated.append(f"{backend.name}{kw['config']}")
+        return real_gate(backend, workload, **kw)
+
+    filled: list[str] = []
+    real_fill = SyntheticModel.fill
+
+    def counting_fill(self: SyntheticModel, **kw: Any) -> None:
+        filled.append(f"{self.backend.name}{dict(self.config)}")
+        real_fill(self, **kw)
+
+    monkeypatch.setattr(interleave, "gate_candidate", counting_gate)
+    monkeypatch.setattr(SyntheticModel, "fill", counting_fill)
+    task = {
+        "workload": workload_to_dict(WORKLOAD),
+        "samples": 3,
+        "warmup": 1,
+        "check": True,
+        "num_layers": 2,
+        "instances": 1,
+        "profile": {k: v for k, v in profile.as_dict().items() if k != "id"},
+        "candidates": [
+            _candidate("knob0", LyingKnob, knob=0),
+            _candidate("knob1", LyingKnob, knob=1),
+            _candidate("knob2", LyingKnob, knob=2),
+            _candidate("wrong", Wrong),
+            _candidate("naive", NaiveBackend),
+        ],
+    }
+    got = interleave.run_interleaved(task)["attrs"]
+    failed, times = got["failed"], got["samples_ms"]
+    assert set(times) == {"knob0", "knob1", "naive"}, failed
+    assert failed["wrong"].startswith("gate:") and "timed step" not in failed["wrong"], failed["wrong"]
+    # knob 2's verdict was knob 0's; the check of its own timed model's step refused it
+    assert failed["knob2"].startswith("gate:") and "timed step" in failed["knob2"], failed["knob2"]
+    assert gated == ["interleave_lying_knob{'knob': 0}", "interleave_wrong{}", "naive{}"]
+    # one fill per candidate that passed the gate (none only to be checked): the three knobs, naive
+    assert sorted(filled) == sorted(
+        [
+            "interleave_lying_knob{'knob': 0}",
+            "interleave_lying_knob{'knob': 1}",
+            "interleave_lying_knob{'knob': 2}",
+            "naive{}",
+        ]
+    )
