@@ -25,13 +25,14 @@ the parent side is :func:`retime`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +113,8 @@ def run_interleaved(
     filled: dict[tuple[str, ...], SyntheticModel] = {}
     #: the multiples of the gates passed here, by what decides a verdict (:func:`_gate`)
     passed: dict[str, float] = {}
+    #: where the run's time went (:func:`_spend`): the gates, the caches, the checked steps, warm-up, rounds
+    phases: dict[str, float] = {}
     try:
         for cand in task["candidates"]:
             label = cand["label"]
@@ -123,7 +126,8 @@ def run_interleaved(
                     continue
                 multiple = None  # the multiple its first model's first step is checked to, where gated here
                 if task.get("check") or cand.get("check"):  # not measured here: the gate first, as in a trial
-                    multiple = _gate(backend, workload, cand, task, cases, passed)
+                    with _spend(phases, "gate"):
+                        multiple = _gate(backend, workload, cand, task, cases, passed)
                 models[label], steps[label] = _instances(
                     backend,
                     workload,
@@ -134,6 +138,7 @@ def run_interleaved(
                     filled=filled,
                     check=multiple,
                     seed=model_seed,
+                    phases=phases,
                 )
             except CheckFailed as err:
                 failed[label] = f"gate: {err}"
@@ -160,6 +165,7 @@ def run_interleaved(
             return got
 
         synchronize(workload.device)
+        rounds = time.perf_counter()
         times = (
             sample_rounds(
                 one_round,
@@ -186,7 +192,8 @@ def run_interleaved(
         models.clear()
         steps.clear()
         gc.collect()
-    return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}}
+    phases["rounds"] = time.perf_counter() - rounds
+    return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}, "phases": phases}
 
 
 def _gate(
@@ -288,6 +295,7 @@ def _instances(
     filled: dict[tuple[str, ...], SyntheticModel] | None = None,
     check: float | None = None,
     seed: int | None = None,
+    phases: dict[str, float] | None = None,
 ) -> tuple[list[SyntheticModel], list[Any]]:
     """One candidate's filled, warmed-up models (more than one where the first is small:
     :func:`instances_for`; ``task["instances"]`` where given; one where timed as CUDA graphs: the
@@ -305,7 +313,9 @@ def _instances(
 
     ``check``: the multiple the first model's first step is checked to (:func:`_check_step`; a
     candidate gated here, not in a study), ``None`` for none. ``seed``: the first model's seed (the
-    worker's for this workload, whose float64 references the studies' checks share)."""
+    worker's for this workload, whose float64 references the studies' checks share). ``phases``: the
+    seconds spent filling (``cache``), checking (``check``) and warming up (``warmup``) are added there."""
+    spent: dict[str, float] = phases if phases is not None else {}
     made: list[SyntheticModel] = []
     calls: list[Any] = []
     warmup = int(task.get("warmup", 1))
@@ -322,24 +332,37 @@ def _instances(
             )
             made.append(model)
             source = filled.get(layout) if filled is not None and layout is not None else None
-            if source is not None and source.cache is not None:
-                model.fill_like(source, extra_tokens=extra)
-            else:
-                model.fill(extra_tokens=extra)
-                if filled is not None and layout is not None:
-                    filled[layout] = model
+            with _spend(spent, "cache"):
+                if source is not None and source.cache is not None:
+                    model.fill_like(source, extra_tokens=extra)
+                else:
+                    model.fill(extra_tokens=extra)
+                    if filled is not None and layout is not None:
+                        filled[layout] = model
             if check is not None and len(made) == 1:
-                _check_step(model, check)
+                with _spend(spent, "check"):
+                    _check_step(model, check)
             capturable = graph and getattr(model.cache, "capturable", False)
             step = GraphedDecodeStep(model) if capturable else model.decode_step
-            for _ in range(max(warmup, 1 if graph else 0)):  # a graph is captured in its first step
-                step()
+            with _spend(spent, "warmup"):
+                for _ in range(max(warmup, 1 if graph else 0)):  # a graph is captured in its first step
+                    step()
             calls.append(step)
     except BaseException:
         for model in made:
             model.release()
         raise
     return made, calls
+
+
+@contextlib.contextmanager
+def _spend(phases: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the wall seconds of the ``with`` body to ``phases[phase]``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - t0
 
 
 def _clock(ref: str | None) -> Any:

@@ -357,8 +357,12 @@ class Worker:
         own (pipes, loading the backend, resolving it); a failed candidate's whole time as failed;
         an interleaved re-timing as such."""
         backend = str(message.get("backend") or message.get("backend_ref") or "")
-        if message.get("op") == "interleave":
-            self._add("", f"re-timing ({self.section or 'finalists'}, interleaved)", outcome.wall_s)
+        if message.get("op") == "interleave":  # its own split: gates, caches, checks, warm-up, rounds
+            what = f"re-timing ({self.section or 'finalists'})"
+            for phase, seconds in outcome.phases.items():
+                self._add("", f"{what}: {phase}", seconds)
+            rest = max(0.0, outcome.wall_s - sum(outcome.phases.values()))
+            self._add("", f"{what}: worker", rest)
         elif outcome.phases:
             for phase, seconds in outcome.phases.items():
                 self._add(backend, phase, seconds)

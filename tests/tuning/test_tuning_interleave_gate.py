@@ -78,7 +78,10 @@ def test_gated_candidates_are_checked_on_the_models_that_are_timed(profile, monk
             _candidate("naive", NaiveBackend),
         ],
     }
-    got = interleave.run_interleaved(task)["attrs"]
+    answer = interleave.run_interleaved(task)
+    got = answer["attrs"]
+    # where the run's time went, for tune --profile: the gates, fills, checked steps, warm-up and rounds
+    assert set(answer["phases"]) == {"gate", "cache", "check", "warmup", "rounds"}, answer["phases"]
     failed, times = got["failed"], got["samples_ms"]
     assert set(times) == {"knob0", "knob1", "naive"}, failed
     assert failed["wrong"].startswith("gate:") and "timed step" not in failed["wrong"], failed["wrong"]
