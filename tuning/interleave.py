@@ -49,7 +49,7 @@ from attnbench.tables.dispatch import MapCandidate
 from attnbench.tables.margin import bootstrap_median, median_time, sample_rounds
 from attnbench.tuning.refine import PointMeasurement
 
-__all__ = ["Finalist", "retime", "round_order", "run_interleaved", "step_scale"]
+__all__ = ["Finalist", "retime", "round_order", "run_interleaved", "step_scale", "verdict_key"]
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,19 @@ def round_order(n: int, r: int, *, seed: int = 0) -> list[int]:
 # child side (in the worker)
 # --------------------------------------------------------------------------------------------------
 def run_interleaved(
-    task: dict[str, Any], *, cases: CaseShelf | None = None, model_seed: int | None = None
+    task: dict[str, Any],
+    *,
+    cases: CaseShelf | None = None,
+    model_seed: int | None = None,
+    verdicts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Gate (where asked: the task's ``check``, or a candidate's: the gate, then the first step of the
     candidate's first timed model checked against float64, the same two checks as a trial's on the
     models that are timed, with no model filled just to be checked) and time ``task["candidates"]``
     round-robin; returns samples per label. ``cases`` and ``model_seed``: the worker's gate draw and
-    synthetic-model seed for this workload, which a gate here shares with the studies' (see the worker)."""
+    synthetic-model seed for this workload, which a gate here shares with the studies' (see the worker).
+    ``verdicts``: the gate verdicts passed so far by :func:`verdict_key` (the worker's, its studies'
+    too), where a candidate differing from one gated only in ``result_neutral`` tunables finds its own."""
 
     workload = workload_from_dict(task["workload"])
     clock = _clock(task.get("clock"))
@@ -111,8 +117,7 @@ def run_interleaved(
     graph = timing_mode(task.get("timing"), workload.device) == "graph"
     #: the first model filled of each cache layout (:func:`_layout`): the later ones copy its cache
     filled: dict[tuple[str, ...], SyntheticModel] = {}
-    #: the multiples of the gates passed here, by what decides a verdict (:func:`_gate`)
-    passed: dict[str, float] = {}
+    passed: dict[str, Any] = verdicts if verdicts is not None else {}  # by verdict_key
     #: where the run's time went (:func:`_spend`): the gates, the caches, the checked steps, warm-up, rounds
     phases: dict[str, float] = {}
     try:
@@ -177,6 +182,7 @@ def run_interleaved(
             if order
             else {}
         )
+        phases["rounds"] = time.perf_counter() - rounds
         for label, made in models.items():
             med = median_time(times[label]) / 1e3
             why = plausibility(kv_bytes=made[0].kv_bytes_per_step(), seconds=med, profile=profile)
@@ -186,14 +192,29 @@ def run_interleaved(
         scale = step_scale(task, workload)  # a tuner's step of fewer layers, as the model's step
         times = {label: _scaled(t, scale) for label, t in times.items()}
     finally:
-        for made in models.values():
-            for model in made:
-                model.release()
-        models.clear()
-        steps.clear()
-        gc.collect()
-    phases["rounds"] = time.perf_counter() - rounds
+        with _spend(phases, "release"):  # the models' memory handed back
+            for made in models.values():
+                for model in made:
+                    model.release()
+            models.clear()
+            steps.clear()
+            gc.collect()
     return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}, "phases": phases}
+
+
+def verdict_key(
+    backend_ref: str,
+    workload: dict[str, Any],
+    config: dict[str, Any],
+    neutral: Sequence[str],
+    task: dict[str, Any],
+) -> str:
+    """What decides a gate verdict: the backend, the workload, its config but its ``result_neutral``
+    tunables (a config differing only in those computes the same bits) and the gate's own settings
+    (the error multiple, a lossy cache's accuracy budget)."""
+    kept = {k: v for k, v in config.items() if k not in neutral}
+    settings = [task.get("error_multiple"), task.get("accuracy_budget")]
+    return json.dumps([backend_ref, workload, kept, settings], sort_keys=True, default=str)
 
 
 def _gate(
@@ -202,27 +223,28 @@ def _gate(
     cand: dict[str, Any],
     task: dict[str, Any],
     cases: CaseShelf | None,
-    passed: dict[str, float],
+    passed: dict[str, Any],
 ) -> float:
     """Gate a candidate that no study measured at this point, as a trial does (raises
     :class:`CheckFailed`), and return the multiple its first timed model's step is then checked to
-    (:func:`_check_step`). ``passed``: this run's verdicts by what decides one (the backend and its
-    config but its ``result_neutral`` tunables, as the worker's own reuse): a sibling that differs only
-    in those computes the same bits, so its gate would repeat the first one's; its step is checked all
-    the same, so a wrong declaration still fails."""
+    (:func:`_check_step`). ``passed``: the verdicts passed so far by :func:`verdict_key` (this run's
+    and the worker's studies'): a sibling that differs only in ``result_neutral`` tunables computes the
+    same bits, so its gate would repeat the first one's; its step is checked all the same, so a wrong
+    declaration still fails."""
     neutral = getattr(backend, "result_neutral", ())
-    kept = {k: v for k, v in cand["config"].items() if k not in neutral}
-    key = json.dumps([cand["backend_ref"], kept], sort_keys=True, default=str)
-    if key not in passed:
-        _, passed[key] = gate_candidate(
-            backend,
-            workload,
-            config=cand["config"],
-            error_multiple=task.get("error_multiple"),
-            accuracy_budget=task.get("accuracy_budget"),
-            cases=cases,
-        )
-    return passed[key]
+    key = verdict_key(cand["backend_ref"], task["workload"], cand["config"], neutral, task)
+    found = passed.get(key)  # (the label of the config that drew it, the verdict)
+    verdict, multiple = gate_candidate(
+        backend,
+        workload,
+        config=cand["config"],
+        error_multiple=task.get("error_multiple"),
+        accuracy_budget=task.get("accuracy_budget"),
+        cases=cases,
+        gate=found[1] if found else None,
+    )
+    passed[key] = found or (cand["label"], verdict)
+    return multiple
 
 
 def _check_step(model: SyntheticModel, multiple: float) -> None:

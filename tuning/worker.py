@@ -38,7 +38,7 @@ from attnbench.core.child import Child, die_with_parent
 from attnbench.core.workload import workload_from_dict
 from attnbench.correctness.timed import CaseShelf
 from attnbench.tables.table_schema import CandidateResult
-from attnbench.tuning.interleave import run_interleaved, step_scale
+from attnbench.tuning.interleave import run_interleaved, step_scale, verdict_key
 from attnbench.tuning.summary import gate_summary, study_interval
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def evaluate(task: dict[str, Any]) -> dict[str, Any]:
             return failed("unsupported", "; ".join(resolution.reasons))
         profile = DeviceProfile(**task["profile"]) if task.get("profile") else None
         settings: dict[str, Any] = {k: task.get(k) for k in MEASURE_SETTINGS}
-        key = _gate_key(task, config, backend.result_neutral)
+        key = verdict_key(task["backend_ref"], task["workload"], config, backend.result_neutral, task)
         passed = _PASSED.get(key)
         scale = step_scale(task, workload)
         report = _reporter(int(task.get("repeats") or 0), scale) if task.get("report") else None
@@ -237,17 +237,11 @@ def _reporter(repeats: int, scale: float) -> Any:
     return report
 
 
-#: the gate verdicts this worker drew and passed, by what decides them: the backend, the workload, the
-#: measuring settings and the config without its ``result_neutral`` tunables (a candidate differing
-#: only in those computes the same bits, so its gate would repeat this one's); each value the label of
-#: the config that drew it and the verdict
+#: the gate verdicts this worker drew and passed, by what decides them
+#: (:func:`~attnbench.tuning.interleave.verdict_key`: a candidate differing only in ``result_neutral``
+#: tunables computes the same bits, so its gate would repeat this one's), for its trials and its
+#: interleaved re-timings alike; each value the label of the config that drew it and the verdict
 _PASSED: dict[str, tuple[str, Any]] = {}
-
-
-def _gate_key(task: dict[str, Any], config: dict[str, Any], neutral: tuple[str, ...]) -> str:
-    settings = {k: task.get(k) for k in MEASURE_SETTINGS}
-    kept = {k: v for k, v in config.items() if k not in neutral}
-    return json.dumps([task["backend_ref"], task["workload"], settings, kept], sort_keys=True, default=str)
 
 
 def _label(name: str, config: dict[str, Any]) -> str:
@@ -298,7 +292,9 @@ def main() -> None:
             if _SHELF is not None:
                 _SHELF.clear()
             _CASES.clear()
-            verdict = run_interleaved(task, cases=_CASES, model_seed=_seed_for(task["workload"]))
+            verdict = run_interleaved(
+                task, cases=_CASES, model_seed=_seed_for(task["workload"]), verdicts=_PASSED
+            )
         else:
             verdict = evaluate(task)
         proto.write(json.dumps(verdict, default=str) + "\n")

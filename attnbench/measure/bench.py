@@ -266,14 +266,19 @@ def gate_candidate(
     accuracy_budget: float | None = None,
     check_budget_bytes: int = CHECK_BUDGET_BYTES,
     cases: CaseShelf | None = None,
+    gate: CheckResult | None = None,
 ) -> tuple[CheckResult, float]:
     """The correctness gate alone, exactly as :func:`measure_decode` runs it before timing, for a caller
     that times the backend on models of its own (the tuner's interleaved re-timing): the verdict
     (raises :class:`CheckFailed` on failure) and the multiple of the calibration error that the caller
-    must then hold one of its timed steps to (:func:`~attnbench.measure.timed_run.check_timed_step`)."""
+    must then hold one of its timed steps to (:func:`~attnbench.measure.timed_run.check_timed_step`).
+    ``gate``: as in :func:`measure_decode`, the verdict for a config that computes the same bits,
+    returned instead of running the gate (the caller's timed step is checked all the same)."""
     resolution = backend.resolve(workload, config)
     cfg = dict(resolution.require().config)
     multiple = error_multiple_for(backend, workload.dtype, cfg, error_multiple)
+    if gate is not None:
+        return gate, multiple
     result, _ = _gate_first(
         backend,
         workload,

@@ -50,7 +50,8 @@ def test_gated_candidates_are_checked_on_the_models_that_are_timed(profile, monk
     real_gate = interleave.gate_candidate
 
     def counting_gate(backend: Any, workload: Any, **kw: Any) -> Any:
-        gated.append(f"{backend.name}{kw['config']}")
+        if kw.get("gate") is None:  # drawn, not a verdict reused
+            gated.append(f"{backend.name}{kw['config']}")
         return real_gate(backend, workload, **kw)
 
     filled: list[str] = []
@@ -78,10 +79,13 @@ def test_gated_candidates_are_checked_on_the_models_that_are_timed(profile, monk
             _candidate("naive", NaiveBackend),
         ],
     }
-    answer = interleave.run_interleaved(task)
+    verdicts: dict[str, Any] = {}  # the worker's, kept across its studies and re-timings
+    answer = interleave.run_interleaved(task, verdicts=verdicts)
     got = answer["attrs"]
     # where the run's time went, for tune --profile: the gates, fills, checked steps, warm-up and rounds
-    assert set(answer["phases"]) == {"gate", "cache", "check", "warmup", "rounds"}, answer["phases"]
+    assert set(answer["phases"]) == {"gate", "cache", "check", "warmup", "rounds", "release"}, answer[
+        "phases"
+    ]
     failed, times = got["failed"], got["samples_ms"]
     assert set(times) == {"knob0", "knob1", "naive"}, failed
     assert failed["wrong"].startswith("gate:") and "timed step" not in failed["wrong"], failed["wrong"]
@@ -97,3 +101,12 @@ def test_gated_candidates_are_checked_on_the_models_that_are_timed(profile, monk
             "naive{}",
         ]
     )
+    # a later run in the same worker (another key's re-timing, a map point of this workload) finds the
+    # verdicts passed: only the candidate that failed is gated again, every model's step still checked
+    gated.clear()
+    again = interleave.run_interleaved(task, verdicts=verdicts)["attrs"]
+    assert gated == ["interleave_wrong{}"]
+    assert set(again["samples_ms"]) == {"knob0", "knob1", "naive"} and set(again["failed"]) == {
+        "knob2",
+        "wrong",
+    }
