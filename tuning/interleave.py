@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-import json
 import os
 import random
 import time
@@ -41,15 +40,15 @@ from attnbench.core.registry import load_backend_class
 from attnbench.core.timing import synchronize, timing_mode
 from attnbench.core.workload import Workload, workload_from_dict, workload_to_dict
 from attnbench.correctness.timed import CaseShelf
-from attnbench.measure.bench import CheckFailed, Implausible, gate_candidate, plausibility
+from attnbench.measure.bench import CheckFailed, Implausible, plausibility
 from attnbench.measure.graph_step import GraphedDecodeStep
 from attnbench.measure.synthetic import SyntheticModel
-from attnbench.measure.timed_run import check_timed_step
 from attnbench.tables.dispatch import MapCandidate
 from attnbench.tables.margin import bootstrap_median, median_time, sample_rounds
+from attnbench.tuning.admit import check_first_step, gate_here, room_for
 from attnbench.tuning.refine import PointMeasurement
 
-__all__ = ["Finalist", "retime", "round_order", "run_interleaved", "step_scale", "verdict_key"]
+__all__ = ["Finalist", "retime", "round_order", "run_interleaved", "step_scale"]
 
 
 @dataclass(frozen=True)
@@ -120,9 +119,15 @@ def run_interleaved(
     passed: dict[str, Any] = verdicts if verdicts is not None else {}  # by verdict_key
     #: where the run's time went (:func:`_spend`): the gates, the caches, the checked steps, warm-up, rounds
     phases: dict[str, float] = {}
+    deferred: list[str] = []  # no room for their models beside the others': timed in a later run
+    largest = 0  # the most bytes one candidate's models took so far
     try:
         for cand in task["candidates"]:
             label = cand["label"]
+            checked = bool(task.get("check") or cand.get("check"))
+            if models and not room_for(largest, workload.device, task, checked=checked):
+                deferred.append(label)
+                continue
             try:
                 backend = load_backend_class(cand["backend_ref"])()
                 reasons = backend.supports(workload)
@@ -130,9 +135,9 @@ def run_interleaved(
                     failed[label] = "unsupported: " + "; ".join(reasons)
                     continue
                 multiple = None  # the multiple its first model's first step is checked to, where gated here
-                if task.get("check") or cand.get("check"):  # not measured here: the gate first, as in a trial
+                if checked:  # not measured here: the gate first, as in a trial
                     with _spend(phases, "gate"):
-                        multiple = _gate(backend, workload, cand, task, cases, passed)
+                        multiple = gate_here(backend, workload, cand, task, cases, passed)
                 models[label], steps[label] = _instances(
                     backend,
                     workload,
@@ -145,6 +150,7 @@ def run_interleaved(
                     seed=model_seed,
                     phases=phases,
                 )
+                largest = max(largest, sum(m.cache.nbytes() for m in models[label] if m.cache is not None))
             except CheckFailed as err:
                 failed[label] = f"gate: {err}"
             except Implausible as err:
@@ -199,69 +205,8 @@ def run_interleaved(
             models.clear()
             steps.clear()
             gc.collect()
-    return {"ok": True, "attrs": {"samples_ms": times, "failed": failed}, "phases": phases}
-
-
-def verdict_key(
-    backend_ref: str,
-    workload: dict[str, Any],
-    config: dict[str, Any],
-    neutral: Sequence[str],
-    task: dict[str, Any],
-) -> str:
-    """What decides a gate verdict: the backend, the workload, its config but its ``result_neutral``
-    tunables (a config differing only in those computes the same bits) and the gate's own settings
-    (the error multiple, a lossy cache's accuracy budget)."""
-    kept = {k: v for k, v in config.items() if k not in neutral}
-    settings = [task.get("error_multiple"), task.get("accuracy_budget")]
-    return json.dumps([backend_ref, workload, kept, settings], sort_keys=True, default=str)
-
-
-def _gate(
-    backend: Any,
-    workload: Workload,
-    cand: dict[str, Any],
-    task: dict[str, Any],
-    cases: CaseShelf | None,
-    passed: dict[str, Any],
-) -> float:
-    """Gate a candidate that no study measured at this point, as a trial does (raises
-    :class:`CheckFailed`), and return the multiple its first timed model's step is then checked to
-    (:func:`_check_step`). ``passed``: the verdicts passed so far by :func:`verdict_key` (this run's
-    and the worker's studies'): a sibling that differs only in ``result_neutral`` tunables computes the
-    same bits, so its gate would repeat the first one's; its step is checked all the same, so a wrong
-    declaration still fails."""
-    neutral = getattr(backend, "result_neutral", ())
-    key = verdict_key(cand["backend_ref"], task["workload"], cand["config"], neutral, task)
-    found = passed.get(key)  # (the label of the config that drew it, the verdict)
-    verdict, multiple = gate_candidate(
-        backend,
-        workload,
-        config=cand["config"],
-        error_multiple=task.get("error_multiple"),
-        accuracy_budget=task.get("accuracy_budget"),
-        cases=cases,
-        gate=found[1] if found else None,
-    )
-    passed[key] = found or (cand["label"], verdict)
-    return multiple
-
-
-def _check_step(model: SyntheticModel, multiple: float) -> None:
-    """One eager step of ``model`` with a layer's output recorded, checked against float64 as
-    :func:`~attnbench.measure.timed_run.timed_run` checks a timed step (the layer drawn from the model's
-    seed); raises :class:`CheckFailed` when it fails. What is timed after it is this model's steps."""
-    spot = random.Random(model.seed * 0x9E3779B1 + 1)
-    model.record_layer = spot.randrange(model.num_layers)
-    try:
-        model.decode_step()
-        result = check_timed_step(model, first=0, rng=spot, multiple=multiple)
-    finally:
-        model.record_layer, model.recorded = None, []
-    if result is None:
-        raise RuntimeError(f"{model.backend.name}: its checked step recorded no output")
-    if not result.passed:
-        raise CheckFailed(result)
+    attrs = {"samples_ms": times, "failed": failed, "deferred": deferred}
+    return {"ok": True, "attrs": attrs, "phases": phases}
 
 
 def step_scale(task: dict[str, Any], workload: Workload) -> float:
@@ -363,7 +308,7 @@ def _instances(
                         filled[layout] = model
             if check is not None and len(made) == 1:
                 with _spend(spent, "check"):
-                    _check_step(model, check)
+                    check_first_step(model, check)
             capturable = graph and getattr(model.cache, "capturable", False)
             step = GraphedDecodeStep(model) if capturable else model.decode_step
             with _spend(spent, "warmup"):
@@ -455,7 +400,7 @@ def retime(
         "instances": instances,
     }
 
-    def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[Any]], dict[str, str]]:
+    def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[Any]], dict[str, str], list[str]]:
         message = base | {
             "candidates": [
                 {"label": f.label, "backend_ref": f.backend_ref, "config": f.config, "check": f.check}
@@ -464,22 +409,31 @@ def retime(
         }
         outcome = worker.request(message, timeout=timeout_s * max(1, len(group)) * 2)
         if outcome.ok:
-            return outcome.attrs["samples_ms"], outcome.attrs["failed"]
+            return outcome.attrs["samples_ms"], outcome.attrs["failed"], outcome.attrs.get("deferred", [])
         raise _Died(f"{outcome.kind}: {outcome.reason}")
 
     load = os.getloadavg()
     evaluations = len(finalists)
+    isolated = ""
     try:
-        raw, failed = ask(finalists)
+        raw, failed, later = ask(finalists)
+        runs = 1
+        while later:  # the worker's memory held only some models at once: the rest in runs of their own
+            rest = [f for f in finalists if f.label in later]
+            got, bad, later = ask(rest)
+            raw, failed, runs, evaluations = raw | got, failed | bad, runs + 1, evaluations + len(rest)
+        if runs > 1:
+            isolated = f"memory: the finalists' models did not fit at once; timed in {runs} interleaved runs"
     except _Died as died:
         raw, failed = {}, {}
+        isolated = f"the interleaved run's worker died ({died}): each candidate timed alone"
         if len(finalists) == 1:
             failed[finalists[0].label] = str(died)
         else:  # isolated runs: a candidate that kills its worker alone is the one to blame
             for f in finalists:
                 evaluations += 1
                 try:
-                    got, bad = ask([f])
+                    got, bad, _ = ask([f])
                 except _Died as alone:
                     bad, got = {f.label: str(alone)}, {}
                 raw |= got
@@ -491,6 +445,7 @@ def retime(
         candidates={f.label: MapCandidate(f.backend, dict(f.config), f.lossy) for f in finalists},
         load_avg=tuple(round(x, 2) for x in load),
         evaluations=evaluations,
+        isolated=isolated if len(finalists) > 1 else "",
     )
 
 

@@ -45,6 +45,9 @@ class PointMeasurement:
     candidates: dict[str, MapCandidate] = field(default_factory=dict)
     load_avg: tuple[float, ...] = ()
     evaluations: int = 0  # candidates run in a worker for this point
+    #: why the candidates were timed one at a time instead of interleaved (the interleaved run's
+    #: worker died: killed for memory, or a candidate crashed it); "" when they were interleaved
+    isolated: str = ""
 
 
 Measure = Callable[[int, int, Sequence[str] | None], PointMeasurement]

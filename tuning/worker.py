@@ -38,7 +38,8 @@ from attnbench.core.child import Child, die_with_parent
 from attnbench.core.workload import workload_from_dict
 from attnbench.correctness.timed import CaseShelf
 from attnbench.tables.table_schema import CandidateResult
-from attnbench.tuning.interleave import run_interleaved, step_scale, verdict_key
+from attnbench.tuning.admit import verdict_key
+from attnbench.tuning.interleave import run_interleaved, step_scale
 from attnbench.tuning.summary import gate_summary, study_interval
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ from attnbench.cli.tables import (  # re-exported: the commands import the table
     render_text,
     truncated_cells,
 )
-from attnbench.core.device import AUTO, fingerprint, resolve_device
+from attnbench.core.device import AUTO, available_memory, fingerprint, resolve_device
 from attnbench.core.shapes import list_presets, load_shape
 from attnbench.core.workload import Workload, parse_int_list, parse_tokens
 
@@ -310,25 +310,11 @@ def workloads_from_args(args: argparse.Namespace) -> list[Workload]:
     return workloads
 
 
-def _available_bytes(device: str) -> int | None:
-
-    if torch.device(device).type == "cuda":
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _check_fits(workload: Workload) -> None:
     """Refuse a workload whose KV cache cannot be allocated even for one layer (e.g. ``--context 200m``)."""
     layers = max(1, int(getattr(workload.shape, "num_layers", 1) or 1))
     one_layer = workload.kv_bytes_per_step() // layers
-    available = _available_bytes(workload.device)
+    available = available_memory(workload.device)
     if available is not None and one_layer > available:
         raise ValueError(
             f"--context/--batch: {workload.describe()} needs {one_layer / 1e9:.3g} GB of KV cache for a single "

@@ -33,6 +33,7 @@ from attnbench.core.timing import measure
 __all__ = [
     "DeviceProfile",
     "ReadMeter",
+    "available_memory",
     "cache_dir",
     "empty_huge",
     "fingerprint",
@@ -55,6 +56,21 @@ def resolve_device(device: str | torch.device = AUTO) -> str:
     if device.strip().lower() == AUTO:
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes that can still be allocated on ``device`` without pushing anything out: free GPU memory on
+    CUDA, the kernel's ``MemAvailable`` on Linux; ``None`` where unknown."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def cache_dir() -> Path:

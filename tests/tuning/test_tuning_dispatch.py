@@ -463,6 +463,43 @@ def test_a_crash_in_the_interleaved_run_falls_back_to_isolated_runs():
     assert worker.groups[1:] == [["planted_a"], ["planted_crash"], ["planted_b"]]  # then one at a time
     assert set(got.times) == {"planted_a", "planted_b"} and got.times["planted_a"].samples == 15
     assert "SIGSEGV" in got.failed["planted_crash"] and got.evaluations == 6
+    # the measurement says its candidates were not interleaved, and why (the table records it)
+    assert "worker died" in got.isolated and "SIGSEGV" in got.isolated
+    alone = retime(
+        _FakeWorker(), fins[:1], workload=Workload.uniform("tiny-gqa", batch=1, context=64), samples=5
+    )
+    assert alone.isolated == ""
+
+
+class _NarrowWorker:
+    """Room for one candidate's models at a time: the interleaved run defers the rest of each group."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[str]] = []
+
+    def request(self, message, *, timeout):
+        from attnbench.tuning.worker import Outcome
+
+        labels = [c["label"] for c in message["candidates"]]
+        self.groups.append(labels)
+        samples = {labels[0]: [1.0 + 0.01 * i for i in range(message["samples"])]}
+        return Outcome(ok=True, attrs={"samples_ms": samples, "failed": {}, "deferred": labels[1:]})
+
+
+def test_finalists_deferred_for_memory_are_timed_in_later_runs_and_the_measurement_says_so():
+    from attnbench.core.workload import Workload
+    from attnbench.tuning.interleave import Finalist, retime
+
+    fins = [Finalist(n, n, f"x:{n}", {}) for n in ("planted_a", "planted_b", "planted_c")]
+    worker = _NarrowWorker()
+    got = retime(worker, fins, workload=Workload.uniform("tiny-gqa", batch=1, context=64), samples=5)
+    assert worker.groups == [
+        ["planted_a", "planted_b", "planted_c"],
+        ["planted_b", "planted_c"],
+        ["planted_c"],
+    ]
+    assert set(got.times) == {"planted_a", "planted_b", "planted_c"} and got.evaluations == 6
+    assert got.isolated.startswith("memory:") and "3 interleaved runs" in got.isolated
 
 
 def test_a_map_with_one_grid_line_on_an_axis_answers_beyond_it_flat():

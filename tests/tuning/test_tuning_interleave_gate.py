@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+import attnbench.tuning.admit as admit
 import attnbench.tuning.interleave as interleave
 from attnbench.backends.naive import NaiveBackend
 from attnbench.core.resolution import Tunable
@@ -47,7 +48,7 @@ def _candidate(label: str, cls: type, **config: Any) -> dict[str, Any]:
 
 def test_gated_candidates_are_checked_on_the_models_that_are_timed(profile, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     gated: list[str] = []
-    real_gate = interleave.gate_candidate
+    real_gate = admit.gate_candidate
 
     def counting_gate(backend: Any, workload: Any, **kw: Any) -> Any:
         if kw.get("gate") is None:  # drawn, not a verdict reused
@@ -61,7 +62,7 @@ def test_gated_candidates_are_checked_on_the_models_that_are_timed(profile, monk
         filled.append(f"{self.backend.name}{dict(self.config)}")
         real_fill(self, **kw)
 
-    monkeypatch.setattr(interleave, "gate_candidate", counting_gate)
+    monkeypatch.setattr(admit, "gate_candidate", counting_gate)
     monkeypatch.setattr(SyntheticModel, "fill", counting_fill)
     task = {
         "workload": workload_to_dict(WORKLOAD),
@@ -110,3 +111,26 @@ def test_gated_candidates_are_checked_on_the_models_that_are_timed(profile, monk
         "knob2",
         "wrong",
     }
+
+
+def test_candidates_whose_models_do_not_fit_beside_the_others_wait_for_a_later_run(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    free = 8 * 2**30
+    monkeypatch.setattr(admit, "available_memory", lambda device: free)
+    task = {
+        "workload": workload_to_dict(WORKLOAD),
+        "samples": 3,
+        "num_layers": 2,
+        "instances": 1,
+        "candidates": [_candidate(x, NaiveBackend) for x in ("a", "b", "c")],
+    }
+    got = interleave.run_interleaved(task | {"memory_reserve": free - 2**20})["attrs"]
+    assert got["deferred"] == [] and set(got["samples_ms"]) == {"a", "b", "c"}  # a few KiB each: room
+    # the first candidate always runs; one that would leave less than the reserve free waits
+    got = interleave.run_interleaved(task | {"memory_reserve": free - 1})["attrs"]
+    assert set(got["samples_ms"]) == {"a"} and got["deferred"] == ["b", "c"] and not got["failed"]
+    assert admit.room_for(0, "cpu", task, checked=False)
+    assert not admit.room_for(free - admit.MEMORY_RESERVE + 1, "cpu", task, checked=False)
+    # a candidate gated in the run needs room for the gate's inputs too
+    assert not admit.room_for(
+        0, "cpu", task | {"memory_reserve": free - admit.CHECK_BUDGET_BYTES + 1}, checked=True
+    )

@@ -5,6 +5,7 @@ fewer trials. ``transfer=False`` searches every key in full."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, ClassVar
 
@@ -245,3 +246,10 @@ def test_the_entry_keeps_a_finalist_only_the_retiming_measured(profile) -> None:
     assert by_dial[3]["failed"] == "gate" and "rel_l2" in by_dial[3]["reason"]
     assert entry["trials"] == 4  # the candidates listed: the study's two and the re-timing's two
     assert entry["runner_up"]["config"] == {"dial": 0}
+    assert entry["retimed"]["interleaved"] and "isolated" not in entry["retimed"]
+    # a re-timing whose interleaved worker died (killed for memory) was timed one at a time: so recorded
+    alone = dataclasses.replace(
+        retimed, isolated="the interleaved run's worker died (crash): each candidate timed alone"
+    )
+    got = summarize(result, profile=profile, retimed=alone)["retimed"]
+    assert got["interleaved"] is False and "worker died" in got["isolated"]
