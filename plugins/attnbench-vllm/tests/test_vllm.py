@@ -72,6 +72,10 @@ class VllmCpuFP8Vec(VllmCpuFP8Backend):
         *VllmCpuFP8Backend.tunables[1:],
     )
 
+    def tunables_for(self, workload: Workload) -> tuple[Tunable, ...]:
+        """Its own: ``isa`` is ``vec`` alone, nothing to narrow (the base offers ``auto`` and the others)."""
+        return self.tunables
+
 
 #: what the fp8 conformance suite runs: vLLM's own pick, except on an AMX CPU (there it fails the
 #: gate, asserted by test_amx_fp8_fails_the_gate) where it is the vector variant
