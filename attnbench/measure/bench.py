@@ -211,15 +211,12 @@ def measure_decode(
     shelved = shelf.take(key, backend, cfg, resolution) if shelf is not None else None
     result, gate_s = gate, 0.0  # a verdict reused: the gate passed a config that computes the same bits
     if check and gate is None:
-        result, gate_s = _gate_first(
-            backend,
-            workload,
-            resolution,
-            multiple,
-            budget=check_budget_bytes,
-            accuracy=accuracy_budget,
-            cases=cases,
-        )
+        started = time.perf_counter()
+        result, _ = gate_candidate(
+            backend, workload, config=cfg, resolution=resolution, error_multiple=error_multiple,
+            accuracy_budget=accuracy_budget, check_budget_bytes=check_budget_bytes, cases=cases,
+        )  # fmt: skip
+        gate_s = time.perf_counter() - started
     if resolution.interpreted:  # checked, never timed
         return _untimed(base, workload.kv_bytes_per_step(backend.kv_form), check=result, gate_s=gate_s)
     made = time.perf_counter()
@@ -267,19 +264,22 @@ def gate_candidate(
     check_budget_bytes: int = CHECK_BUDGET_BYTES,
     cases: CaseShelf | None = None,
     gate: CheckResult | None = None,
+    resolution: Resolution | None = None,
 ) -> tuple[CheckResult, float]:
     """The correctness gate alone, exactly as :func:`measure_decode` runs it before timing, for a caller
     that times the backend on models of its own (the tuner's interleaved re-timing): the verdict
     (raises :class:`CheckFailed` on failure) and the multiple of the calibration error that the caller
     must then hold one of its timed steps to (:func:`~attnbench.measure.timed_run.check_timed_step`).
     ``gate``: as in :func:`measure_decode`, the verdict for a config that computes the same bits,
-    returned instead of running the gate (the caller's timed step is checked all the same)."""
-    resolution = backend.resolve(workload, config)
+    returned instead of running the gate (the caller's timed step is checked all the same).
+    ``resolution``: ``backend.resolve(workload, config)`` if the caller has it."""
+    if resolution is None or not resolution.matches(workload, config):
+        resolution = backend.resolve(workload, config)
     cfg = dict(resolution.require().config)
     multiple = error_multiple_for(backend, workload.dtype, cfg, error_multiple)
     if gate is not None:
         return gate, multiple
-    result, _ = _gate_first(
+    result = _gate_first(
         backend,
         workload,
         resolution,
@@ -333,13 +333,12 @@ def _gate_first(
     budget: int,
     accuracy: float | None,
     cases: CaseShelf | None = None,
-) -> tuple[CheckResult, float]:
-    """The correctness gate before anything is timed (step 2 of the module doc): its result and the
-    seconds it took; raises :class:`CheckFailed` when it fails (a lossy cache also against
-    ``accuracy``, the largest rel_l2 against exact attention accepted)."""
+) -> CheckResult:
+    """The correctness gate before anything is timed (step 2 of the module doc): its result; raises
+    :class:`CheckFailed` when it fails (a lossy cache also against ``accuracy``, the largest rel_l2
+    against exact attention accepted)."""
     checked = check_workload(workload, form=backend.kv_form, budget_bytes=budget)
     cfg = dict(resolution.config)
-    start = time.perf_counter()
     case = cases.get(checked, form=backend.kv_form, num_layers=2) if cases is not None else None
     try:
         result = gate_check(
@@ -349,14 +348,13 @@ def _gate_first(
         if cases is not None:
             cases.verify()
     gc.collect()
-    seconds = time.perf_counter() - start
     lossy = resolution.lossy
     if accuracy is not None and lossy and not result.error.rel_l2 <= accuracy:
         over = f"lossy ({lossy}): rel_l2 {result.error.rel_l2:.3g} against exact attention > the accuracy budget {accuracy:g}"
         result = dataclasses.replace(result, failures=[*result.failures, over])
     if not result.passed:
         raise CheckFailed(result)
-    return result, seconds
+    return result
 
 
 def _measurement(
