@@ -207,3 +207,24 @@ def test_synthetic_model_bad_input() -> None:
     with pytest.raises(ValueError, match="prompt of 5 tokens but setup"):
         model.prefill(torch.zeros(1, 5, dtype=torch.long))
     assert not math.isnan(model.per_layer_bytes(8))
+
+
+def test_fill_gives_every_layer_sequence_token_and_head_a_vector_of_its_own() -> None:
+    """The fill builds its K/V from fewer random draws (a vector per sequence and period position plus
+    one per period shared by the batch): every (layer cache, sequence, token, head) must still hold
+    distinct K and V vectors — else a backend reading the wrong one passes the timed step's check —
+    distributed as N(0, 1)."""
+    workload = Workload(_shape(layers=3), (2100, 2100, 700), torch.float32)  # two fill chunks
+    model = SyntheticModel(NaiveBackend(), workload)
+    model.fill(extra_tokens=1)
+    cache = model.cache
+    assert cache is not None and model.layers_materialised == 3
+    for name in ("k", "v"):
+        kept = [
+            getattr(cache, name)[layer][row, :, :n].reshape(-1, 16)
+            for layer in range(3)
+            for row, n in enumerate(workload.context_lens)
+        ]
+        vectors = torch.cat(kept)
+        assert torch.unique(vectors, dim=0).shape[0] == vectors.shape[0]
+        assert abs(float(vectors.mean())) < 0.02 and abs(float(vectors.std()) - 1) < 0.02
