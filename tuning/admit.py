@@ -11,14 +11,14 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from attnbench.core.device import available_memory
+from attnbench.core.device import available_memory, make_room
 from attnbench.core.workload import Workload
 from attnbench.correctness.timed import CHECK_BUDGET_BYTES, CaseShelf
 from attnbench.measure.bench import CheckFailed, gate_candidate
 from attnbench.measure.synthetic import SyntheticModel
 from attnbench.measure.timed_run import check_timed_step
 
-__all__ = ["MEMORY_RESERVE", "check_first_step", "gate_here", "room_for", "verdict_key"]
+__all__ = ["KEEP_FREE", "MEMORY_RESERVE", "check_first_step", "gate_here", "room_for", "verdict_key"]
 
 
 def verdict_key(
@@ -72,13 +72,22 @@ def gate_here(
 #: whose models would take more is timed in a later run (:func:`~attnbench.tuning.interleave.retime`)
 MEMORY_RESERVE = 2 * 2**30
 
+#: what the worker leaves free at the least while it keeps the caches' memory of the candidates it timed
+#: to lend to the next (:func:`~attnbench.core.device.keep_huge_buffers`): the re-timing's reserve and a
+#: gate's inputs' budget
+KEEP_FREE = MEMORY_RESERVE + CHECK_BUDGET_BYTES
+
 
 def room_for(nbytes: int, device: str, task: dict[str, Any], *, checked: bool) -> bool:
     """Whether one more candidate's models (``nbytes``, the most any took so far) fit beside those made,
     leaving :data:`MEMORY_RESERVE` (``task["memory_reserve"]`` where given), and the gate's inputs'
-    budget for a candidate gated here, free; ``True`` where the free memory is unknown."""
-    free = available_memory(device)
+    budget for a candidate gated here, free; ``True`` where the free memory is unknown. The worker's
+    kept idle cache buffers (:func:`~attnbench.core.device.keep_huge_buffers`) are freed for it first,
+    as far as it needs."""
     reserve = task.get("memory_reserve", MEMORY_RESERVE) + (CHECK_BUDGET_BYTES if checked else 0)
+    if device == "cpu":
+        make_room(nbytes, keep_free=reserve)
+    free = available_memory(device)
     return free is None or free - nbytes >= reserve
 
 

@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from attnbench.core.child import Child, die_with_parent
+from attnbench.core.device import keep_huge_buffers
 from attnbench.core.workload import workload_from_dict
 from attnbench.correctness.timed import CaseShelf
 from attnbench.tables.table_schema import CandidateResult
-from attnbench.tuning.admit import verdict_key
+from attnbench.tuning.admit import KEEP_FREE, verdict_key
 from attnbench.tuning.interleave import run_interleaved, step_scale
 from attnbench.tuning.summary import gate_summary, study_interval
 
@@ -273,6 +274,8 @@ def main() -> None:
     # (the measuring code runs one after each candidate, to hand back its caches) scans only what the
     # candidates made, ~50 µs instead of ~70 ms over torch's objects (measured: 124 trials, 8.7 s of a tune)
     gc.freeze()
+    if not init.get("memory_limit_bytes"):  # caches' memory kept and lent again: first touches cost seconds
+        keep_huge_buffers(KEEP_FREE)
     if init.get("threads"):  # the parent's thread count (`tune --threads`): its fingerprint says so
         torch.set_num_threads(int(init["threads"]))
 

@@ -190,3 +190,43 @@ def test_empty_huge_is_a_plain_tensor_advised_into_2_mib_pages() -> None:
     # (MADV_HUGEPAGE). Whether 2 MiB frames back it depends on the OS having free ones: a busy or
     # fragmented machine (seen on a CI runner) declines, so the grant is not asserted.
     assert maps and all("hg" in m["VmFlags"].split() for m in maps), maps
+
+
+@pytest.mark.skipif(
+    device_mod._madvise() is None, reason="madvise is Linux's: empty_huge is torch.empty elsewhere"
+)
+def test_kept_huge_buffers_are_lent_again_only_once_every_view_is_gone() -> None:
+    import gc
+
+    import torch
+
+    shape = (3 * device_mod.HUGE_PAGE // 2,)  # 3 MiB of bf16
+    device_mod.keep_huge_buffers(0)
+    try:
+        first = device_mod.empty_huge(shape, torch.bfloat16)
+        address = first.data_ptr()
+        alive = device_mod.empty_huge(shape, torch.bfloat16)  # not the live one's memory
+        assert alive.data_ptr() != address
+        view = first[1:]  # a view keeps the memory in use after the tensor it came from is gone
+        del first
+        gc.collect()
+        assert device_mod.empty_huge(shape, torch.bfloat16).data_ptr() not in (address, alive.data_ptr())
+        del view
+        gc.collect()
+        again = device_mod.empty_huge(shape, torch.bfloat16)
+        assert again.data_ptr() == address  # idle now: lent again
+        assert again.shape == shape and again.data_ptr() % device_mod.HUGE_PAGE == 0
+        too_big = device_mod.empty_huge((4 * device_mod.HUGE_PAGE,), torch.bfloat16)  # none that size
+        assert too_big.data_ptr() not in (address, alive.data_ptr())
+        del again, too_big, alive
+        gc.collect()
+        assert device_mod._KEPT.idle_bytes() > 0
+        free = device_mod.available_memory("cpu")
+        assert free is not None
+        device_mod.make_room(0, keep_free=free + 2**40)  # more than the machine has: every idle one freed
+        assert device_mod._KEPT.idle_bytes() == 0
+    finally:
+        device_mod.keep_huge_buffers(None)
+    assert not device_mod._KEPT.buffers
+    gone = device_mod.empty_huge(shape, torch.bfloat16)
+    assert not device_mod._KEPT.buffers and gone.shape == shape  # off: nothing kept
