@@ -313,6 +313,8 @@ def keep_huge_buffers(keep_free: int | None) -> None:
     the machine keeps free at the least — an idle buffer is freed before a new buffer, or
     :func:`make_room`, would leave less. For a process that makes caches over and over (the tuner's
     worker), never for a library's caller, whose memory must come back when its tensors die."""
+    if not hasattr(torch._C, "_storage_Use_Count"):  # a torch that cannot say a buffer is idle: off
+        keep_free = None
     _KEPT.keep_free = keep_free
     if keep_free is None:
         _KEPT.buffers.clear()  # the idle ones freed; a live tensor keeps its own memory
