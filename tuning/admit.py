@@ -85,7 +85,7 @@ def room_for(nbytes: int, device: str, task: dict[str, Any], *, checked: bool) -
     kept idle cache buffers (:func:`~attnbench.core.device.keep_huge_buffers`) are freed for it first,
     as far as it needs."""
     reserve = task.get("memory_reserve", MEMORY_RESERVE) + (CHECK_BUDGET_BYTES if checked else 0)
-    if device == "cpu":
+    if device.split(":")[0] == "cpu":  # only a CPU's caches are kept
         make_room(nbytes, keep_free=reserve)
     free = available_memory(device)
     return free is None or free - nbytes >= reserve

@@ -21,6 +21,7 @@ import platform
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -236,14 +237,15 @@ def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if madvise is None or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
     raw = _KEPT.lend(nbytes + HUGE_PAGE)
-    offset = -raw.data_ptr() % HUGE_PAGE if raw is not None else 0
+    fresh = raw is None
     if raw is None:
         _KEPT.trim(nbytes + HUGE_PAGE)
         _KEPT.swap(nbytes + HUGE_PAGE)
         raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-        offset = -raw.data_ptr() % HUGE_PAGE
-        madvise(raw.data_ptr() + offset, nbytes, _MADV_HUGEPAGE)  # a refusal (errno) leaves 4 KiB pages
         _KEPT.keep(raw)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    if fresh:  # a lent buffer was advised when it was made
+        madvise(raw.data_ptr() + offset, nbytes, _MADV_HUGEPAGE)  # a refusal (errno) leaves 4 KiB pages
     return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
@@ -274,18 +276,21 @@ class _KeptBuffers:
         fits = [b for b in self.buffers if nbytes <= b.numel() <= 1.5 * nbytes and self._idle(b)]
         return min(fits, key=lambda b: b.numel()) if fits else None
 
-    def _drop(self, raw: torch.Tensor) -> None:  # by identity: == on tensors compares their elements
-        self.buffers = [b for b in self.buffers if b is not raw]
+    def _free_idle(self, enough: Callable[[int], bool]) -> None:
+        """Free idle buffers, the largest first, until ``enough(bytes freed so far)``; each one's memory
+        goes back to the OS as it is dropped (no reference to it is left here)."""
+        idle = sorted((b for b in self.buffers if self._idle(b)), key=lambda b: -b.numel())
+        freed = 0
+        while idle and not enough(freed):
+            raw = idle.pop(0)
+            freed += raw.numel()
+            self.buffers = [b for b in self.buffers if b is not raw]  # by identity: == compares elements
+            del raw
 
     def swap(self, nbytes: int) -> None:
         """Free idle buffers, the largest first, until ``nbytes`` are freed: allocated right after, a new
         buffer of a size none fits takes memory the OS has not reclaimed yet (0.3 s for 2 GiB)."""
-        freed = 0
-        for raw in sorted((b for b in self.buffers if self._idle(b)), key=lambda b: -b.numel()):
-            if freed >= nbytes:
-                return
-            freed += raw.numel()
-            self._drop(raw)
+        self._free_idle(lambda freed: freed >= nbytes)
 
     def keep(self, raw: torch.Tensor) -> None:
         if self.keep_free is not None:
@@ -295,13 +300,8 @@ class _KeptBuffers:
         """Free idle buffers, the largest first, until ``need`` more bytes leave ``keep_free`` (default:
         the kept setting) free."""
         floor = self.keep_free if keep_free is None else keep_free
-        if floor is None:
-            return
-        for raw in sorted((b for b in self.buffers if self._idle(b)), key=lambda b: -b.numel()):
-            free = available_memory("cpu")
-            if free is None or free - need >= floor:
-                return
-            self._drop(raw)
+        if floor is not None:
+            self._free_idle(lambda _: (free := available_memory("cpu")) is None or free - need >= floor)
 
 
 _KEPT = _KeptBuffers()
@@ -313,6 +313,10 @@ def keep_huge_buffers(keep_free: int | None) -> None:
     the machine keeps free at the least — an idle buffer is freed before a new buffer, or
     :func:`make_room`, would leave less. For a process that makes caches over and over (the tuner's
     worker), never for a library's caller, whose memory must come back when its tensors die."""
+    if keep_free is not None and keep_free < 0:
+        raise ValueError(
+            f"keep_huge_buffers: keep_free = {keep_free} bytes (accepted: 0 or more, or None for off)"
+        )
     if not hasattr(torch._C, "_storage_Use_Count"):  # a torch that cannot say a buffer is idle: off
         keep_free = None
     _KEPT.keep_free = keep_free

@@ -230,3 +230,9 @@ def test_kept_huge_buffers_are_lent_again_only_once_every_view_is_gone() -> None
     assert not device_mod._KEPT.buffers
     gone = device_mod.empty_huge(shape, torch.bfloat16)
     assert not device_mod._KEPT.buffers and gone.shape == shape  # off: nothing kept
+
+
+def test_keep_huge_buffers_refuses_a_negative_floor_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"keep_free = -1 bytes \(accepted: 0 or more, or None for off\)"):
+        device_mod.keep_huge_buffers(-1)
+    assert device_mod._KEPT.keep_free is None  # still off

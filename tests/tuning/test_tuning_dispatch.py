@@ -436,10 +436,12 @@ def test_a_grid_point_records_a_tie():
 
 
 class _FakeWorker:
-    """A worker whose interleaved run dies when ``planted_crash`` is in it (as a segfault would)."""
+    """A worker whose interleaved run dies when ``planted_crash`` is in it (as a segfault would); with
+    ``narrow``, one with room for one candidate's models at a time (the run defers the rest of a group)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, narrow: bool = False) -> None:
         self.groups: list[list[str]] = []
+        self.narrow = narrow
 
     def request(self, message, *, timeout):
         from attnbench.tuning.worker import Outcome
@@ -448,8 +450,9 @@ class _FakeWorker:
         self.groups.append(labels)
         if "planted_crash" in labels:
             return Outcome(ok=False, kind="crash", reason="worker process killed by SIGSEGV; replaced")
-        samples = {k: [1.0 + 0.01 * i for i in range(message["samples"])] for k in labels}
-        return Outcome(ok=True, attrs={"samples_ms": samples, "failed": {}})
+        timed = labels[:1] if self.narrow else labels
+        samples = {k: [1.0 + 0.01 * i for i in range(message["samples"])] for k in timed}
+        return Outcome(ok=True, attrs={"samples_ms": samples, "failed": {}, "deferred": labels[len(timed) :]})
 
 
 def test_a_crash_in_the_interleaved_run_falls_back_to_isolated_runs():
@@ -471,27 +474,12 @@ def test_a_crash_in_the_interleaved_run_falls_back_to_isolated_runs():
     assert alone.isolated == ""
 
 
-class _NarrowWorker:
-    """Room for one candidate's models at a time: the interleaved run defers the rest of each group."""
-
-    def __init__(self) -> None:
-        self.groups: list[list[str]] = []
-
-    def request(self, message, *, timeout):
-        from attnbench.tuning.worker import Outcome
-
-        labels = [c["label"] for c in message["candidates"]]
-        self.groups.append(labels)
-        samples = {labels[0]: [1.0 + 0.01 * i for i in range(message["samples"])]}
-        return Outcome(ok=True, attrs={"samples_ms": samples, "failed": {}, "deferred": labels[1:]})
-
-
 def test_finalists_deferred_for_memory_are_timed_in_later_runs_and_the_measurement_says_so():
     from attnbench.core.workload import Workload
     from attnbench.tuning.interleave import Finalist, retime
 
     fins = [Finalist(n, n, f"x:{n}", {}) for n in ("planted_a", "planted_b", "planted_c")]
-    worker = _NarrowWorker()
+    worker = _FakeWorker(narrow=True)
     got = retime(worker, fins, workload=Workload.uniform("tiny-gqa", batch=1, context=64), samples=5)
     assert worker.groups == [
         ["planted_a", "planted_b", "planted_c"],
