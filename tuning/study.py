@@ -174,6 +174,7 @@ class KeyResult:
     #: "agreed" (this machine's fastest of the corpus's finalists is the corpus's winner, within the
     #: switch margin: the study stopped there), "disagreed" (searched in full), or "" (no corpus entry)
     corpus: str = ""
+    corpus_note: str = ""  # what decided the corpus's verdict where the study's times alone did not
     #: a seeded study stopped: ``plan.patience`` candidates in a row brought nothing better
     converged: bool = False
 
@@ -239,12 +240,15 @@ def run_study(
     profile: DeviceProfile,
     options: TuneOptions,
     on_trial: Callable[[StudyPlan, CandidateResult, bool], None] | None = None,
+    confirm: Callable[[StudyPlan, Candidate, Candidate], bool] | None = None,
 ) -> KeyResult:
     """Run ``plan``'s study until it holds ``plan.target`` distinct finished candidates.
 
     ``on_trial(plan, record, reused)`` is called after each trial (``reused``: a duplicate answered
     from an earlier trial). ``KeyboardInterrupt`` marks the running trial interrupted and returns
-    what was measured with ``interrupted=True``.
+    what was measured with ``interrupted=True``. ``confirm``: where the study's times put the corpus's
+    winner behind another of its finalists by more than the switch margin, whether it holds when the
+    two are timed again interleaved (:func:`corpus_verdict`).
     """
     study = plan.load(storage, seed=options.seed)
     study.set_user_attr("key", plan.key.as_dict())
@@ -270,6 +274,7 @@ def run_study(
     enqueued_defaults = False
     duplicates = stalls = 0
     result.corpus = str(study.user_attrs.get("corpus", "")) if plan.corpus_first else ""
+    result.corpus_note = str(study.user_attrs.get("corpus_note", "")) if result.corpus else ""
     while True:
         trials = study.get_trials(deepcopy=False)
         done = {_trial_result(t).candidate.ident(): t for t in trials if finished(t)}
@@ -284,8 +289,10 @@ def run_study(
         confirming = bool(plan.corpus_first) and not result.corpus  # the corpus's finalists run first
         if confirming:
             if all(c.ident() in done for c in plan.corpus_first):
-                result.corpus = corpus_verdict(plan.corpus_first, done)
+                checked = None if confirm is None else (lambda a, b: confirm(plan, a, b))
+                result.corpus, result.corpus_note = corpus_verdict(plan.corpus_first, done, confirm=checked)
                 study.set_user_attr("corpus", result.corpus)
+                study.set_user_attr("corpus_note", result.corpus_note)
                 continue
             todo = [c for c in plan.corpus_first if c in todo] or todo
         elif plan.seeds and any(c in todo for c in plan.seeds):  # this run's cheaper keys' finalists first
@@ -365,18 +372,35 @@ def run_study(
     return result
 
 
-def corpus_verdict(firsts: Sequence[Candidate], done: dict[str, FrozenTrial]) -> str:
-    """``"agreed"`` where this machine's fastest of the corpus's finalists (measured, gated) is the
-    corpus's winner (``firsts[0]``) or within the switch margin of it; else ``"disagreed"``."""
+def corpus_verdict(
+    firsts: Sequence[Candidate],
+    done: dict[str, FrozenTrial],
+    *,
+    confirm: Callable[[Candidate, Candidate], bool] | None = None,
+) -> tuple[str, str]:
+    """``("agreed", note)`` where this machine's fastest of the corpus's finalists (measured, gated) is
+    the corpus's winner (``firsts[0]``) or within the switch margin of it; else ``("disagreed", note)``.
+    Study trials run one after another: two configs 11 % apart there lay 4 % apart interleaved. So
+    where the winner is beyond the margin behind a ``rival``, ``confirm(winner, rival)`` (if given)
+    times the two again interleaved, and the verdict is "disagreed" only where the rival beats it
+    there beyond both intervals by the margin. ``note`` says what decided, for the table."""
     times = {}
     for c in firsts:
         t = done[c.ident()]
         if t.state == TrialState.COMPLETE and t.value is not None:
             times[c.ident()] = float(t.value)
     winner = times.get(firsts[0].ident())
-    if winner is None or not times:
-        return "disagreed"  # the corpus's winner failed here (gate, error): search everything
-    return "agreed" if winner <= min(times.values()) * (1 + SWITCH_MARGIN) else "disagreed"
+    if winner is None or not times:  # the corpus's winner failed here (gate, error): search everything
+        return "disagreed", f"its winner {firsts[0].label()} failed here"
+    rival = next(c for c in firsts if c.ident() == min(times, key=times.__getitem__))
+    if winner <= times[rival.ident()] * (1 + SWITCH_MARGIN):
+        return "agreed", ""
+    behind = f"its study time {winner / times[rival.ident()]:.2f}× {rival.label()}'s"
+    if confirm is None:
+        return "disagreed", behind
+    if confirm(firsts[0], rival):
+        return "agreed", f"{behind}; timed again interleaved, not beyond the intervals by the margin"
+    return "disagreed", f"{behind}, and again interleaved beyond the intervals by the margin"
 
 
 def converged(

@@ -191,10 +191,11 @@ def _search(result: KeyResult) -> str:
     run's cheaper keys' finalists (:mod:`attnbench.tuning.seeding`)."""
     plan = result.plan
     how = "grid" if plan.exhaustive else "tpe"
+    note = f" ({result.corpus_note})" if result.corpus_note else ""
     if result.corpus == "agreed":
-        return f"corpus finalists ({len(plan.corpus_first)}): agreed with {plan.corpus_label}"
+        return f"corpus finalists ({len(plan.corpus_first)}): agreed with {plan.corpus_label}{note}"
     if result.corpus == "disagreed":
-        return f"{how} (the corpus's winner, from {plan.corpus_label}, lost here: searched in full)"
+        return f"{how} (the corpus's winner, from {plan.corpus_label}, lost here{note}: searched in full)"
     if plan.seeds:
         stop = (
             f"stopped after {plan.patience} in a row brought nothing better"

@@ -24,8 +24,9 @@ from attnbench.core.registry import Registry, code_hash
 from attnbench.core.workload import Workload
 from attnbench.tables.corpus import corpus_enabled, corpus_entry
 from attnbench.tables.dispatch import DispatchMap, GridPoint, dispatch_path, save_maps
-from attnbench.tables.margin import NEAR_ENOUGH, SWITCH_MARGIN, finalists
+from attnbench.tables.margin import NEAR_ENOUGH, SWITCH_MARGIN, beats, finalists
 from attnbench.tables.table import CandidateResult, ResultsTable, TableError, hardware_id, table_path
+from attnbench.tables.table_schema import Candidate
 from attnbench.tuning import study
 from attnbench.tuning.interleave import Finalist, retime
 from attnbench.tuning.refine import RESOLUTION, PointMeasurement, grid_point, refine_map
@@ -179,6 +180,7 @@ def tune(
                         profile=profile,
                         options=options,
                         on_trial=on_trial,
+                        confirm=retimer.holds,
                     )
             except KeyboardInterrupt:
                 report.interrupted = True
@@ -379,6 +381,22 @@ class _Retimer:
             self.worker, list(fins.values()), workload=workload, samples=self.samples, check=check,
             profile=self.profile, max_seconds=budget, **settings,
         )  # fmt: skip
+
+    def holds(self, plan: StudyPlan, winner: Candidate, rival: Candidate) -> bool:
+        """Whether ``winner`` (the corpus's, at ``plan``'s key) holds against ``rival`` timed again
+        interleaved, both gated by their study trials already: ``rival`` does not beat it beyond both
+        intervals by the switch margin (:func:`attnbench.tuning.study.corpus_verdict`)."""
+        fins = {}
+        for c in (winner, rival):
+            ref = plan.space.backends[c.backend]
+            fins[c.label()] = Finalist(c.label(), c.backend, ref.ref, dict(c.config), _lossy(ref))
+        section, self.worker.section = self.worker.section, "the corpus's winner against this machine's"
+        try:
+            got = self(fins, plan.workload, check=False)
+        finally:
+            self.worker.section = section
+        mine, theirs = got.times.get(winner.label()), got.times.get(rival.label())
+        return mine is not None and (theirs is None or not beats(theirs, mine, margin=SWITCH_MARGIN))
 
     def measurer(
         self, known: dict[str, Finalist], like: Workload
