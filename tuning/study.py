@@ -88,9 +88,7 @@ class TuneOptions:
     allow_lossy: bool = False  # lossy caches (fp8 K/V) compete only when allowed
     accuracy_budget: float | None = None  # or: lossy caches within this rel_l2 of exact attention compete
     error_multiple: float | None = None  # the gate's multiple for backends that declare none of their own
-    clock: str | None = (
-        None  # import path of the finalists' re-timing clock (default perf_counter; tests plant one)
-    )
+    clock: str | None = None  # import path of the re-timing's clock (default perf_counter; tests plant one)
     #: stop a trial's timed steps where Optuna's pruner finds it slower than the study's others
     #: (study_pruner); the finalists are re-timed in full either way
     prune: bool = True
@@ -246,9 +244,8 @@ def run_study(
 
     ``on_trial(plan, record, reused)`` is called after each trial (``reused``: a duplicate answered
     from an earlier trial). ``KeyboardInterrupt`` marks the running trial interrupted and returns
-    what was measured with ``interrupted=True``. ``confirm``: where the study's times put the corpus's
-    winner behind another of its finalists by more than the switch margin, whether it holds when the
-    two are timed again interleaved (:func:`corpus_verdict`).
+    what was measured with ``interrupted=True``. ``confirm``: whether the corpus's winner holds against
+    a rival timed again interleaved (:func:`corpus_verdict`).
     """
     study = plan.load(storage, seed=options.seed)
     study.set_user_attr("key", plan.key.as_dict())
@@ -287,6 +284,8 @@ def run_study(
         if len(done) >= plan.target or result.corpus == "agreed":
             break
         confirming = bool(plan.corpus_first) and not result.corpus  # the corpus's finalists run first
+        # on half the steps (gated all the same; corpus_verdict interleaves where in doubt)
+        halved = {"repeats": max(3, options.repeats // 2)} if confirming else {}
         if confirming:
             if all(c.ident() in done for c in plan.corpus_first):
                 checked = None if confirm is None else (lambda a, b: confirm(plan, a, b))
@@ -341,7 +340,7 @@ def run_study(
             profile={k: v for k, v in profile.as_dict().items() if k != "id"},
             backend=cand.backend,
             report=options.prune,
-            **options.settings(plan.workload),
+            **(options.settings(plan.workload) | halved),
         )
 
         def on_report(step: int, value: float, trial: optuna.Trial = trial) -> bool:
@@ -382,8 +381,8 @@ def corpus_verdict(
     the corpus's winner (``firsts[0]``) or within the switch margin of it; else ``("disagreed", note)``.
     Study trials run one after another: two configs 11 % apart there lay 4 % apart interleaved. So
     where the winner is beyond the margin behind a ``rival``, ``confirm(winner, rival)`` (if given)
-    times the two again interleaved, and the verdict is "disagreed" only where the rival beats it
-    there beyond both intervals by the margin. ``note`` says what decided, for the table."""
+    times the two interleaved: "disagreed" only where the rival beats it there beyond both intervals
+    by the margin. ``note`` says what decided. The corpus's finalists are timed on half the steps."""
     times = {}
     for c in firsts:
         t = done[c.ident()]

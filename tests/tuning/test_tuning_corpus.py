@@ -62,10 +62,14 @@ def _corpus(tmp_path, monkeypatch, profile, steps_ms: dict[str, float]):  # type
 
 def test_where_this_machine_agrees_only_the_corpus_finalists_run(tmp_path, monkeypatch, profile) -> None:
     _corpus(tmp_path, monkeypatch, profile, {"corpus_fast": 1.0, "corpus_slow": 30.0})
-    report = tune([WORKLOAD], registry=_registry(), results_dir=tmp_path / "r", options=FAST, profile=profile, samples=5)  # fmt: skip
+    options = TuneOptions(timeout_s=20.0, warmup=1, repeats=8)
+    report = tune([WORKLOAD], registry=_registry(), results_dir=tmp_path / "r", options=options, profile=profile, samples=5)  # fmt: skip
     (entry,) = report.entries.values()
     assert entry["winner"]["backend"] == "corpus_fast"
     assert entry["trials"] == 2 and entry["complete"]  # the corpus's winner and the default, gated and timed
+    (result,) = report.results  # each on half the timed steps: the finalists are re-timed in full
+    timed = {r.backend: r.study_interval["samples"] for r in result.records if r.study_interval}
+    assert timed == {"corpus_fast": 4}, result.records  # (the slow default: pruned after its first)
     assert entry["search"].startswith("corpus finalists (2): agreed with ")
     assert all(c.get("gate") for c in entry["candidates"])  # each was gated before it was timed
 
