@@ -28,7 +28,8 @@ from attnbench.tuning.space import (
     build_space,
 )
 from attnbench.tuning.summary import candidate_label, summarize
-from attnbench.tuning.worker import Outcome, Worker, WorkerTask, evaluate
+from attnbench.tuning.supervisor import Worker
+from attnbench.tuning.worker import Outcome, WorkerTask, evaluate
 
 if TYPE_CHECKING:  # what __getattr__ below imports on first use, for type checkers
     from attnbench.tuning.storage import StorageError, repair_journal

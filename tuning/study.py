@@ -3,7 +3,7 @@
 Small spaces are searched exhaustively (every candidate once, the default first); large ones with a
 seeded TPE sampler, after the default and each backend's default config have been enqueued. The
 loop is Optuna's ask/tell, so that each candidate can run in an isolated worker process
-(:class:`attnbench.tuning.worker.Worker`) and a failure is told as a failed trial with its reason in
+(:class:`attnbench.tuning.supervisor.Worker`) and a failure is told as a failed trial with its reason in
 the trial's user attributes, never as an exception that stops the study.
 
 Resuming: a candidate with a finished trial (complete, or failed with a verdict) is never run again;
@@ -47,7 +47,8 @@ from attnbench.tuning.storage import (
     heartbeats_enabled,
     open_storage,
 )
-from attnbench.tuning.worker import MEASURE_SETTINGS, Outcome, Worker, WorkerTask
+from attnbench.tuning.supervisor import Worker
+from attnbench.tuning.worker import MEASURE_SETTINGS, Outcome, WorkerTask
 
 __all__ = [
     "JOURNAL_NAME",
