@@ -210,7 +210,7 @@ def tune(
         # cell with (gated here first where its study did not measure them), so that the map's coarse
         # points need no second interleaved run (each point's times still come from one run).
         finals = {
-            plan.key.row: _finalists(plan, result.records, prior.get(plan.key.row), everyone)
+            plan.key.row: _finalists(plan, result, prior.get(plan.key.row), everyone)
             for plan, result in studied
         }
         for plan, result in studied if samples and not report.interrupted else ():
@@ -281,7 +281,7 @@ def time_split(
 
 def _finalists(
     plan: StudyPlan,
-    records: Sequence[CandidateResult],
+    result: KeyResult,
     old: dict[str, Any] | None,
     everyone: dict[str, BackendRef],
 ) -> dict[str, Finalist]:
@@ -290,13 +290,17 @@ def _finalists(
     compete — the fastest exact one, so that the dispatch map has a measured choice for ``select()``
     without ``allow_lossy`` (else only the default would be left to it). A default further behind has
     no tie to decide and keeps its study time; re-timing it would cost the most (the default at batch
-    8 × 32k tokens on a 2-core EPYC: 32 s a step, 36× the winner's)."""
-    ok = {r.candidate.label(): r for r in records if r.ok and r.value}
+    8 × 32k tokens on a 2-core EPYC: 32 s a step, 36× the winner's). Where this machine agreed with the
+    shipped corpus, the corpus's winner too: it held against its rival timed interleaved, whatever its
+    study time (:func:`attnbench.tuning.study.corpus_verdict`)."""
+    ok = {r.candidate.label(): r for r in result.records if r.ok and r.value}
     times = {k: r.search_interval() for k, r in ok.items()}
     default = plan.space.default_candidate().label() if plan.space.default_backend else None
     best = min((t.median_ms for t in times.values()), default=0.0)
     near = default in times and times[default].median_ms <= DEFAULT_RETIMED_WITHIN * best
     keep = [default] if default is not None and near else []
+    if result.corpus == "agreed":
+        keep.append(plan.corpus_first[0].label())
     exact = [k for k, r in ok.items() if not _lossy(plan.space.backends[r.backend])]
     if exact and len(exact) < len(ok):
         keep.append(min(exact, key=lambda k: times[k].median_ms))

@@ -129,6 +129,7 @@ def test_a_corpus_winner_behind_by_its_first_trial_alone_is_agreed_with_once_tim
     assert studied["corpus_cold"] > 1.5 * studied["corpus_warm"], studied  # the study alone put it behind
     assert "agreed with" in entry["search"] and "timed again interleaved" in entry["search"], entry["search"]
     assert entry["trials"] == 3 and entry["complete"]  # the corpus's three finalists, not the fourth
+    assert "corpus_cold" in entry["retimed"]["finalists"]  # agreed with: re-timed whatever its study time
     assert entry["winner"]["backend"] in {"corpus_cold", "corpus_warm"}
 
 
