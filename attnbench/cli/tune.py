@@ -126,8 +126,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         dest="corpus",
         action="store_false",
         help="search every key in full even where the shipped corpus has this kind of device (by default "
-        "its measured finalists run first and a key where this machine agrees stops there; see "
-        "docs/tuning.md#the-shipped-corpus; ATTNBENCH_CORPUS=off does the same everywhere)",
+        "its finalists run first, gated and timed on half the --repeats; a key stops there where its winner "
+        "is this machine's fastest of them within the switch margin, or holds when re-timed interleaved "
+        "against one that was faster; docs/tuning.md#the-shipped-corpus; ATTNBENCH_CORPUS=off: the same)",
     )
     p.add_argument(
         "--no-prune",
