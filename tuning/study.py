@@ -286,7 +286,7 @@ def run_study(
             break
         confirming = bool(plan.corpus_first) and not result.corpus  # the corpus's finalists run first
         # on half the steps (gated all the same; corpus_verdict interleaves where in doubt)
-        halved = {"repeats": max(3, options.repeats // 2)} if confirming else {}
+        halved = {"repeats": max(min(3, options.repeats), options.repeats // 2)} if confirming else {}
         if confirming:
             if all(c.ident() in done for c in plan.corpus_first):
                 checked = None if confirm is None else (lambda a, b: confirm(plan, a, b))

@@ -46,7 +46,6 @@ class Worker:
         #: what an interleaved re-timing is for, in :attr:`phases` ("": the finalists of a key)
         self.section = ""
         self.by_backend: dict[str, dict[str, float]] = {}
-        self._begun = False  # started by begin(), not known to be ready yet
 
     def __enter__(self) -> Worker:
         return self
@@ -56,23 +55,10 @@ class Worker:
 
     # -- process management -----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the worker process (again) and wait until it is ready, or finish a :meth:`begin`."""
         t0 = time.monotonic()
-        begun, self._begun = self._begun and self.child is not None and self.child.poll() is None, False
         try:
-            if not begun:
-                self._spawn()
-            self._ready()
+            self._start()
         finally:
-            self._add("", "worker start-up", time.monotonic() - t0)
-
-    def begin(self) -> None:
-        """Start the worker process and return at once: it loads torch while the caller does work of its
-        own (a tune measures the device's bandwidth); the first request waits for it to be ready."""
-        if self.child is None:
-            t0 = time.monotonic()
-            self._spawn()
-            self._begun = True
             self._add("", "worker start-up", time.monotonic() - t0)
 
     def _add(self, backend: str, phase: str, seconds: float) -> None:
@@ -99,7 +85,7 @@ class Worker:
         else:
             self._add(backend, "failed or refused", outcome.wall_s)
 
-    def _spawn(self) -> None:
+    def _start(self) -> None:
         self.close()
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115  (lives as long as the worker; closed in close())
         self.child = Child(["-m", "attnbench.tuning.worker"], stderr=self._stderr)
@@ -110,12 +96,7 @@ class Worker:
             "memory_limit_bytes": self.memory_limit_bytes,
             "threads": _torch_threads(),
         }
-        self.child.send(init)
-
-    def _ready(self) -> None:
-        assert self.child is not None
-        reply = self.child.receive(self.start_timeout)
-        self.eof = self.child.eof
+        reply = self._ask(init, self.start_timeout)
         if reply is None or not reply.get("ready"):
             tail = self.stderr_tail()
             self.close()
@@ -165,7 +146,7 @@ class Worker:
 
     def _exchange(self, message: dict[str, Any], timeout: float, on_report: OnReport) -> Outcome:
         """:meth:`request`'s exchange with the child: its answer, or the crash or hang as an outcome."""
-        if self._begun or self.child is None or self.child.poll() is not None:
+        if self.child is None or self.child.poll() is not None:
             self.start()
         t0 = time.monotonic()
         try:

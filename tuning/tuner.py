@@ -117,62 +117,55 @@ def tune(
     options = options or TuneOptions()
     location = writable_results(results_dir, update_reference=update_reference)
     results = location.path
-    worker = Worker(memory_limit_bytes=options.memory_limit_bytes)
-    with worker:
-        if profile is None:  # measured on a device's first tune: meanwhile the worker process loads torch
-            worker.begin()
-            profile = load_profile(workloads[0].device if workloads else "cpu")
-        refs = backend_refs(registry, only=backends, extra=extra_backends)
-        everyone = {r.name: r for r in backend_refs(registry, extra=extra_backends)}
-        hashes = {name: code_hash([r.cls]) for name, r in everyone.items()}
-        plans = study.plan_studies(workloads, refs, profile=profile, options=options)
-        if options.transfer:  # each map's cheapest key first: the costlier ones start from its finalists
-            plans = by_cost(plans)
-        known = (
-            corpus_entry(hardware_id(profile.fingerprint)) if options.corpus and corpus_enabled() else None
-        )
-        if (
-            known is not None
-        ):  # a known kind of device: its measured finalists first (attnbench.tables.corpus)
-            plans = corpus_plans(plans, ResultsTable.load(known.table), known.label)
-        if on_plan is not None:
-            on_plan(plans)
-        report = TuneReport(
-            [],
-            {},
-            table_path(results, profile.fingerprint),
-            redact(storage) if storage else str(results / study.JOURNAL_NAME),
-            location=location,
-        )
-        store = study.open_storage(
-            storage, results_dir=results, heartbeat_s=options.heartbeat_s, messages=report.messages
-        )
-        table = ResultsTable(report.table_path, {})
-        try:
-            prior = ResultsTable.load(report.table_path, fingerprint=profile.fingerprint).entries
-        except TableError:
-            prior = {}  # the save below moves a corrupt table aside (or refuses another device's)
-        measured: dict[str, tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]] = {}
-        task_profile = {k: v for k, v in profile.as_dict().items() if k != "id"}
-        sections["planning, storage and the prior table"] = time.monotonic() - started
+    profile = profile or load_profile(workloads[0].device if workloads else "cpu")
+    refs = backend_refs(registry, only=backends, extra=extra_backends)
+    everyone = {r.name: r for r in backend_refs(registry, extra=extra_backends)}
+    hashes = {name: code_hash([r.cls]) for name, r in everyone.items()}
+    plans = study.plan_studies(workloads, refs, profile=profile, options=options)
+    if options.transfer:  # each map's cheapest key first: the costlier ones start from its finalists
+        plans = by_cost(plans)
+    known = corpus_entry(hardware_id(profile.fingerprint)) if options.corpus and corpus_enabled() else None
+    if known is not None:  # a known kind of device: its measured finalists first (attnbench.tables.corpus)
+        plans = corpus_plans(plans, ResultsTable.load(known.table), known.label)
+    if on_plan is not None:
+        on_plan(plans)
+    report = TuneReport(
+        [],
+        {},
+        table_path(results, profile.fingerprint),
+        redact(storage) if storage else str(results / study.JOURNAL_NAME),
+        location=location,
+    )
+    store = study.open_storage(
+        storage, results_dir=results, heartbeat_s=options.heartbeat_s, messages=report.messages
+    )
+    table = ResultsTable(report.table_path, {})
+    try:
+        prior = ResultsTable.load(report.table_path, fingerprint=profile.fingerprint).entries
+    except TableError:
+        prior = {}  # the save below moves a corrupt table aside (or refuses another device's)
+    measured: dict[str, tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]] = {}
+    task_profile = {k: v for k, v in profile.as_dict().items() if k != "id"}
+    sections["planning, storage and the prior table"] = time.monotonic() - started
 
-        def write(result: KeyResult, retimed: PointMeasurement | None) -> None:
-            """Summarise one key (over ``retimed``'s interleaved times, else its study's) into the table."""
-            t0 = time.monotonic()
-            row = result.plan.key.row
-            entry = summarize(
-                result,
-                profile=profile,
-                margin=margin,
-                command=command,
-                retimed=retimed,
-                prior=prior.get(row),
-                code_hashes=hashes,
-            )
-            report.entries[row] = entry
-            report.messages += table.save({row: entry}, profile=profile)
-            sections["tables written"] = sections.get("tables written", 0.0) + time.monotonic() - t0
+    def write(result: KeyResult, retimed: PointMeasurement | None) -> None:
+        """Summarise one key (over ``retimed``'s interleaved times, else its study's) into the table."""
+        t0 = time.monotonic()
+        row = result.plan.key.row
+        entry = summarize(
+            result,
+            profile=profile,
+            margin=margin,
+            command=command,
+            retimed=retimed,
+            prior=prior.get(row),
+            code_hashes=hashes,
+        )
+        report.entries[row] = entry
+        report.messages += table.save({row: entry}, profile=profile)
+        sections["tables written"] = sections.get("tables written", 0.0) + time.monotonic() - t0
 
+    with Worker(memory_limit_bytes=options.memory_limit_bytes) as worker:
         retimer = _Retimer(worker, options, task_profile, samples)
         studied: list[tuple[StudyPlan, KeyResult]] = []
         for plan in plans:

@@ -1,15 +1,16 @@
 """Isolated worker processes: each candidate is checked and timed in a child process with a timeout.
 
-The parent (:class:`attnbench.tuning.supervisor.Worker`) starts ``python -m attnbench.tuning.worker`` in its own session and talks
-to it in JSON lines over a private pipe (the child's ``stdout`` is redirected to its ``stderr``, so a
-backend that prints cannot corrupt the protocol). A worker serves candidates one after another; when a
-candidate crashes the process (``os._exit``, a segfault, the kernel's out-of-memory killer), hangs past
-its timeout, or the pipe breaks, the parent records the reason, kills the worker's process group and
-starts a fresh one for the next candidate. An exception, an out-of-memory error, a failed correctness
-gate or a NaN is reported by the worker itself, which stays alive. The worker asks the kernel for
-SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), so it never outlives a killed tuner, even while a
-backend holds the GIL in C code. The parent keeps the worker's stderr in a temporary file and reads
-only its tail, from the end, so a backend's endless output costs disk, never the tuner's memory.
+The parent (:class:`attnbench.tuning.supervisor.Worker`) starts ``python -m attnbench.tuning.worker``
+in its own session and talks to it in JSON lines over a private pipe (the child's ``stdout`` is
+redirected to its ``stderr``, so a backend that prints cannot corrupt the protocol). A worker serves
+candidates one after another; when a candidate crashes the process (``os._exit``, a segfault, the
+kernel's out-of-memory killer), hangs past its timeout, or the pipe breaks, the parent records the
+reason, kills the worker's process group and starts a fresh one for the next candidate. An exception,
+an out-of-memory error, a failed correctness gate or a NaN is reported by the worker itself, which
+stays alive. The worker asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), so it
+never outlives a killed tuner, even while a backend holds the GIL in C code. The parent keeps the
+worker's stderr in a temporary file and reads only its tail, from the end, so a backend's endless
+output costs disk, never the tuner's memory.
 
 Backends are loaded by import path (``"package.module:Class"``), or by registry name, so a backend
 registered only in a test's registry, or by a plugin, reaches the worker the same way.
@@ -29,7 +30,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from attnbench.core.child import die_with_parent
 from attnbench.core.device import keep_huge_buffers
@@ -39,9 +40,6 @@ from attnbench.tables.table_schema import CandidateResult
 from attnbench.tuning.admit import KEEP_FREE, verdict_key
 from attnbench.tuning.interleave import run_interleaved, step_scale
 from attnbench.tuning.summary import gate_summary, study_interval
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["MEASURE_SETTINGS", "OnReport", "Outcome", "WorkerTask", "evaluate"]
 

@@ -74,6 +74,17 @@ def test_where_this_machine_agrees_only_the_corpus_finalists_run(tmp_path, monke
     assert all(c.get("gate") for c in entry["candidates"])  # each was gated before it was timed
 
 
+def test_the_corpus_finalists_halved_study_never_times_more_steps_than_asked(
+    tmp_path, monkeypatch, profile
+) -> None:
+    _corpus(tmp_path, monkeypatch, profile, {"corpus_fast": 1.0, "corpus_slow": 30.0})
+    options = TuneOptions(timeout_s=20.0, warmup=1, repeats=2)
+    report = tune([WORKLOAD], registry=_registry(), results_dir=tmp_path / "r", options=options, profile=profile, samples=5)  # fmt: skip
+    (result,) = report.results
+    timed = {r.backend: r.study_interval["samples"] for r in result.records if r.study_interval}
+    assert timed == {"corpus_fast": 2, "corpus_slow": 2}, result.records  # two each, not the floor of 3
+
+
 def test_where_this_machine_disagrees_the_key_is_searched_in_full(tmp_path, monkeypatch, profile) -> None:
     _corpus(tmp_path, monkeypatch, profile, {"corpus_slowest": 1.0, "corpus_fast": 2.0, "corpus_slow": 30.0})
     report = tune([WORKLOAD], registry=_registry(), results_dir=tmp_path / "r", options=FAST, profile=profile, samples=5)  # fmt: skip
