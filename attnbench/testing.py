@@ -482,4 +482,6 @@ class BackendConformance:
             check(backend, workload, decode_steps=1, num_layers=1),
             check(backend, workload, decode_steps=1, num_layers=1),
         )
-        assert a.seed != b.seed and a.passed and b.passed
+        assert a.seed != b.seed, f"two runs drew the same seed {a.seed}"
+        for r in (a, b):
+            assert r.passed, f"{backend.name} {case.id} {dtype} {replay_hint(r.seed, case.id)}: {r.summary()}"

@@ -16,6 +16,7 @@ from attnbench.correctness.aot import (
 from attnbench.correctness.gate import (
     CheckResult,
     Judge,
+    angle,
     check,
     gate_seed,
     prepare_case,
@@ -41,6 +42,7 @@ __all__ = [
     "CheckResult",
     "Implausible",
     "Judge",
+    "angle",
     "check",
     "check_workload",
     "compare",

@@ -25,6 +25,7 @@ __all__ = [
     "CheckResult",
     "GateCase",
     "Judge",
+    "angle",
     "calibrated_tolerance",
     "check",
     "gate_seed",

@@ -29,6 +29,16 @@ REFUSED = {
         (["--batch", "1,a"], "--batch 'a' is not a token count"),
         (["--context", "8q"], "--context '8q' is not a token count"),
     ],
+    "gate_seeds": [
+        (["--backend", "nope"], "--backend 'nope' is not registered; one of "),
+        (["--backend", "naive", "--cases", "mha,big"], "--cases 'mha,big': big not one of mha, gqa,"),
+        (
+            ["--backend", "naive", "--dtypes", "fp9"],
+            "--dtypes 'fp9': dtype 'fp9' is not a known dtype; accepted:",
+        ),
+        (["--backend", "naive", "--seeds", "0"], "argument --seeds: 0: must be a whole number ≥ 1"),
+        (["--backend", "naive", "--long-seeds", "-1"], "--long-seeds -1: a whole number ≥ 0"),
+    ],
     "cpu_writer_cost": [
         (["--batch", "8"], "--batch '8': at least two different batches"),
         (["--batch", "8,8"], "--batch '8,8': at least two different batches"),

@@ -144,6 +144,16 @@ class FlexBackend(ContiguousBackend):
         Tunable("block_size", (64, 128, 256), 128, "KV block of the block mask: sparsity granularity"),
     )
 
+    def error_multiple(self, dtype: torch.dtype, *, config: Mapping[str, Any] | None = None) -> float:
+        """4 in fp32, else the default 2. Compiled FlexAttention sums and exponentiates in its own
+        order: in fp32, where the order is the error, its worst ``max_abs`` reached 3.6× the calibration
+        reference's. Over 3,000 seeds per conformance case on one decode step (the suite's fresh-inputs
+        test) one seed failed the default ×2 (mha, 1.005 of the bound) and a CI run's seed
+        (2416528448, mla) 1.033 of it; those need ×3.0 to stay under 0.8 of the bound, which ×4 leaves
+        (``python scripts/gate_seeds.py --backend flex``, ``docs/correctness.md``). In bf16 the worst
+        over 500 seeds was 0.61 of ×2."""
+        return 4.0 if dtype == torch.float32 else super().error_multiple(dtype)
+
     def supports(self, workload: Workload) -> list[str]:
         reasons = []
         if workload.dtype not in _DTYPES:
