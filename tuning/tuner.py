@@ -29,7 +29,7 @@ from attnbench.tables.table import CandidateResult, ResultsTable, TableError, ha
 from attnbench.tables.table_schema import Candidate
 from attnbench.tuning import study
 from attnbench.tuning.interleave import Finalist, retime
-from attnbench.tuning.refine import RESOLUTION, PointMeasurement, contenders, grid_point, refine_map
+from attnbench.tuning.refine import RESOLUTION, PointMeasurement, grid_point, refine_map
 from attnbench.tuning.seeding import by_cost, corpus_plans, seeded_plan
 from attnbench.tuning.space import BackendRef, backend_refs
 from attnbench.tuning.storage import redact
@@ -207,7 +207,7 @@ def tune(
             for plan, result in studied
         }
         for plan, result in studied if samples and not report.interrupted else ():
-            fins, known_failed = _with_group(plan, result, finals, studied, measured, margin=margin)
+            fins, known_failed = _with_group(plan, result, finals, studied)
             try:
                 with _section(sections, "finalists re-timed"):
                     retimed = retimer(fins, plan.workload, check=False)
@@ -288,7 +288,7 @@ def _finalists(
     study time (:func:`attnbench.tuning.study.corpus_verdict`)."""
     ok = {r.candidate.label(): r for r in result.records if r.ok and r.value}
     times = {k: r.search_interval() for k, r in ok.items()}
-    default = _default(plan)
+    default = plan.space.default_candidate().label() if plan.space.default_backend else None
     best = min((t.median_ms for t in times.values()), default=0.0)
     near = default in times and times[default].median_ms <= DEFAULT_RETIMED_WITHIN * best
     keep = [default] if default is not None and near else []
@@ -315,36 +315,19 @@ def _with_group(
     result: KeyResult,
     finals: Mapping[str, dict[str, Finalist]],
     studied: Sequence[tuple[StudyPlan, KeyResult]],
-    retimed: Mapping[str, tuple[StudyPlan, PointMeasurement, dict[str, Finalist]]] | None = None,
-    *,
-    margin: float = SWITCH_MARGIN,
 ) -> tuple[dict[str, Finalist], dict[str, str]]:
     """``plan``'s finalists and those of the keys it shares a cell of its dispatch map with
     (:func:`_share_a_cell`), and the reasons of those its study saw fail here. One its study measured
     was gated at this point already; one it did not (a seeded or TPE search, a key that stopped at the
     corpus's finalists) is gated here first, in the same interleaved run (``Finalist.check``), so the
-    map needs no second run of the point.
-
-    A neighbour already re-timed (in ``retimed``) brings only its contenders there
-    (:func:`~attnbench.tuning.refine.contenders`: its winner and those within reach of it, the set a
-    refinement point between the two would measure): a finalist its interleaved run put beyond twice
-    the margin cannot be chosen at that corner, and re-timing it here too cost the most at the last,
-    largest keys (8 × 32k re-timed the union of four keys' finalists). The neighbours not yet re-timed
-    still bring all their finalists, so every pair of corners measures the other's contenders."""
+    map needs no second run of the point."""
     fins = dict(finals[plan.key.row])
     records = {r.candidate.label(): r for r in result.records}
     failed: dict[str, str] = {}
     for other, _ in studied:
         if other is plan or not _share_a_cell(plan, other, [p for p, _ in studied]):
             continue
-        offered = finals[other.key.row]
-        if retimed and other.key.row in retimed:
-            _, got, other_fins = retimed[other.key.row]
-            point = grid_point(
-                other.key.batch_bucket, other.key.context_bucket, got, default=_default(other), margin=margin
-            )
-            offered = {k: other_fins[k] for k in contenders(point, margin=margin) if k in other_fins}
-        for label, fin in offered.items():
+        for label, fin in finals[other.key.row].items():
             r = records.get(label)
             if label in fins:
                 continue
@@ -355,11 +338,6 @@ def _with_group(
             elif r.failed:
                 failed[label] = f"{r.failed}: {r.reason}" if r.reason else r.failed
     return fins, failed
-
-
-def _default(plan: StudyPlan) -> str | None:
-    """The label of ``plan``'s default candidate (None where its space has no default backend)."""
-    return plan.space.default_candidate().label() if plan.space.default_backend else None
 
 
 def _share_a_cell(a: StudyPlan, b: StudyPlan, plans: Sequence[StudyPlan]) -> bool:
@@ -459,10 +437,10 @@ def _maps(
             )
             continue
         plan0 = items[0][0]
-        default = _default(plan0)
+        default = plan0.space.default_candidate().label() if plan0.space.default_backend else None
         known: dict[str, Finalist] = {}
         m = DispatchMap(model, shape_hash, dtype, default, batches, contexts, {}, {}, margin)
-        #: at each coarse point, the finalists of the keys it shares a cell with (its own among them; a neighbour re-timed before it, its contenders):
+        #: at each coarse point, the finalists of the keys it shares a cell with (its own among them):
         #: what its key's re-timing took (_with_group). Not the union of those keys' re-timing sets,
         #: which hold the finalists of keys one more cell away: at batch 1 × 1k that took the finalists
         #: of batch 8 × 32k (through 8 × 8k's set) and re-timed every coarse point a second time.

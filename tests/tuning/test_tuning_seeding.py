@@ -173,45 +173,6 @@ def test_a_keys_retiming_leaves_out_the_finalists_of_keys_it_shares_no_cell_with
     assert dials == {64: [1, 2], 512: [1, 2, 3], 4096: [2, 3]}
 
 
-def test_a_neighbour_already_re_timed_brings_only_its_contenders(profile) -> None:  # type: ignore[no-untyped-def]
-    """Contexts 64 and 512 share a cell. Once 64 is re-timed (dial 1 best, dial 2 within the margin,
-    dial 3 twice as slow), 512's re-timing takes dials 1 and 2 from it, not 3; before 64 is re-timed,
-    512 takes all three of its finalists; 64 itself still takes all of 512's."""
-    from attnbench.tables.margin import Interval
-    from attnbench.tuning.interleave import Finalist
-    from attnbench.tuning.refine import PointMeasurement
-    from attnbench.tuning.space import BackendRef
-    from attnbench.tuning.study import KeyResult, plan_studies
-    from attnbench.tuning.tuner import _with_group
-
-    loads = [Workload.uniform("tiny-gqa", batch=1, context=c, dtype="fp32") for c in (64, 512)]
-    low, high = sorted(
-        plan_studies(loads, [BackendRef.of(Dial)], profile=profile, options=OPTIONS),
-        key=lambda p: p.workload.context,
-    )
-    ref = f"{Dial.__module__}:Dial"
-    fin = {d: Finalist(f"seed_dial[dial={d}]", "seed_dial", ref, {"dial": d}) for d in (1, 2, 3, 7)}
-    finals = {
-        low.key.row: {fin[d].label: fin[d] for d in (1, 2, 3)},
-        high.key.row: {fin[7].label: fin[7]},
-    }
-    studied = [(low, KeyResult(low, [])), (high, KeyResult(high, []))]
-    low_fins, _ = _with_group(low, KeyResult(low, []), finals, studied, {})
-    assert sorted(f.config["dial"] for f in low_fins.values()) == [1, 2, 3, 7]
-    ms = {1: 10.0, 2: 10.3, 3: 20.0, 7: 30.0}
-    got = PointMeasurement({fin[d].label: Interval(ms[d], ms[d] * 0.99, ms[d] * 1.01, 15) for d in ms})
-    retimed = {low.key.row: (low, got, low_fins)}
-
-    def dials(done):  # type: ignore[no-untyped-def]
-        return sorted(
-            f.config["dial"]
-            for f in _with_group(high, KeyResult(high, []), finals, studied, done)[0].values()
-        )
-
-    assert dials({}) == [1, 2, 3, 7]
-    assert dials(retimed) == [1, 2, 7]
-
-
 def test_the_maps_coarse_points_are_not_re_timed_after_the_keys_re_timing(profile, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Each coarse point of the map is its key's re-timing (its finalists and those of the keys it
     shares a cell with): no second interleaved run, though the middle key's set holds the 4096 key's
