@@ -369,6 +369,44 @@ def test_no_refinement_when_one_rival_is_within_the_margin_on_both_sides():
         assert t[got.label] <= 1.05 * min(t.values()), (b, c, got.reason)
 
 
+def test_a_point_lacking_a_neighbours_winner_is_measured_again_with_it_not_split():
+    """``third`` ties the default at 1 × 256 (1 % faster) and wins clearly at the three other corners, but
+    the coarse measurement at 1 × 256 left it out (as a key's re-timing can leave out a candidate its
+    neighbour took from a third key). The refinement first measures 1 × 256 again, whole, with
+    ``third``; then the winners' rivalry is judged on times (a tie there: nothing to locate), instead of
+    a split on each axis repeated down to the resolution because one time was missing."""
+
+    def truth(batch: int, context: int) -> dict[str, float]:
+        default = batch * context / 1000 + 0.05
+        return {DEFAULT: default, "third": default * (0.99 if batch * context < 1000 else 0.5)}
+
+    rng = random.Random(5)
+    calls: list[tuple[int, int, tuple[str, ...] | None]] = []
+
+    def measure(batch, context, labels):
+        calls.append((batch, context, None if labels is None else tuple(labels)))
+        t = truth(batch, context)
+        names = [k for k in t if (batch, context) != (1, 256) or k != "third"] if labels is None else labels
+        times = {k: bootstrap_median(_samples(t[k], rng), seed=1) for k in names}
+        return PointMeasurement(times, candidates={k: MapCandidate(k) for k in names}, evaluations=len(names))
+
+    m = build_map(
+        measure,
+        model="tiny-gqa",
+        shape_hash="abc",
+        dtype="fp32",
+        default=DEFAULT,
+        batches=[1, 8],
+        contexts=[256, 4096],
+    )
+    assert [c for c in calls if c[2] is not None] == [(1, 256, (DEFAULT, "third"))]
+    assert m.refinement["rounds"] == 0 and len(m.points) == 4, m.refinement
+    assert set(m.points[(1, 256)].times) == {DEFAULT, "third"}
+    for b, c in ((1, 300), (6, 3000)):
+        got, t = m.lookup(b, c), truth(b, c)
+        assert t[got.label] <= 1.05 * min(t.values()), (b, c, got.reason)
+
+
 def test_the_lookup_explains_its_cell_and_corners_and_filters_candidates():
     m, _ = _map()
     got = m.lookup(2, 3000)
