@@ -11,6 +11,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import pytest
 from helpers.tuning_helpers import build_map
@@ -336,23 +337,26 @@ def test_no_refinement_where_the_winner_does_not_change():
     assert m.lookup(1, 300).label == DEFAULT and not m.lookup(1, 300).extrapolated
 
 
-def test_no_refinement_when_one_rival_is_within_the_margin_on_both_sides():
-    """``near`` wins clearly at small batch × context and trails ``DEFAULT`` by under the margin at
-    large: choosing ``near`` anywhere between costs at most the margin, so nothing is refined."""
-
-    def truth(batch: int, context: int) -> dict[str, float]:
-        work = batch * context / 1000
-        return {DEFAULT: 1.0 * work + 0.5, "near": 1.03 * work}
-
-    rng = random.Random(3)
+def _truth_map(
+    truth: Callable[[int, int], dict[str, float]],
+    rng: random.Random,
+    *,
+    calls: list[tuple[int, int, tuple[str, ...] | None]] | None = None,
+    left_out: tuple[tuple[int, int], str] | None = None,
+) -> DispatchMap:
+    """The refined map of batches 1, 8 × contexts 256, 4096 over noisy samples of ``truth``; every call
+    recorded in ``calls``; ``left_out = (point, label)``: the coarse measurement there leaves it out."""
 
     def measure(batch, context, labels):
+        if calls is not None:
+            calls.append((batch, context, None if labels is None else tuple(labels)))
         t = truth(batch, context)
-        names = list(t) if labels is None else list(labels)
+        skip = left_out[1] if left_out and left_out[0] == (batch, context) else None
+        names = [k for k in t if k != skip] if labels is None else list(labels)
         times = {k: bootstrap_median(_samples(t[k], rng), seed=1) for k in names}
         return PointMeasurement(times, candidates={k: MapCandidate(k) for k in names}, evaluations=len(names))
 
-    m = build_map(
+    return build_map(
         measure,
         model="tiny-gqa",
         shape_hash="abc",
@@ -361,6 +365,17 @@ def test_no_refinement_when_one_rival_is_within_the_margin_on_both_sides():
         batches=[1, 8],
         contexts=[256, 4096],
     )
+
+
+def test_no_refinement_when_one_rival_is_within_the_margin_on_both_sides():
+    """``near`` wins clearly at small batch × context and trails ``DEFAULT`` by under the margin at
+    large: choosing ``near`` anywhere between costs at most the margin, so nothing is refined."""
+
+    def truth(batch: int, context: int) -> dict[str, float]:
+        work = batch * context / 1000
+        return {DEFAULT: 1.0 * work + 0.5, "near": 1.03 * work}
+
+    m = _truth_map(truth, random.Random(3))
     corners = {(b, c): m.points[(b, c)].winner for b in (1, 8) for c in (256, 4096)}
     assert corners[(1, 256)] == "near" and corners[(8, 4096)] == DEFAULT  # the winners do differ
     assert m.refinement["rounds"] == 0 and len(m.points) == 4
@@ -380,25 +395,8 @@ def test_a_point_lacking_a_neighbours_winner_is_measured_again_with_it_not_split
         default = batch * context / 1000 + 0.05
         return {DEFAULT: default, "third": default * (0.99 if batch * context < 1000 else 0.5)}
 
-    rng = random.Random(5)
     calls: list[tuple[int, int, tuple[str, ...] | None]] = []
-
-    def measure(batch, context, labels):
-        calls.append((batch, context, None if labels is None else tuple(labels)))
-        t = truth(batch, context)
-        names = [k for k in t if (batch, context) != (1, 256) or k != "third"] if labels is None else labels
-        times = {k: bootstrap_median(_samples(t[k], rng), seed=1) for k in names}
-        return PointMeasurement(times, candidates={k: MapCandidate(k) for k in names}, evaluations=len(names))
-
-    m = build_map(
-        measure,
-        model="tiny-gqa",
-        shape_hash="abc",
-        dtype="fp32",
-        default=DEFAULT,
-        batches=[1, 8],
-        contexts=[256, 4096],
-    )
+    m = _truth_map(truth, random.Random(5), calls=calls, left_out=((1, 256), "third"))
     assert [c for c in calls if c[2] is not None] == [(1, 256, (DEFAULT, "third"))]
     assert m.refinement["rounds"] == 0 and len(m.points) == 4, m.refinement
     assert set(m.points[(1, 256)].times) == {DEFAULT, "third"}
