@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if only - set(ids):
         ap.error(f"--cases {args.cases!r}: {', '.join(sorted(only - set(ids)))} not one of {', '.join(ids)}")
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes:
+        ap.error(f"--dtypes {args.dtypes!r}: a comma-separated list of fp32, bf16, fp16")
     for d in dtypes:
         try:
             parse_dtype(d)
@@ -98,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:
         for case, seeds in [(c, args.seeds) for c in CASES] + [(c, args.long_seeds) for c in LONG_CASES]:
             workload = Workload(case.shape, case.gate_lens, parse_dtype(dtype), "cpu")
-            if seeds == 0 or backend.resolve(workload).reasons or (only and case.id not in only):
+            if seeds == 0 or (only and case.id not in only):
+                continue
+            reasons = backend.resolve(workload).reasons
+            if reasons:
+                print(f"{dtype} {case.id:9s} not run: {'; '.join(reasons)}", flush=True)
                 continue
             worst: CheckResult | None = None
             fails = 0

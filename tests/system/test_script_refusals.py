@@ -36,6 +36,7 @@ REFUSED = {
             ["--backend", "naive", "--dtypes", "fp9"],
             "--dtypes 'fp9': dtype 'fp9' is not a known dtype; accepted:",
         ),
+        (["--backend", "naive", "--dtypes", ","], "--dtypes ',': a comma-separated list of fp32, bf16, fp16"),
         (["--backend", "naive", "--seeds", "0"], "argument --seeds: 0: must be a whole number ≥ 1"),
         (["--backend", "naive", "--long-seeds", "-1"], "--long-seeds -1: a whole number ≥ 0"),
     ],
