@@ -184,6 +184,7 @@ def run_interleaved(
                 max_samples=task.get("max_samples"),
                 seed=seed,
                 max_seconds=task.get("max_seconds"),
+                protect=task.get("protect") or (),
             )
             if order
             else {}
@@ -364,6 +365,7 @@ def retime(
     max_seconds: float | None = None,
     instances: int | None = None,
     step_layers: int | None = None,
+    protect: Sequence[str] = (),
 ) -> PointMeasurement:
     """Time ``finalists`` interleaved in ``worker``; fall back to one at a time if it dies.
 
@@ -372,7 +374,9 @@ def retime(
     ``max_seconds``: no new block of rounds once the rounds took that long (the first block always runs;
     :func:`attnbench.tables.margin.sample_rounds`). ``instances``: model instances per finalist, at
     least 1 (default: by the size of its caches, :func:`instances_for`). ``step_layers``: the layers
-    the times stand for, each step × ``step_layers`` / ``num_layers`` (None: as timed).
+    the times stand for, each step × ``step_layers`` / ``num_layers`` (None: as timed). ``protect``:
+    the default and an incumbent among them, timed while within the switch margin of the best
+    (:func:`attnbench.tables.margin.contending`); the others while they could be the fastest.
     """
     if instances is not None and (
         isinstance(instances, bool) or not isinstance(instances, int) or instances < 1
@@ -398,6 +402,7 @@ def retime(
         "timing": timing,
         "max_seconds": max_seconds,
         "instances": instances,
+        "protect": list(protect),
     }
 
     def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[Any]], dict[str, str], list[str]]:

@@ -20,7 +20,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -30,6 +30,7 @@ __all__ = [
     "Interval",
     "Verdict",
     "bootstrap_median",
+    "contending",
     "decide",
     "finalists",
     "in_doubt",
@@ -264,6 +265,21 @@ def in_doubt(times: Mapping[str, Interval], *, margin: float = SWITCH_MARGIN) ->
     return [k for k, t in times.items() if t.lo_ms <= best.hi_ms * (1 + margin)]
 
 
+def contending(
+    times: Mapping[str, Interval], *, protect: Collection[str] = (), margin: float = SWITCH_MARGIN
+) -> list[str]:
+    """Labels that more samples could still matter for: those whose interval overlaps the best's
+    (their low end at or under its high end: they could be the fastest), and those of ``protect`` (the
+    default, an incumbent: :func:`decide` keeps one against a challenger that does not beat it by the
+    margin beyond both intervals) that are :func:`in_doubt`. A candidate wholly slower than the best's
+    interval cannot be the answer, and its median, though known less closely, still ranks it."""
+    if not times:
+        return []
+    best = min(times.values(), key=lambda t: t.median_ms)
+    reach = {k: best.hi_ms * (1 + margin) if k in protect else best.hi_ms for k in times}
+    return [k for k, t in times.items() if t.lo_ms <= reach[k]]
+
+
 def undecided(times: Mapping[str, Interval], *, margin: float = SWITCH_MARGIN) -> list[str]:
     """Labels whose median is more than twice ``margin`` behind the best's while their interval still
     reaches the best's within ``margin`` (:func:`beats` does not hold): more samples can still decide
@@ -288,6 +304,7 @@ def sample_rounds(
     seed: int = 0,
     first: int | None = None,
     max_seconds: float | None = None,
+    protect: Collection[str] = (),
 ) -> dict[str, list[float | Sequence[float]]]:
     """Interleaved samples: ``run_round(r, labels)`` times one step of each of ``labels`` (``None``:
     every candidate), in an order of its choosing, and returns ``{label: ms}`` (or ``{label: [ms, …]}``,
@@ -295,9 +312,11 @@ def sample_rounds(
 
     Rounds run in blocks of ``first`` (default a third of ``samples``, at least 3), every candidate
     in the first. Before each later block the candidates are sorted by their intervals: one whose
-    interval lies wholly above the best's (:func:`in_doubt`) stops being timed — it keeps its samples
-    and its interval, which already say it is slower — and the block goes to those still in doubt;
-    one that the best's interval has since moved up to meet is timed again. Blocks run until every
+    interval lies wholly above the best's (:func:`contending`; for one of ``protect``, the default or
+    an incumbent, above it by more than the switch margin, :func:`in_doubt`, as :func:`decide` needs
+    it) stops being timed — it keeps its samples and its interval, which already say it is slower —
+    and the block goes to those still in doubt; one that the best's interval has since moved up to
+    meet is timed again. Blocks run until every
     candidate in doubt has ``samples`` samples, none of their intervals is too wide to decide
     (:func:`too_wide`) and none whose median is apart from the best's is still undecided
     (:func:`undecided`), up to ``max_samples`` (default ``4 × samples``): a candidate whose steps are
@@ -317,7 +336,7 @@ def sample_rounds(
                 out.setdefault(label, []).append(ms)
             r += 1
         times = {k: bootstrap_median(v, seed=seed) for k, v in out.items() if v}
-        labels = in_doubt(times)
+        labels = contending(times, protect=protect)
         most = max((len(out[k]) for k in labels), default=cap)
         short = any(len(out[k]) < samples for k in labels)
         doubt = {k: times[k] for k in labels}

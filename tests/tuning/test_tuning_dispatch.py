@@ -47,7 +47,7 @@ def _interleaved(bases: dict[str, float], rng: random.Random, *, slowdowns: dict
             if labels is None or k in labels
         }
 
-    raw = sample_rounds(one_round, samples=15, seed=seed)
+    raw = sample_rounds(one_round, samples=15, seed=seed, protect=(DEFAULT,))  # as the tuner protects it
     return {k: bootstrap_median(v, seed=seed) for k, v in raw.items()}
 
 
@@ -116,7 +116,7 @@ def _planted_rounds(step_ms):
 
 
 def test_a_clearly_slower_candidate_stops_after_the_first_block():
-    base = {"fast": 10.0, "close": 10.3, "slow": 30.0}
+    base = {"fast": 10.0, "close": 10.05, "slow": 30.0}
     rng = random.Random(3)
     one_round, timed = _planted_rounds(lambda k, i: base[k] * rng.uniform(0.98, 1.02))
     raw = sample_rounds(one_round, samples=15, seed=0)
@@ -124,6 +124,42 @@ def test_a_clearly_slower_candidate_stops_after_the_first_block():
     assert all(t == ["fast", "close", "slow"] for t in timed[:5]) and all("slow" not in t for t in timed[5:])
     times = {k: bootstrap_median(v) for k, v in raw.items()}
     assert times["slow"].median_ms == pytest.approx(30.0, rel=0.03)  # its interval is still reported
+
+
+def test_one_apart_from_the_best_stops_within_the_margin_unless_the_tie_rule_needs_it():
+    """'close' is 4 % slower, steadily: its interval lies above the best's after the first block, so
+    it cannot be the fastest and stops there (issue 44: only the finalists whose intervals overlap get
+    the full re-timing). As the default (``protect``) it is timed on, within the switch margin of the
+    best: :func:`decide` keeps the default against a challenger that does not beat it beyond both
+    intervals by the margin, so its interval must be known as closely as the challenger's."""
+    base = {"fast": 10.0, "close": 10.4, "slow": 30.0}
+
+    def steady(k, i):
+        return base[k] * (1 + 0.002 * ((i * 7) % 5 - 2))  # ±0.4 %, deterministic
+
+    one_round, timed = _planted_rounds(steady)
+    raw = sample_rounds(one_round, samples=15, seed=0)
+    assert len(raw["close"]) == len(raw["slow"]) == 5 and len(raw["fast"]) >= 15
+    assert all(t == ["fast"] for t in timed[5:])
+    times = {k: bootstrap_median(v) for k, v in raw.items()}
+    assert times["close"].lo_ms > times["fast"].hi_ms  # what stopped it: apart, though within 5 %
+    assert decide(times, default="close").winner == "close"  # a tie: kept, as with every sample
+
+    one_round, _ = _planted_rounds(steady)
+    raw = sample_rounds(one_round, samples=15, seed=0, protect=("close",))
+    assert len(raw["slow"]) == 5 and len(raw["fast"]) == len(raw["close"]) >= 15
+    assert decide({k: bootstrap_median(v) for k, v in raw.items()}, default="close").tie
+
+
+def test_contending_reaches_by_the_margin_only_for_the_protected():
+    from attnbench.tables.margin import contending
+
+    best, apart = Interval(10.0, 9.9, 10.1, 15), Interval(10.4, 10.3, 10.5, 15)
+    overlap, far = Interval(10.2, 10.05, 10.4, 15), Interval(11.0, 10.9, 11.1, 15)
+    times = {"best": best, "apart": apart, "overlap": overlap, "far": far}
+    assert contending(times) == ["best", "overlap"]
+    assert contending(times, protect=("apart", "far")) == ["best", "apart", "overlap"]  # far: > 5 %
+    assert contending({}) == []
 
 
 def test_no_block_starts_once_the_rounds_took_max_seconds():

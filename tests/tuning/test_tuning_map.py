@@ -19,7 +19,7 @@ from attnbench.core.workload import Workload
 from attnbench.selection.select import select
 from attnbench.tables import ResultsTable
 from attnbench.tables.dispatch import load_maps, map_key
-from attnbench.tables.margin import in_doubt
+from attnbench.tables.margin import contending
 from attnbench.tuning import TuneOptions, tune
 
 # The studies time real steps. With two torch threads on a busy machine, a candidate's back-to-back
@@ -130,9 +130,10 @@ def test_the_refined_map_locates_a_crossover_between_two_tuned_batches(tmp_path,
         assert choice.backend == want, choice.explain()
     assert report.evaluations["refined"] > 0 and m.refinement["points"] == len(m.batches)
     # every point's times carry intervals from interleaved samples: 7 for each candidate that could
-    # still win, the first block (3) for one clearly slower (attnbench.tables.margin.sample_rounds)
+    # still win (the default: within the switch margin), the first block (3) for one clearly slower
+    # (attnbench.tables.margin.sample_rounds)
     p = m.points[(8, 64)]
-    doubt = in_doubt(p.times)
+    doubt = contending(p.times, protect=[m.default] if m.default else [])
     assert doubt and all(
         t.lo_ms <= t.median_ms <= t.hi_ms and t.samples >= (7 if k in doubt else 3)
         for k, t in p.times.items()
