@@ -166,9 +166,7 @@ def tune(
         sections["tables written"] = sections.get("tables written", 0.0) + time.monotonic() - t0
 
     with Worker(memory_limit_bytes=options.memory_limit_bytes) as worker:
-        protect = {p.space.default_candidate().label() for p in plans if p.space.default_backend}
-        protect |= {candidate_label(e["winner"]) for e in prior.values() if e.get("winner")}
-        retimer = _Retimer(worker, options, task_profile, samples, frozenset(protect))
+        retimer = _Retimer(worker, options, task_profile, samples)
         studied: list[tuple[StudyPlan, KeyResult]] = []
         for plan in plans:
             if options.transfer:
@@ -322,11 +320,7 @@ def _with_group(
     (:func:`_share_a_cell`), and the reasons of those its study saw fail here. One its study measured
     was gated at this point already; one it did not (a seeded or TPE search, a key that stopped at the
     corpus's finalists) is gated here first, in the same interleaved run (``Finalist.check``), so the
-    map needs no second run of the point. One its pruner stopped here is re-timed too: it passed the
-    gate and was found slower on a few steps, not failing, and a neighbour's winner without a time at
-    this corner reads to the map's refinement as one that failed here (seen: 1 × 1k's winner pruned at
-    1 × 8k set off two rounds of refinement, 200 s; its re-timing stops after the first block of rounds
-    where it is clearly slower, :func:`attnbench.tables.margin.contending`)."""
+    map needs no second run of the point."""
     fins = dict(finals[plan.key.row])
     records = {r.candidate.label(): r for r in result.records}
     failed: dict[str, str] = {}
@@ -339,7 +333,7 @@ def _with_group(
                 continue
             if r is None:
                 fins[label] = dataclasses.replace(fin, check=True)
-            elif (r.ok and r.value) or r.failed == "pruned":  # pruned: gated here, stopped as slower
+            elif r.ok and r.value:
                 fins[label] = fin
             elif r.failed:
                 failed[label] = f"{r.failed}: {r.reason}" if r.reason else r.failed
@@ -380,9 +374,6 @@ class _Retimer:
     options: TuneOptions
     profile: dict[str, Any]
     samples: int
-    #: the defaults and incumbents: re-timed while within the switch margin of the best, as the tie
-    #: rule needs them (:func:`attnbench.tables.margin.decide`); any other finalist while it could win
-    protect: frozenset[str] = frozenset()
 
     def __call__(self, fins: dict[str, Finalist], workload: Workload, *, check: bool) -> PointMeasurement:
         names: tuple[str, ...] = ("warmup", "num_layers", "materialise_bytes", "error_multiple")
@@ -392,7 +383,7 @@ class _Retimer:
         budget = 3 * self.options.max_seconds if self.options.max_seconds else None
         return retime(
             self.worker, list(fins.values()), workload=workload, samples=self.samples, check=check,
-            profile=self.profile, max_seconds=budget, protect=sorted(self.protect & set(fins)), **settings,
+            profile=self.profile, max_seconds=budget, **settings,
         )  # fmt: skip
 
     def holds(self, plan: StudyPlan, winner: Candidate, rival: Candidate) -> bool:
