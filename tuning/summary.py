@@ -93,17 +93,12 @@ def summarize(
         for label, interval in times.items():
             if label in cands:
                 c = cands[label]
-                # one this study pruned (a neighbour's finalist, re-timed here): measured now, its
-                # running median at the prune kept as its study time
-                pruned = c.failed == "pruned"
                 cands[label] = replace(
                     c,
-                    study_ms=c.study_ms if c.merged or pruned else c.step_ms,
+                    study_ms=c.study_ms if c.merged else c.step_ms,
                     step_ms=round(interval.median_ms, 4),
                     interval=interval.as_dict(),
                     retimed=True,
-                    failed=None if pruned else c.failed,
-                    reason=None if pruned else c.reason,
                 )
         for label, why in retimed.failed.items():
             if label in cands and not cands[label].failed:

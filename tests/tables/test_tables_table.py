@@ -38,33 +38,6 @@ def test_a_failed_candidate_never_wins():
     assert none["winner"] is None and none["decision"] == "no candidate passed the correctness gate"
 
 
-def test_a_candidate_the_study_pruned_and_the_re_timing_measured_is_a_measured_candidate(tmp_path):
-    """A neighbour's finalist that this key's pruner stopped is re-timed here (tuner._with_group); when
-    it wins there, the entry holds it as measured — its interleaved time, its running median at the
-    prune as its study time — and the table reads back (in a grid run it was left ``failed: pruned``
-    with a time, and writing the table refused the entry)."""
-    from dataclasses import replace
-
-    from attnbench.tables.margin import Interval
-    from attnbench.tuning.refine import PointMeasurement
-
-    result = _result(flash=1.2e-3, naive=1.0e-3)
-    naive = next(i for i, r in enumerate(result.records) if r.backend == "naive")
-    pruned = replace(
-        result.records[naive], step_ms=None, study_ms=1.1, failed="pruned", reason="pruned after 3"
-    )
-    result.records[naive] = pruned
-    label = pruned.candidate.label()
-    flash = next(r for r in result.records if r.backend == "flash").candidate.label()
-    retimed = PointMeasurement({label: Interval(0.9, 0.88, 0.92, 15), flash: Interval(1.2, 1.18, 1.22, 15)})
-    entry = summarize(result, profile=stated_profile(), retimed=retimed)
-    assert entry["winner"]["backend"] == "naive" and entry["winner"]["step_ms"] == pytest.approx(0.9)
-    assert entry["winner"]["study_ms"] == pytest.approx(1.1) and "failed" not in entry["winner"]
-    path = table_path(tmp_path, stated_profile().fingerprint)
-    ResultsTable(path, {}).save({result.key.row: entry}, profile=stated_profile())
-    assert ResultsTable.load(path, fingerprint=stated_profile().fingerprint).entries[result.key.row]["winner"]
-
-
 def test_tables_merge_and_are_written_atomically(tmp_path):
     profile = stated_profile()
     path = table_path(tmp_path, profile.fingerprint)
