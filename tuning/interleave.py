@@ -372,7 +372,8 @@ def retime(
     ``clock``: import path of a zero-argument clock in seconds to time with instead of
     ``time.perf_counter`` (tests plant a virtual one, so that planted timings ignore the load).
     ``max_seconds``: no new block of rounds once the rounds took that long (the first block always runs;
-    :func:`attnbench.tables.margin.sample_rounds`). ``instances``: model instances per finalist, at
+    :func:`attnbench.tables.margin.sample_rounds`), over all the runs the worker's memory splits the
+    finalists into: a later run gets what the earlier ones left (at least its first block). ``instances``: model instances per finalist, at
     least 1 (default: by the size of its caches, :func:`instances_for`). ``step_layers``: the layers
     the times stand for, each step × ``step_layers`` / ``num_layers`` (None: as timed). ``protect``:
     the default and an incumbent among them, timed while within the switch margin of the best
@@ -405,15 +406,21 @@ def retime(
         "protect": list(protect),
     }
 
+    rounds_s = 0.0  # the rounds' seconds so far, over the runs (a budget for the key, not per run)
+
     def ask(group: Sequence[Finalist]) -> tuple[dict[str, list[Any]], dict[str, str], list[str]]:
+        nonlocal rounds_s
+        left = None if max_seconds is None else max(0.0, max_seconds - rounds_s)
         message = base | {
+            "max_seconds": left,
             "candidates": [
                 {"label": f.label, "backend_ref": f.backend_ref, "config": f.config, "check": f.check}
                 for f in group
-            ]
+            ],
         }
         outcome = worker.request(message, timeout=timeout_s * max(1, len(group)) * 2)
         if outcome.ok:
+            rounds_s += (outcome.phases or {}).get("rounds", 0.0)
             return outcome.attrs["samples_ms"], outcome.attrs["failed"], outcome.attrs.get("deferred", [])
         raise _Died(f"{outcome.kind}: {outcome.reason}")
 
