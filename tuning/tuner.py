@@ -166,7 +166,9 @@ def tune(
         sections["tables written"] = sections.get("tables written", 0.0) + time.monotonic() - t0
 
     with Worker(memory_limit_bytes=options.memory_limit_bytes) as worker:
-        retimer = _Retimer(worker, options, task_profile, samples)
+        protect = {p.space.default_candidate().label() for p in plans if p.space.default_backend}
+        protect |= {candidate_label(e["winner"]) for e in prior.values() if e.get("winner")}
+        retimer = _Retimer(worker, options, task_profile, samples, frozenset(protect))
         studied: list[tuple[StudyPlan, KeyResult]] = []
         for plan in plans:
             if options.transfer:
@@ -374,6 +376,9 @@ class _Retimer:
     options: TuneOptions
     profile: dict[str, Any]
     samples: int
+    #: the defaults and incumbents: re-timed while within the switch margin of the best, as the tie
+    #: rule needs them (:func:`attnbench.tables.margin.decide`); any other finalist while it could win
+    protect: frozenset[str] = frozenset()
 
     def __call__(self, fins: dict[str, Finalist], workload: Workload, *, check: bool) -> PointMeasurement:
         names: tuple[str, ...] = ("warmup", "num_layers", "materialise_bytes", "error_multiple")
@@ -383,7 +388,7 @@ class _Retimer:
         budget = 3 * self.options.max_seconds if self.options.max_seconds else None
         return retime(
             self.worker, list(fins.values()), workload=workload, samples=self.samples, check=check,
-            profile=self.profile, max_seconds=budget, **settings,
+            profile=self.profile, max_seconds=budget, protect=sorted(self.protect & set(fins)), **settings,
         )  # fmt: skip
 
     def holds(self, plan: StudyPlan, winner: Candidate, rival: Candidate) -> bool:

@@ -256,3 +256,31 @@ def test_interrupted_study_resumes_without_repeating_finished_trials(tmp_path, p
         [WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile, samples=SAMPLES
     )
     assert third.trials_run == 0
+
+
+def test_the_keys_re_timing_protects_the_default_and_then_the_incumbent(tmp_path, profile, monkeypatch):
+    """The re-timing keeps sampling the default (and, on a second run, the table's incumbent) while
+    within the switch margin of the best, as the tie rule needs (``tables.margin.contending``): the
+    tuner passes those among the finalists to every interleaved run as ``protect``; the other
+    finalists are timed while their intervals overlap the best's. Two planted twins: both finalists."""
+    from attnbench.tuning import tuner
+
+    seen: list[tuple[list[str], list[str]]] = []  # (finalists, protect) of each interleaved run
+
+    def recording(worker, finalists, **kwargs):
+        seen.append(([f.label for f in finalists], list(kwargs.get("protect", ()))))
+        return real(worker, finalists, **kwargs)
+
+    real = tuner.retime
+    monkeypatch.setattr(tuner, "retime", recording)
+    reg = planted_registry(FastTwoBackend, FastBackend)
+    first = tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile, samples=15)
+    (entry,) = first.entries.values()
+    default, winner = entry["default"]["backend"], entry["winner"]["backend"]
+    assert default == "planted_fast_two"
+    assert seen == [(["planted_fast_two", "planted_fast"], ["planted_fast_two"])] or seen == [
+        (["planted_fast", "planted_fast_two"], ["planted_fast_two"])
+    ], seen
+    seen.clear()
+    tune([WORKLOAD], registry=reg, results_dir=tmp_path, options=FAST, profile=profile, samples=15)
+    assert seen and all(sorted(p) == sorted({default, winner}) for _, p in seen), seen
